@@ -1,0 +1,131 @@
+"""
+The communication meter: every collective a lesson issues goes through ``comm.call``.
+
+    handle = comm.call(dist.all_reduce, bucket, group=dp_group, async_op=True)
+
+The line still shows the real ``torch.distributed`` call and its arguments; ``call`` only counts it
+(one call, the size of its message, the process group) and then makes it. At the end of a run
+each lesson prints what was counted next to what its formula predicted.
+
+Two sizes are recorded per call:
+
+- ``payload`` — the size of the logical message: the tensor reduced by an all-reduce, the full
+  tensor an all-gather produces or a reduce-scatter consumes, what a send sends. This is what
+  the analytic formulas in the lessons speak about.
+- ``sent`` — the bytes this rank puts on the wire if the collective runs as a ring, the algorithm
+  NCCL and gloo use for large messages: an all-reduce of S bytes over n ranks sends 2(n-1)/n * S
+  (a reduce-scatter then an all-gather, each (n-1)/n * S). It is a model of the wire, derived
+  from the measured payload, not a packet capture.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+_group_names: dict = {}
+
+
+def name_group(group, name: str) -> None:
+    """Give a process group the name the meter reports it under (the grid names its axes)."""
+    _group_names[group] = name
+
+
+def group_name(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return _group_names.get(group, "unnamed")
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    payload_bytes: int = 0
+    sent_bytes: float = 0.0
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _measure(kind: str, args, kwargs, n: int) -> tuple[int, float]:
+    """(payload bytes, bytes this rank sends on a ring) of one collective call."""
+    ring = (n - 1) / n
+    if kind in ("all_reduce",):
+        payload = _nbytes(args[0])
+        return payload, 2 * ring * payload
+    if kind in ("all_gather_single", "all_gather_into_tensor"):
+        payload = _nbytes(args[0])              # the gathered output
+        return payload, ring * payload
+    if kind in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        payload = _nbytes(args[1])              # the full input
+        return payload, ring * payload
+    if kind == "all_gather":
+        payload = n * _nbytes(args[1])
+        return payload, ring * payload
+    if kind == "all_to_all_single":
+        output, inp = args[0], args[1]
+        payload = _nbytes(inp)
+        splits = kwargs.get("input_split_sizes")
+        if splits is None:
+            return payload, ring * payload
+        own = splits[dist.get_rank(kwargs.get("group"))]
+        return payload, payload * (1 - own / max(sum(splits), 1))
+    if kind in ("broadcast", "send", "isend"):
+        payload = _nbytes(args[0])
+        return payload, float(payload)
+    if kind in ("recv", "irecv"):
+        return _nbytes(args[0]), 0.0
+    if kind == "barrier":
+        return 0, 0.0
+    raise ValueError(f"the communication meter does not know how to size {kind!r}")
+
+
+class CommMeter:
+    def __init__(self):
+        self.traffic: dict[tuple[str, str], Traffic] = defaultdict(Traffic)
+
+    def record(self, kind: str, group, payload: int, sent: float) -> None:
+        entry = self.traffic[(kind, group_name(group))]
+        entry.calls += 1
+        entry.payload_bytes += payload
+        entry.sent_bytes += sent
+
+    def call(self, collective, *args, **kwargs):
+        """Count `collective(*args, **kwargs)`, then run it and return what it returns."""
+        if collective is dist.batch_isend_irecv:
+            for op in args[0]:
+                kind = op.op.__name__
+                payload, sent = _measure(kind, (op.tensor,), {}, 2)
+                self.record(kind, op.group, payload, sent)
+            return collective(*args, **kwargs)
+        group = kwargs.get("group")
+        kind = collective.__name__
+        payload, sent = _measure(kind, args, kwargs, dist.get_world_size(group))
+        self.record(kind, group, payload, sent)
+        return collective(*args, **kwargs)
+
+    def reset(self) -> None:
+        self.traffic.clear()
+
+    def get(self, kind: str, group: str) -> Traffic:
+        return self.traffic.get((kind, group), Traffic())
+
+    def table(self, predicted: dict[tuple[str, str], float] | None = None, per: int = 1) -> str:
+        """Counted traffic, divided by `per` (e.g. the number of steps), beside predicted payloads."""
+        predicted = predicted or {}
+        rows = [f"{'collective':<22}{'group':<8}{'calls':>8}{'payload MB':>13}{'predicted MB':>14}"
+                f"{'sent/rank MB':>14}"]
+        for key in sorted(set(self.traffic) | set(predicted)):
+            kind, group = key
+            entry = self.traffic.get(key, Traffic())
+            guess = f"{predicted[key] / 1e6:>14.4f}" if key in predicted else f"{'-':>14}"
+            rows.append(f"{kind:<22}{group:<8}{entry.calls / per:>8.1f}{entry.payload_bytes / per / 1e6:>13.4f}"
+                        f"{guess}{entry.sent_bytes / per / 1e6:>14.4f}")
+        return "\n".join(rows)
+
+
+meter = CommMeter()
+call = meter.call

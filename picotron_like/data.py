@@ -1,0 +1,361 @@
+"""
+Tokens in: token shards on disk, a tokenizer, a built-in corpus, and the batches each rank trains on.
+
+Every lesson trains on the same stream of tokens, and every test compares a distributed run with
+a single-device run on the same data. So this module has one job beyond reading files: the batch
+of a training step must be a pure function of (files, seq_len, global batch size, seed, step),
+whatever the data-parallel degree and however the batch is cut into micro-batches.
+
+The shard format is the one llm.c and the nanoGPT speedrun use, so their FineWeb shards work here
+as they are:
+
+    bytes 0 .. 1023     256 little-endian int32: [0] magic 20240520, [1] version 1, [2] n_tokens
+    bytes 1024 ..       n_tokens little-endian uint16 token ids
+
+A shard is read through np.memmap: the operating system pages tokens in as windows are sliced, so
+a 100 GB dataset costs no RAM beyond the windows of the current step.
+
+Windows. Each shard is cut into windows of seq_len+1 tokens at a stride of seq_len. The extra
+token is the target of the last input; the stride makes the last token of one window the first of
+the next, so every token of the text is predicted exactly once per epoch:
+
+    shard:     t0 t1 t2 ... tS tS+1 ... t2S ...
+    window 0: [t0 ........... tS]
+    window 1:                [tS ........... t2S]
+    inputs = window[:-1]    targets = window[1:]
+
+Order. All windows of all shards form one index 0..W-1. Epoch e visits them in the order of a
+permutation drawn from np.random.default_rng([seed, e]); epochs are laid end to end into one
+stream, and step s takes the G = sequences_per_step windows at stream positions [s*G, (s+1)*G).
+A step near the end of an epoch simply continues into the next one:
+
+    stream:  | epoch 0: perm_0 of W windows  | epoch 1: perm_1 of W windows  | ...
+             | step 0 | step 1 | ... | step k  |   (step k straddles the boundary)
+
+Slices. The global batch of a step is split rank-major: data-parallel rank r owns the contiguous
+rows [r*M*A, (r+1)*M*A), cut in order into A micro-batches of M rows (M = micro_batch_size,
+A = grad_accum):
+
+    global batch of step s (G = dp*A*M rows of seq_len+1 tokens)
+    +-------------------------------+-------------------------------+-----+
+    |          dp rank 0            |          dp rank 1            | ... |
+    | mb 0 | mb 1 | ... | mb A-1    | mb 0 | mb 1 | ... | mb A-1    |     |
+    +-------------------------------+-------------------------------+-----+
+      M rows each
+
+Because the rows come from the stream and only the cut depends on dp and A, a run with dp=4 and
+grad_accum=1 sees exactly the batch of a dp=1 run with grad_accum=4.
+
+The built-in corpus needs no network: the Python language reference ships inside Python itself
+(pydoc_data.topics), ~460 KB of English prose, enough for a small model's loss to fall visibly.
+Larger runs use `python -m picotron_like.data prepare` on a text file, or llm.c shards.
+"""
+
+import argparse
+import glob
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHARD_MAGIC = 20240520
+SHARD_VERSION = 1
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+# llm.c's layout for Llama 3 tokenizers: the same header with uint32 tokens. Recognised only to
+# say so in the error message, since a uint16 reader would silently read garbage from it.
+LLAMA3_SHARD_MAGIC = 20240801
+
+PREPARE_HINT = "make one with: python -m picotron_like.data prepare INPUT.txt OUT.bin"
+
+
+class DataError(ValueError):
+    """A token file or a batch configuration that cannot work; the message says how to fix it."""
+
+
+# ----------------------------------------------------------------------------- the shard format
+
+
+def write_token_shard(path, tokens) -> None:
+    """Write token ids as an llm.c shard. Atomic: other ranks see no file or the whole file."""
+    path = Path(path)
+    tokens = np.asarray(tokens)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+        bad = tokens.min() if tokens.min() < 0 else tokens.max()
+        raise DataError(
+            f"{path}: token id {bad} does not fit the shard's uint16 body (0 <= id < 65536); "
+            f"a vocabulary this large needs a different shard format"
+        )
+    if tokens.size >= 2**31:
+        raise DataError(f"{path}: {tokens.size} tokens overflow the int32 count; split them into shards")
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename: os.replace is atomic within one file system, so a rank
+    # that opens the path while another writes it never sees a half-written shard.
+    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header.tobytes())
+            f.write(tokens.astype("<u2").tobytes())
+        os.replace(temp_name, path)
+    except BaseException:
+        os.unlink(temp_name)
+        raise
+
+
+def read_token_shard(path) -> np.memmap:
+    """The token body of an llm.c shard as a read-only uint16 memmap, after checking the header."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such token shard; {PREPARE_HINT}")
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise DataError(
+            f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header; "
+            f"the file is empty or cut off, {PREPARE_HINT}"
+        )
+    magic, version, n_tokens = np.fromfile(path, dtype="<i4", count=3)
+    if magic != SHARD_MAGIC:
+        what = (
+            "an llm.c Llama 3 shard with uint32 tokens, which this uint16 reader does not support"
+            if magic == LLAMA3_SHARD_MAGIC
+            else "not an llm.c token shard"
+        )
+        raise DataError(f"{path}: header magic is {magic}, expected {SHARD_MAGIC}: {what}; {PREPARE_HINT}")
+    if version != SHARD_VERSION:
+        raise DataError(
+            f"{path}: shard version {version} is not supported (only version {SHARD_VERSION}, "
+            f"uint16 tokens); {PREPARE_HINT}"
+        )
+    expected = HEADER_BYTES + 2 * int(n_tokens)
+    if size != expected:
+        raise DataError(
+            f"{path}: header promises {n_tokens} tokens = {expected} bytes, the file has {size} bytes; "
+            f"the shard is truncated or corrupt, write it again"
+        )
+    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(int(n_tokens),))
+
+
+# ----------------------------------------------------------------------------- tokenizer and corpus
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: no vocabulary file to download, and every text is encodable."""
+
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        # A sampled sequence can end in the middle of a multi-byte character; replace, don't fail.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def builtin_corpus_paths(cache_dir=None) -> tuple[Path, Path]:
+    """(train, val) shards of the Python language reference, written on first use and then reused.
+
+    The cache directory is `cache_dir`, else $PICOTRON_DATA_DIR, else `data/` in the repository.
+    """
+    from pydoc_data.topics import topics
+
+    if cache_dir is None:
+        repo_root = Path(__file__).resolve().parent.parent
+        cache_dir = os.environ.get("PICOTRON_DATA_DIR") or repo_root / "data"
+    # The reference text changes between Python releases, so each release gets its own files.
+    stem = Path(cache_dir) / f"builtin_py{sys.version_info.major}{sys.version_info.minor}"
+    train_path, val_path = Path(f"{stem}_train.bin"), Path(f"{stem}_val.bin")
+    try:
+        for path in (train_path, val_path):
+            read_token_shard(path)
+        return train_path, val_path
+    except DataError:
+        pass  # absent or damaged: (re)write both below
+    # Sorted keys make the text, and so every batch drawn from it, the same on every run.
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    tokens = np.array(ByteTokenizer().encode(text), dtype=np.uint16)
+    split = int(0.9 * len(tokens))
+    # Ranks starting together may all get here; each writes identical bytes atomically.
+    write_token_shard(train_path, tokens[:split])
+    write_token_shard(val_path, tokens[split:])
+    return train_path, val_path
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """How a step's batch is cut: global batch tokens = micro_batch_size * seq_len * grad_accum * dp."""
+
+    micro_batch_size: int  # sequences per micro-batch per data-parallel rank
+    seq_len: int
+    grad_accum: int  # micro-batches per optimizer step per rank
+    dp: int  # data-parallel degree
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "seq_len", "grad_accum", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise DataError(f"BatchShape.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.sequences_per_step * self.seq_len
+
+    @classmethod
+    def from_global_batch_tokens(cls, global_batch_tokens, micro_batch_size, seq_len, dp) -> "BatchShape":
+        """Derive grad_accum, the one free factor, from a batch size given in tokens."""
+        tokens_per_micro_step = micro_batch_size * seq_len * dp
+        if global_batch_tokens < tokens_per_micro_step or global_batch_tokens % tokens_per_micro_step:
+            grad_accum = max(1, round(global_batch_tokens / tokens_per_micro_step))
+            raise DataError(
+                f"global batch of {global_batch_tokens} tokens is not a whole number of micro-steps "
+                f"of micro_batch_size*seq_len*dp = {micro_batch_size}*{seq_len}*{dp} = "
+                f"{tokens_per_micro_step} tokens; use {grad_accum * tokens_per_micro_step} tokens "
+                f"(grad_accum {grad_accum})"
+            )
+        return cls(micro_batch_size, seq_len, global_batch_tokens // tokens_per_micro_step, dp)
+
+
+def _expand_paths(paths) -> list[Path]:
+    """Files in the order given; a string with *, ? or [ is a glob pattern, expanded sorted."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = []
+    for entry in paths:
+        if isinstance(entry, str) and any(c in entry for c in "*?["):
+            matches = sorted(glob.glob(entry))
+            if not matches:
+                raise DataError(f"no token shard matches the pattern {entry!r}; {PREPARE_HINT}")
+            files.extend(Path(m) for m in matches)
+        else:
+            files.append(Path(entry))
+    if not files:
+        raise DataError(f"no token shards given; {PREPARE_HINT}")
+    return files
+
+
+class TokenBatches:
+    """Deterministic batches of windows over token shards: see the module docstring for the layout."""
+
+    def __init__(self, paths, shape: BatchShape, seed: int, vocab_size: int | None = None):
+        if not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise DataError(f"seed must be a non-negative integer (numpy's seeding rule), got {seed!r}")
+        self.paths = _expand_paths(paths)
+        self.shape = shape
+        self.seed = int(seed)
+        self.shards = [read_token_shard(path) for path in self.paths]
+        if vocab_size is not None:
+            for path, shard in zip(self.paths, self.shards):
+                max_id = int(shard.max()) if shard.size else -1
+                if max_id >= vocab_size:
+                    raise DataError(
+                        f"{path}: token id {max_id} >= the model's vocab_size {vocab_size}, so the "
+                        f"embedding cannot look it up; use a model config with vocab_size >= {max_id + 1} "
+                        f"(GPT-2 token shards need 50257, or 50304 padded) or shards of a smaller tokenizer"
+                    )
+        # The index is the cumulative window count per shard, not a table of (shard, offset) pairs:
+        # a binary search turns a window id into both, at a cost of one integer per shard.
+        windows_per_shard = np.array([max(0, (s.size - 1) // shape.seq_len) for s in self.shards])
+        self._first_window = np.concatenate([[0], np.cumsum(windows_per_shard)[:-1]])
+        self.n_tokens = sum(s.size for s in self.shards)
+        self.n_windows = int(windows_per_shard.sum())
+        if self.n_windows < shape.sequences_per_step:
+            raise DataError(
+                f"shard(s) hold {self.n_tokens} tokens = {self.n_windows} windows of seq_len+1 = "
+                f"{shape.seq_len + 1} tokens, fewer than one global batch of {shape.sequences_per_step} "
+                f"sequences; use a smaller batch or more data"
+            )
+        self._epoch_orders: dict[int, np.ndarray] = {}
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        order = self._epoch_orders.get(epoch)
+        if order is None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+            # A step spans at most two epochs (G <= W), so two cached orders serve every step of a
+            # run without drawing a permutation of millions of windows per step.
+            if len(self._epoch_orders) == 2:
+                del self._epoch_orders[min(self._epoch_orders)]
+            self._epoch_orders[epoch] = order
+        return order
+
+    def _read_stream(self, start: int, count: int) -> torch.Tensor:
+        """Windows at stream positions [start, start+count), as int64 rows of seq_len+1 tokens."""
+        positions = np.arange(start, start + count)
+        epochs = positions // self.n_windows
+        window_ids = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            in_epoch = epochs == epoch
+            window_ids[in_epoch] = self._epoch_order(int(epoch))[positions[in_epoch] % self.n_windows]
+        # side="right" skips shards too short to hold a window: they share their start with the next.
+        shard_ids = np.searchsorted(self._first_window, window_ids, side="right") - 1
+        offsets = (window_ids - self._first_window[shard_ids]) * self.shape.seq_len
+        rows = np.empty((count, self.shape.seq_len + 1), dtype=np.int64)
+        for row, shard_id, offset in zip(rows, shard_ids, offsets):
+            row[:] = self.shards[shard_id][offset : offset + self.shape.seq_len + 1]
+        return torch.from_numpy(rows)
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """All windows of a step, [sequences_per_step, seq_len+1]: what one device would train on."""
+        if step < 0:
+            raise DataError(f"step must be >= 0, got {step}")
+        G = self.shape.sequences_per_step
+        return self._read_stream(step * G, G)
+
+    def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's grad_accum (inputs, targets) pairs, each [micro_batch_size, seq_len]."""
+        M, A, dp = self.shape.micro_batch_size, self.shape.grad_accum, self.shape.dp
+        if not 0 <= dp_rank < dp:
+            raise DataError(f"dp_rank {dp_rank} is outside 0..{dp - 1} for dp = {dp}")
+        if step < 0:
+            raise DataError(f"step must be >= 0, got {step}")
+        # Read only this rank's rows of the global batch, not all of it.
+        windows = self._read_stream(step * self.shape.sequences_per_step + dp_rank * M * A, M * A)
+        micro = [windows[a * M : (a + 1) * M] for a in range(A)]
+        # contiguous(): the shifted slices are strided views; a loss that .view()s them would fail.
+        return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in micro]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m picotron_like.data",
+        description="Make token shards in the llm.c layout (256 int32 header, then uint16 tokens).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    prepare = commands.add_parser("prepare", help="tokenize a UTF-8 text file with the byte tokenizer")
+    prepare.add_argument("input", help="UTF-8 text file to tokenize")
+    prepare.add_argument("output", help="shard to write, e.g. data/mytext_train.bin")
+    builtin = commands.add_parser("builtin", help="write (or reuse) the built-in corpus, print its paths")
+    builtin.add_argument("--data-dir", help="default: $PICOTRON_DATA_DIR, else data/ in the repository")
+    args = parser.parse_args(argv)
+
+    if args.command == "prepare":
+        try:
+            text = Path(args.input).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            parser.error(f"cannot read {args.input} as UTF-8 text: {error}")
+        tokens = ByteTokenizer().encode(text)
+        write_token_shard(args.output, tokens)
+        print(f"wrote {len(tokens)} tokens to {args.output}")
+    else:
+        for split, path in zip(("train", "val"), builtin_corpus_paths(args.data_dir)):
+            print(f"{split}: {path} ({read_token_shard(path).size} tokens)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""
+Run a function on N real gloo ranks from a test, and fail fast instead of hanging.
+
+    results = run_ranks(4, check_data_parallel, mode="bucketed", timeout_s=90)
+
+Each rank is a separate process joined to a real gloo process group (rendezvous through a file,
+so no port is needed). The function runs on every rank; its return values come back as a list
+indexed by rank. If any rank raises, every rank's traceback is put into one RankFailure
+raised in the test; if some rank never finishes, the test fails with a timeout, and the
+stack of each unfinished rank (dumped by faulthandler inside the rank just before the deadline)
+shows where it was stuck.
+
+Processes come from a forkserver that has already imported torch: forking from it costs
+milliseconds, where starting a fresh interpreter costs seconds of `import torch` per rank on a
+two-core machine. Forking the pytest process itself would be faster still but unsafe, because
+its OpenMP thread pool does not survive a fork.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing
+import os
+import pickle
+import queue as queue_module
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+_context = multiprocessing.get_context("forkserver")
+_context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "picotron_like.model"])
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; the message holds every rank's report."""
+
+
+def _rank_entry(fn, rank, world_size, workdir, timeout_s, args, kwargs, results):
+    import torch
+
+    from picotron_like.topology import init_distributed
+
+    # One thread per rank: the ranks share the machine's cores, and torch's default of one thread
+    # per core makes N ranks fight over them (10-20x slower on two cores).
+    torch.set_num_threads(1)
+    stack_dump = open(Path(workdir) / f"stack_rank{rank}.txt", "w")
+    faulthandler.dump_traceback_later(max(timeout_s - 3.0, 1.0), file=stack_dump)
+    try:
+        # The gloo timeout is shorter than the test's, so a rank waiting on a collective that a
+        # crashed peer never joins raises its own error before the test gives up on it.
+        init_distributed(f"file://{workdir}/store", rank, world_size, timeout_s=max(timeout_s - 10.0, 5.0))
+        # Pickle here with the plain pickler: the queue's pickler would move tensors through shared
+        # memory that this process must keep alive, and it is about to exit.
+        results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        results.close()
+        results.join_thread()
+        # Skip interpreter teardown, where gloo's background thread can abort the process.
+        os._exit(0)
+
+
+def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, **kwargs) -> list:
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the results in rank order."""
+    workdir = tempfile.mkdtemp(prefix="picotron_ranks_")
+    results = _context.Queue()
+    processes = [
+        _context.Process(target=_rank_entry, args=(fn, rank, world_size, workdir, timeout_s, args, kwargs, results),
+                         daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+
+    outcomes: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout_s
+    first_error_at = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            # After a first error, give the other ranks a moment to report theirs, then stop:
+            # they are usually stuck waiting for the failed rank and would only time out.
+            if now > deadline or (first_error_at is not None and now > first_error_at + 3.0):
+                break
+            try:
+                rank, status, value = results.get(timeout=0.2)
+                outcomes[rank] = (status, value)
+                if status == "error" and first_error_at is None:
+                    first_error_at = time.monotonic()
+            except queue_module.Empty:
+                for rank, process in enumerate(processes):
+                    if rank not in outcomes and process.exitcode not in (None, 0):
+                        outcomes[rank] = ("error", f"rank {rank} died with exit code {process.exitcode}")
+                        first_error_at = first_error_at or time.monotonic()
+        for rank, process in enumerate(processes):
+            if rank not in outcomes and not process.is_alive() and process.exitcode not in (None, 0):
+                outcomes[rank] = ("error", f"rank {rank} died with exit code {process.exitcode}")
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for process in processes:
+            process.join(timeout=5)
+        stacks = {rank: (Path(workdir) / f"stack_rank{rank}.txt").read_text()
+                  for rank in range(world_size) if (Path(workdir) / f"stack_rank{rank}.txt").exists()}
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    errors = {rank: value for rank, (status, value) in outcomes.items() if status == "error"}
+    missing = [rank for rank in range(world_size) if rank not in outcomes]
+    if errors or missing:
+        report = [f"--- rank {rank} raised:\n{text}" for rank, text in sorted(errors.items())]
+        if missing:
+            reason = "stopped after another rank failed" if errors else f"did not finish within {timeout_s:.0f} s"
+            report.append(f"--- ranks {missing} {reason}")
+            report += [f"--- rank {rank} stack at the deadline:\n{stacks[rank]}"
+                       for rank in missing if stacks.get(rank, "").strip()]
+        raise RankFailure(f"{fn.__name__} failed on {world_size} ranks\n" + "\n".join(report))
+    return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]

@@ -1,0 +1,229 @@
+"""
+Start-up and the process grid.
+
+Every rank of a 5D-parallel run has coordinates (dp, pp, cp, tp). Ranks are laid out with tp
+fastest, then cp, then pp, then dp slowest:
+
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
+
+The order is a bandwidth decision, not a convention: consecutive ranks share a node, so the axis
+that talks most (tp: several all-reduces per layer) stays on the fastest links (NVLink), and the axis
+that talks least (dp: one gradient reduction per step) is the one that crosses nodes.
+
+For every axis a rank belongs to one process group: the ranks that differ from it only along that
+axis. One more group joins dp and cp: context-parallel ranks hold replicas of the same weights,
+so their gradients are reduced together with the data-parallel ones.
+
+Expert parallelism (lesson 05) reuses the dp x cp ranks for its experts instead of adding ranks, so
+the grid itself stays four-dimensional.
+
+Bad degrees are caught by ``validate_parallel_config`` before any process group exists: every
+rank reads the same arguments and the same environment, so every rank raises the same error and
+none is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from picotron_like import comm
+
+AXES = ("dp", "pp", "cp", "tp")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A parallel configuration that cannot run; the message names the value, the rule and the fix."""
+
+
+# ----------------------------------------------------------------------------- lessons by file name
+
+def load_lesson(name: str):
+    """Import a lesson by its file name ("01_data_parallel" or "01_data_parallel.py").
+
+    Lesson files start with a digit so that they sort in reading order, which makes them
+    impossible to import with an ``import`` statement; importlib takes any module name.
+    """
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    return importlib.import_module(name.removesuffix(".py"))
+
+
+# ----------------------------------------------------------------------------- the grid, as arithmetic
+
+@dataclass(frozen=True)
+class GridShape:
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def rank_of(self, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
+
+    def coords_of(self, rank: int) -> dict[str, int]:
+        rank, tp = divmod(rank, self.tp)
+        rank, cp = divmod(rank, self.cp)
+        dp, pp = divmod(rank, self.pp)
+        return {"dp": dp, "pp": pp, "cp": cp, "tp": tp}
+
+    def group_ranks(self, axes: tuple[str, ...]) -> list[list[int]]:
+        """All groups of ranks that differ only along `axes`, each sorted, in a fixed order.
+
+        Every rank must create every group in the same order (``dist.new_group`` is collective),
+        so the whole list is computed, not only the caller's group.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            coords = self.coords_of(rank)
+            key = tuple(coords[a] for a in AXES if a not in axes)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    def picture(self) -> str:
+        """The grid as text: one line per (dp, pp) pair, ranks laid out as cp rows of tp columns."""
+        lines = [f"grid dp={self.dp} x pp={self.pp} x cp={self.cp} x tp={self.tp} "
+                 f"= {self.world_size} ranks (tp fastest)"]
+        for dp in range(self.dp):
+            for pp in range(self.pp):
+                rows = [" ".join(f"{self.rank_of(dp, pp, cp, tp):>3}" for tp in range(self.tp))
+                        for cp in range(self.cp)]
+                lines.append(f"  dp={dp} pp={pp}:  " + "  |  ".join(f"[{row} ]" for row in rows))
+        lines.append("  inside [ ]: the tp group; across | : the cp ring; rows: pipeline stages")
+        return "\n".join(lines)
+
+
+def validate_parallel_config(grid: GridShape, world_size: int, cfg=None, seq_len: int | None = None,
+                             zigzag: bool = True) -> None:
+    """Raise one ConfigError listing every rule the configuration breaks (no collectives used)."""
+    problems = []
+    for axis in AXES:
+        if getattr(grid, axis) < 1:
+            problems.append(f"--{axis} {getattr(grid, axis)} must be at least 1")
+    if grid.world_size != world_size:
+        problems.append(
+            f"dp*pp*cp*tp = {grid.dp}*{grid.pp}*{grid.cp}*{grid.tp} = {grid.world_size} but the world "
+            f"size is {world_size}: launch with --nproc_per_node={grid.world_size} or change the degrees")
+    if cfg is not None:
+        for field in ("n_heads", "n_kv_heads", "hidden", "ffn_hidden", "vocab_size"):
+            value = getattr(cfg, field)
+            if value % grid.tp:
+                problems.append(f"{field}={value} is not divisible by --tp {grid.tp}: tensor parallelism "
+                                f"splits it evenly; pick a tp that divides {value}")
+        if grid.pp > cfg.n_layers:
+            problems.append(f"--pp {grid.pp} is more pipeline stages than n_layers={cfg.n_layers}: "
+                            f"every stage needs at least one layer; use --pp <= {cfg.n_layers}")
+    if seq_len is not None and grid.cp > 1:
+        chunks = 2 * grid.cp if zigzag else grid.cp
+        if seq_len % chunks:
+            problems.append(f"--seq-len {seq_len} is not divisible by {chunks} "
+                            f"({'2*cp for the zigzag split' if zigzag else 'cp'}); "
+                            f"use a multiple of {chunks}")
+    if problems:
+        raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+
+
+# ----------------------------------------------------------------------------- start-up
+
+def init_distributed(init_method: str | None = None, rank: int | None = None,
+                     world_size: int | None = None, timeout_s: float = 120.0) -> torch.device:
+    """Create the default process group: NCCL with one GPU per local rank, or gloo on CPU.
+
+    With no arguments it reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
+    A finite timeout turns a collective that some rank never joins into an error on the others
+    instead of a hang.
+    """
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, init_method=init_method,
+                            rank=-1 if rank is None else rank,
+                            world_size=-1 if world_size is None else world_size,
+                            timeout=timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun announced, readable before any process group exists."""
+    if "WORLD_SIZE" not in os.environ:
+        raise ConfigError("WORLD_SIZE is not set: launch lessons with torchrun, e.g. "
+                          "torchrun --nproc_per_node=4 01_data_parallel.py")
+    return int(os.environ["WORLD_SIZE"])
+
+
+class ProcessGrid:
+    """This rank's coordinates, its neighbours and the process group of every axis."""
+
+    def __init__(self, shape: GridShape):
+        if not dist.is_initialized():
+            raise RuntimeError("ProcessGrid needs an initialised default process group (init_distributed)")
+        if shape.world_size != dist.get_world_size():
+            raise ConfigError(f"grid {shape} needs {shape.world_size} ranks, world size is {dist.get_world_size()}")
+        self.shape = shape
+        self.rank = dist.get_rank()
+        coords = shape.coords_of(self.rank)
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
+        self.dp_size, self.pp_size, self.cp_size, self.tp_size = shape.dp, shape.pp, shape.cp, shape.tp
+
+        self.tp_group = self._create_groups(("tp",), "tp")
+        self.cp_group = self._create_groups(("cp",), "cp")
+        self.pp_group = self._create_groups(("pp",), "pp")
+        self.dp_group = self._create_groups(("dp",), "dp")
+        self.dp_cp_group = self._create_groups(("dp", "cp"), "dp_cp")
+
+        def neighbour(axis, step):
+            moved = dict(coords, **{axis: (coords[axis] + step) % getattr(shape, axis)})
+            return shape.rank_of(**moved)
+
+        self.pp_prev_rank = neighbour("pp", -1) if self.pp_rank > 0 else None
+        self.pp_next_rank = neighbour("pp", +1) if self.pp_rank < shape.pp - 1 else None
+        self.cp_prev_rank, self.cp_next_rank = neighbour("cp", -1), neighbour("cp", +1)
+        self.is_first_stage = self.pp_rank == 0
+        self.is_last_stage = self.pp_rank == shape.pp - 1
+
+    def _create_groups(self, axes, name):
+        mine = None
+        for ranks in self.shape.group_ranks(axes):
+            # Every rank calls new_group for every group, in the same order: it is collective.
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        comm.name_group(mine, name)
+        return mine
+
+    def __repr__(self):
+        return (f"rank {self.rank}: dp={self.dp_rank} pp={self.pp_rank} cp={self.cp_rank} "
+                f"tp={self.tp_rank}")
+
+
+def shutdown(exit_code: int = 0) -> None:
+    """Leave a torchrun script without the interpreter's teardown.
+
+    A gloo background thread can abort the process while Python tears down ("terminate called
+    without an active exception", SIGABRT), even after destroy_process_group: a known PyTorch
+    problem that would turn a good run into a failed one at random. So: wait for every rank,
+    destroy the group, flush what we printed, and exit at once with os._exit.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

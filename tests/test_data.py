@@ -1,0 +1,250 @@
+"""Tests of picotron_like.data: the shard format, its error messages, and the batch layout per rank.
+
+Most shards here hold the tokens 0, 1, 2, ...: a window is then identified by its first token,
+which makes "every window exactly once" and "these rows came from that rank" easy to check.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from picotron_like.data import (
+    HEADER_INTS,
+    SHARD_MAGIC,
+    SHARD_VERSION,
+    BatchShape,
+    ByteTokenizer,
+    DataError,
+    TokenBatches,
+    builtin_corpus_paths,
+    read_token_shard,
+    write_token_shard,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def counting_shard(directory, name, n_tokens, first=0):
+    path = directory / name
+    write_token_shard(path, np.arange(first, first + n_tokens))
+    return path
+
+
+def whole_windows(micro_batches):
+    """Rebuild the seq_len+1 windows from (inputs, targets) pairs, in order."""
+    return torch.cat([torch.cat([inputs, targets[:, -1:]], dim=1) for inputs, targets in micro_batches])
+
+
+# ----------------------------------------------------------------------------- the shard format
+
+
+def test_shard_round_trip(tmp_path):
+    tokens = np.arange(1000) * 37 % 65536
+    path = tmp_path / "shard.bin"
+    write_token_shard(path, tokens)
+
+    body = read_token_shard(path)
+    assert isinstance(body, np.memmap) and body.dtype == np.uint16
+    np.testing.assert_array_equal(body, tokens)
+    header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
+    assert list(header[:3]) == [SHARD_MAGIC, SHARD_VERSION, len(tokens)]
+    assert path.stat().st_size == 4 * HEADER_INTS + 2 * len(tokens)
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"], "the temporary file must be gone"
+
+
+@pytest.mark.parametrize("bad_id", [70000, -1])
+def test_write_rejects_ids_outside_uint16(tmp_path, bad_id):
+    with pytest.raises(DataError, match=str(bad_id)):
+        write_token_shard(tmp_path / "shard.bin", [1, 2, bad_id])
+
+
+def header_bytes(magic=SHARD_MAGIC, version=SHARD_VERSION, n_tokens=0):
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = magic, version, n_tokens
+    return header.tobytes()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "prepare"),  # missing file: the message says how to make one
+        (b"\0" * 100, "100 bytes is shorter than the 1024-byte"),
+        (header_bytes(magic=1234, n_tokens=1) + b"\0\0", "magic is 1234.*not an llm.c token shard"),
+        (header_bytes(magic=20240801, n_tokens=1) + b"\0" * 4, "Llama 3"),
+        (header_bytes(version=2, n_tokens=1) + b"\0\0", "version 2"),
+        (header_bytes(n_tokens=10) + b"\0" * 18, "1044 bytes, the file has 1042 bytes"),
+    ],
+    ids=["missing", "shorter-than-header", "wrong-magic", "llama3-magic", "wrong-version", "truncated"],
+)
+def test_bad_shards_fail_clearly(tmp_path, content, message):
+    path = tmp_path / "bad.bin"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as error:
+        read_token_shard(path)
+    assert str(path) in str(error.value)
+
+
+def test_token_id_beyond_vocab_fails_clearly(tmp_path):
+    path = counting_shard(tmp_path, "shard.bin", 301)
+    shape = BatchShape(micro_batch_size=1, seq_len=8, grad_accum=1, dp=1)
+    with pytest.raises(DataError, match="token id 300 >= the model's vocab_size 256.*vocab_size >= 301"):
+        TokenBatches(path, shape, seed=0, vocab_size=256)
+    TokenBatches(path, shape, seed=0, vocab_size=301)
+
+
+def test_too_little_data_for_one_batch_fails_clearly(tmp_path):
+    path = counting_shard(tmp_path, "shard.bin", 100)  # (100-1)//8 = 12 windows
+    shape = BatchShape(micro_batch_size=4, seq_len=8, grad_accum=2, dp=2)  # 16 sequences
+    with pytest.raises(DataError, match="100 tokens = 12 windows.*one global batch of 16 sequences"):
+        TokenBatches(path, shape, seed=0)
+
+
+def test_glob_matching_nothing_fails_clearly(tmp_path):
+    pattern = str(tmp_path / "fineweb_train_*.bin")
+    with pytest.raises(DataError, match="no token shard matches the pattern"):
+        TokenBatches(pattern, BatchShape(1, 8, 1, 1), seed=0)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@pytest.mark.parametrize("step", [0, 7, 18])
+def test_dp_slices_are_disjoint_complete_and_independent_of_dp(tmp_path, step):
+    # 300 windows of 9 tokens, 16 per step: step 18 takes the last 12 windows of epoch 0 and the
+    # first 4 of epoch 1, so a rank's slice may cross the boundary.
+    path = counting_shard(tmp_path, "shard.bin", 300 * 8 + 1)
+    reference = None
+    for dp in (1, 2, 4):
+        shape = BatchShape(micro_batch_size=2, seq_len=8, grad_accum=8 // dp, dp=dp)
+        batches = TokenBatches(path, shape, seed=1)
+        global_batch = batches.global_batch(step)
+        assert global_batch.shape == (16, 9) and global_batch.dtype == torch.long
+        rank_windows = [whole_windows(batches.micro_batches(step, rank)) for rank in range(dp)]
+        for rank, windows in enumerate(rank_windows):
+            rows_of_rank = slice(rank * 16 // dp, (rank + 1) * 16 // dp)
+            torch.testing.assert_close(windows, global_batch[rows_of_rank], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat(rank_windows), global_batch, rtol=0, atol=0)
+        if (step + 1) * 16 <= batches.n_windows:  # within one epoch no window repeats
+            first_tokens = [set(w[:, 0].tolist()) for w in rank_windows]
+            assert sum(len(s) for s in first_tokens) == len(set().union(*first_tokens)) == 16
+        if reference is None:
+            reference = global_batch
+        torch.testing.assert_close(global_batch, reference, rtol=0, atol=0)
+
+
+def test_micro_batch_shapes_and_shifted_targets(tmp_path):
+    path = counting_shard(tmp_path, "shard.bin", 2000)
+    batches = TokenBatches(path, BatchShape(micro_batch_size=3, seq_len=16, grad_accum=2, dp=2), seed=0)
+    pairs = batches.micro_batches(step=5, dp_rank=1)
+    assert len(pairs) == 2
+    for inputs, targets in pairs:
+        assert inputs.shape == targets.shape == (3, 16)
+        assert inputs.dtype == targets.dtype == torch.long
+        torch.testing.assert_close(targets, inputs + 1, rtol=0, atol=0)  # the counting shard's next token
+        torch.testing.assert_close(targets[:, :-1], inputs[:, 1:], rtol=0, atol=0)
+        assert ((inputs[:, 0] % 16) == 0).all(), "windows start at multiples of the stride seq_len"
+    with pytest.raises(DataError, match="dp_rank 2"):
+        batches.micro_batches(step=0, dp_rank=2)
+
+
+def test_batches_are_deterministic_per_seed_and_step(tmp_path):
+    path = counting_shard(tmp_path, "shard.bin", 5000)
+    shape = BatchShape(micro_batch_size=2, seq_len=8, grad_accum=2, dp=1)
+
+    def batch(seed, step):
+        return TokenBatches(path, shape, seed=seed).global_batch(step)
+
+    assert torch.equal(batch(seed=0, step=2), batch(seed=0, step=2))
+    assert not torch.equal(batch(seed=0, step=2), batch(seed=1, step=2))
+    assert not torch.equal(batch(seed=0, step=2), batch(seed=0, step=3))
+
+
+def test_each_epoch_visits_every_window_once_even_across_the_boundary(tmp_path):
+    # 10 windows, 4 per step: steps 0..4 cover two epochs, and step 2 straddles them.
+    path = counting_shard(tmp_path, "shard.bin", 10 * 8 + 1)
+    batches = TokenBatches(path, BatchShape(micro_batch_size=2, seq_len=8, grad_accum=1, dp=2), seed=3)
+    assert batches.n_windows == 10
+    stream = torch.cat([batches.global_batch(step) for step in range(5)])[:, 0].tolist()
+    all_window_starts = list(range(0, 80, 8))
+    assert sorted(stream[:10]) == all_window_starts
+    assert sorted(stream[10:]) == all_window_starts
+    assert stream[:10] != stream[10:], "each epoch draws its own order"
+
+
+def test_windows_span_several_shards_in_glob_order(tmp_path):
+    # The middle shard is too short for one window; windows never cross from one shard to the next.
+    counting_shard(tmp_path, "part_000.bin", 100, first=0)  # 12 windows
+    counting_shard(tmp_path, "part_001.bin", 5, first=500)  # 0 windows
+    counting_shard(tmp_path, "part_002.bin", 150, first=1000)  # 18 windows
+    batches = TokenBatches(str(tmp_path / "part_*.bin"), BatchShape(2, 8, 1, 3), seed=0)
+    assert [p.name for p in batches.paths] == ["part_000.bin", "part_001.bin", "part_002.bin"]
+    assert batches.n_windows == 30
+    windows = torch.cat([batches.global_batch(step) for step in range(5)])
+    expected_starts = list(range(0, 96, 8)) + list(range(1000, 1144, 8))
+    assert sorted(windows[:, 0].tolist()) == expected_starts
+    torch.testing.assert_close(windows, windows[:, :1] + torch.arange(9), rtol=0, atol=0)
+
+
+def test_batch_shape_from_global_batch_tokens():
+    shape = BatchShape.from_global_batch_tokens(256, micro_batch_size=2, seq_len=8, dp=2)
+    assert shape == BatchShape(micro_batch_size=2, seq_len=8, grad_accum=8, dp=2)
+    assert shape.sequences_per_step == 32 and shape.tokens_per_step == 256
+    with pytest.raises(DataError, match="100 tokens.*2\\*8\\*2 = 32.*use 96 tokens \\(grad_accum 3\\)"):
+        BatchShape.from_global_batch_tokens(100, micro_batch_size=2, seq_len=8, dp=2)
+    with pytest.raises(DataError, match="use 32 tokens \\(grad_accum 1\\)"):
+        BatchShape.from_global_batch_tokens(10, micro_batch_size=2, seq_len=8, dp=2)
+    with pytest.raises(DataError, match="BatchShape.dp must be a positive integer, got 0"):
+        BatchShape(micro_batch_size=2, seq_len=8, grad_accum=1, dp=0)
+
+
+# ----------------------------------------------------------------------------- tokenizer, corpus, CLI
+
+
+def test_byte_tokenizer_round_trip():
+    tokenizer = ByteTokenizer()
+    text = "Grüße, 世界! 🚀"
+    ids = tokenizer.encode(text)
+    assert tokenizer.vocab_size == 256 and all(0 <= i < 256 for i in ids)
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(torch.tensor(ids)) == text
+    assert tokenizer.decode(ids[:-1]).endswith("\ufffd"), "a cut character decodes as a replacement"
+
+
+def test_builtin_corpus_is_english_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PICOTRON_DATA_DIR", str(tmp_path))
+    train_path, val_path = builtin_corpus_paths()
+    version = f"py{sys.version_info.major}{sys.version_info.minor}"
+    assert train_path == tmp_path / f"builtin_{version}_train.bin"
+    assert val_path == tmp_path / f"builtin_{version}_val.bin"
+    train, val = read_token_shard(train_path), read_token_shard(val_path)
+    assert train.size > 100_000 and 8 < train.size / val.size < 10
+    text = ByteTokenizer().decode(train[:20_000])
+    assert text.count(" the ") > 50
+    TokenBatches(train_path, BatchShape(4, 64, 1, 1), seed=0, vocab_size=256)
+
+    modified = (train_path.stat().st_mtime_ns, val_path.stat().st_mtime_ns)
+    assert builtin_corpus_paths() == (train_path, val_path)
+    assert (train_path.stat().st_mtime_ns, val_path.stat().st_mtime_ns) == modified, "files are reused"
+
+
+def test_prepare_command_writes_a_valid_shard(tmp_path):
+    text = "Data parallelism copies the model; tensor parallelism splits it. Ça marche.\n" * 20
+    source, shard = tmp_path / "input.txt", tmp_path / "out" / "input.bin"
+    source.write_text(text, encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, "-m", "picotron_like.data", "prepare", str(source), str(shard)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    n_tokens = len(text.encode("utf-8"))
+    assert f"wrote {n_tokens} tokens" in result.stdout
+    assert ByteTokenizer().decode(read_token_shard(shard)) == text
