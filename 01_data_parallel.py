@@ -197,28 +197,32 @@ def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int)
 
 
 def train_step(model, optimizer, micro_batches, max_grad_norm, device, compute_dtype,
-               activation_meter=None) -> float:
+               activation_meter=None, norm_groups=(), counts_toward_norm=None) -> float:
     """One optimizer step over this rank's micro-batches; returns the loss averaged over all ranks.
 
-    The all-reduce runs only during the last micro-batch's backward: before it, gradients just
-    accumulate locally (require_backward_grad_sync = False), which divides the communication by
-    the number of micro-batches. Dividing each micro-batch's loss by their number makes the
-    accumulated gradient the gradient of the mean loss, as on one device.
+    Each micro-batch is a tuple of model arguments, (inputs, targets) here; later lessons add
+    positions. The all-reduce runs only during the last micro-batch's backward: before it,
+    gradients just accumulate locally (require_backward_grad_sync = False), which divides the
+    communication by the number of micro-batches. Dividing each micro-batch's loss by their
+    number makes the accumulated gradient the gradient of the mean loss, as on one device.
+    `norm_groups` and `counts_toward_norm` tell gradient clipping how the parameters are sharded
+    (see clip_grad_norm_); data parallelism alone shards nothing.
     """
     n_micro = len(micro_batches)
     loss_sum = torch.zeros((), device=device)
-    for index, (inputs, targets) in enumerate(micro_batches):
+    for index, batch in enumerate(micro_batches):
         model.require_backward_grad_sync = index == n_micro - 1
+        batch = [tensor.to(device) for tensor in batch]
         with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
             if activation_meter is not None and index == 0:
                 with activation_meter:
-                    loss = model(inputs.to(device), targets.to(device))
+                    loss = model(*batch)
             else:
-                loss = model(inputs.to(device), targets.to(device))
+                loss = model(*batch)
         (loss / n_micro).backward()
         loss_sum += loss.detach()
     model.finish_gradient_synchronization()
-    clip_grad_norm_(model.parameters(), max_grad_norm)
+    clip_grad_norm_(model.parameters(), max_grad_norm, norm_groups, counts_toward_norm)
     optimizer.step()
     model.zero_grad(set_to_none=False)
     mean_loss = loss_sum / n_micro

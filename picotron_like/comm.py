@@ -21,7 +21,7 @@ Two sizes are recorded per call:
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
@@ -111,7 +111,8 @@ class CommMeter:
         self.traffic.clear()
 
     def get(self, kind: str, group: str) -> Traffic:
-        return self.traffic.get((kind, group), Traffic())
+        """A snapshot (a copy) of the traffic counted so far for one kind of call on one group."""
+        return replace(self.traffic.get((kind, group), Traffic()))
 
     def table(self, predicted: dict[tuple[str, str], float] | None = None, per: int = 1) -> str:
         """Counted traffic, divided by `per` (e.g. the number of steps), beside predicted payloads."""

@@ -13,6 +13,8 @@ Training helpers shared by every lesson: nothing here is a parallelism technique
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.model import GPTConfig
 
 # ----------------------------------------------------------------------------- optimisation
@@ -276,8 +279,6 @@ def autocast_dtype(flag: str, device: torch.device) -> torch.dtype:
 
 def build_batches(args, dp: int, vocab_size: int):
     """The TokenBatches and BatchShape the flags describe (the built-in corpus unless --data)."""
-    from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-
     if args.global_batch_tokens is not None:
         shape = BatchShape.from_global_batch_tokens(args.global_batch_tokens, args.micro_batch_size,
                                                     args.seq_len, dp)
@@ -293,9 +294,6 @@ def exit_with_error(error: Exception) -> None:
     Every rank found the same error from the same flags before any collective, so no rank waits
     for another: each can simply leave.
     """
-    import os
-    import sys
-
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
     sys.stdout.flush()
