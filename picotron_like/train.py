@@ -194,7 +194,8 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
       o_proj input (the heads re-laid out as one row)                     h
       SwiGLU: gate, silu(gate), up, their product                         4f
     plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm and the
-    log-softmax of the logits (3h + 1 + V per token), and the int64 token ids and targets.
+    log-softmax of the logits (3h + 1 + V per token) with the loss's float32 normaliser (one
+    scalar), and the int64 token ids and targets.
     A model with experts saves per-expert copies instead of the 4f term; the formula covers
     dense models only.
     """
@@ -203,7 +204,7 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
     h, f = cfg.hidden, cfg.ffn_hidden
     elements = layers * tokens * (11 * h + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
     if with_head:
-        elements += tokens * (3 * h + 1 + cfg.vocab_size)
+        elements += tokens * (3 * h + 1 + cfg.vocab_size) + 1
     return element_bytes * elements + 8 * tokens * 2
 
 

@@ -1,0 +1,106 @@
+"""The process grid: coordinates, groups on real ranks, neighbours, and every validation rule."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from picotron_like import comm
+from picotron_like.model import get_config
+from picotron_like.testing import run_ranks
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson, validate_parallel_config
+
+LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
+
+
+@pytest.mark.parametrize("shape", LAYOUTS)
+def test_coordinates_round_trip_with_tp_fastest(shape):
+    ranks = [shape.rank_of(**shape.coords_of(rank)) for rank in range(shape.world_size)]
+    assert ranks == list(range(shape.world_size))
+    # tp varies fastest, dp slowest.
+    assert shape.coords_of(1)["tp"] == (1 if shape.tp > 1 else 0)
+    assert shape.coords_of(shape.world_size - 1) == {"dp": shape.dp - 1, "pp": shape.pp - 1,
+                                                      "cp": shape.cp - 1, "tp": shape.tp - 1}
+
+
+def test_groups_of_known_layouts():
+    dp2_pp2_cp2 = GridShape(dp=2, pp=2, cp=2, tp=1)
+    assert dp2_pp2_cp2.group_ranks(("cp",)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp2_pp2_cp2.group_ranks(("pp",)) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dp2_pp2_cp2.group_ranks(("dp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dp2_pp2_cp2.group_ranks(("dp", "cp")) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    pp2_tp4 = GridShape(dp=1, pp=2, cp=1, tp=4)
+    assert pp2_tp4.group_ranks(("tp",)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert pp2_tp4.group_ranks(("pp",)) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert pp2_tp4.group_ranks(("dp",)) == [[r] for r in range(8)]
+    picture = pp2_tp4.picture()
+    assert "dp=0 pp=1:  [  4   5   6   7 ]" in picture
+
+
+def check_process_groups():
+    """On 8 real ranks: each axis group holds exactly the ranks the arithmetic says."""
+    report = {}
+    for shape in LAYOUTS:
+        grid = ProcessGrid(shape)
+        for axes, group in ((("tp",), grid.tp_group), (("cp",), grid.cp_group), (("pp",), grid.pp_group),
+                            (("dp",), grid.dp_group), (("dp", "cp"), grid.dp_cp_group)):
+            members = torch.zeros(shape.world_size)
+            members[dist.get_rank()] = 1
+            comm.call(dist.all_reduce, members, group=group)
+            mine = [ranks for ranks in shape.group_ranks(axes) if dist.get_rank() in ranks][0]
+            assert members.nonzero().flatten().tolist() == mine, (shape, axes)
+        report[str(shape)] = (grid.pp_prev_rank, grid.pp_next_rank, grid.cp_prev_rank, grid.cp_next_rank,
+                              grid.is_first_stage, grid.is_last_stage)
+    # Every call above went through the meter under its axis name.
+    report["groups"] = sorted({group for (_, group) in comm.meter.traffic})
+    return report
+
+
+def test_process_groups_on_real_ranks():
+    results = run_ranks(8, check_process_groups, timeout_s=120)
+    assert results[0]["groups"] == ["cp", "dp", "dp_cp", "pp", "tp"]
+    # dp=2 pp=2 cp=2: rank 3 = (dp 0, pp 1, cp 1): previous stage rank 1, last stage, cp ring 3 -> 2 -> 3.
+    assert results[3][str(LAYOUTS[0])] == (1, None, 2, 2, False, True)
+    # pp=2 tp=4: rank 5 = (pp 1, tp 1): previous stage is rank 1.
+    assert results[5][str(LAYOUTS[1])] == (1, None, 5, 5, False, True)
+    assert results[0][str(LAYOUTS[1])] == (None, 4, 0, 0, True, False)
+
+
+TINY = get_config("tiny")  # 4 heads, 2 kv heads, hidden 128, ffn 384, vocab 256, 4 layers
+
+
+@pytest.mark.parametrize("shape, world, cfg, seq_len, zigzag, message", [
+    (GridShape(dp=3), 4, None, None, True, "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 4"),
+    (GridShape(dp=0), 0, None, None, True, "--dp 0 must be at least 1"),
+    (GridShape(tp=8), 8, TINY, None, True, "n_heads=4 is not divisible by --tp 8"),
+    (GridShape(tp=4), 4, TINY, None, True, "n_kv_heads=2 is not divisible by --tp 4"),
+    (GridShape(tp=3), 3, replace(TINY, n_heads=3, n_kv_heads=3, hidden=96), None, True,
+     "vocab_size=256 is not divisible by --tp 3"),
+    (GridShape(tp=2), 2, replace(TINY, ffn_hidden=385), None, True, "ffn_hidden=385 is not divisible by --tp 2"),
+    (GridShape(tp=2), 2, replace(TINY, n_kv_heads=1), None, True, "n_kv_heads=1 is not divisible by --tp 2"),
+    (GridShape(pp=8), 8, TINY, None, True, "--pp 8 is more pipeline stages than n_layers=4"),
+    (GridShape(cp=4), 4, TINY, 100, True, "--seq-len 100 is not divisible by 8 (2*cp for the zigzag split)"),
+    (GridShape(cp=3), 3, TINY, 100, False, "--seq-len 100 is not divisible by 3 (cp)"),
+])
+def test_each_validation_rule_names_value_and_fix(shape, world, cfg, seq_len, zigzag, message):
+    with pytest.raises(ConfigError) as error:
+        validate_parallel_config(shape, world, cfg, seq_len, zigzag)
+    assert message in str(error.value)
+
+
+def test_several_violations_are_reported_together():
+    with pytest.raises(ConfigError) as error:
+        validate_parallel_config(GridShape(tp=8, pp=8), 8, TINY)
+    assert str(error.value).count("\n  - ") >= 3
+
+
+def test_valid_configs_pass():
+    validate_parallel_config(GridShape(dp=2, pp=2, cp=2, tp=1), 8, TINY, seq_len=128)
+    validate_parallel_config(GridShape(pp=2, tp=2), 4, TINY, seq_len=128)
+
+
+def test_load_lesson_by_file_name():
+    lesson = load_lesson("01_data_parallel.py")
+    assert hasattr(lesson, "BucketedDataParallel")
+    assert load_lesson("01_data_parallel") is lesson
