@@ -25,6 +25,14 @@ from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 
+# torch 2.13 renamed the single-tensor collectives: all_gather_into_tensor became
+# all_gather_single and reduce_scatter_tensor became reduce_scatter_single, and the old names now
+# print a FutureWarning on every call. Older releases (a GPU image often ships one) have only the
+# old names. Lessons call these two aliases, which are the real torch.distributed functions.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_KIND_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_tensor": "reduce_scatter_single"}
+
 _group_names: dict = {}
 
 
@@ -53,13 +61,13 @@ def _nbytes(tensor) -> int:
 def _measure(kind: str, args, kwargs, n: int) -> tuple[int, float]:
     """(payload bytes, bytes this rank sends on a ring) of one collective call."""
     ring = (n - 1) / n
-    if kind in ("all_reduce",):
+    if kind == "all_reduce":
         payload = _nbytes(args[0])
         return payload, 2 * ring * payload
-    if kind in ("all_gather_single", "all_gather_into_tensor"):
+    if kind == "all_gather_single":
         payload = _nbytes(args[0])              # the gathered output
         return payload, ring * payload
-    if kind in ("reduce_scatter_single", "reduce_scatter_tensor"):
+    if kind == "reduce_scatter_single":
         payload = _nbytes(args[1])              # the full input
         return payload, ring * payload
     if kind == "all_gather":
@@ -102,7 +110,7 @@ class CommMeter:
                 self.record(kind, op.group, payload, sent)
             return collective(*args, **kwargs)
         group = kwargs.get("group")
-        kind = collective.__name__
+        kind = _KIND_NAMES.get(collective.__name__, collective.__name__)
         payload, sent = _measure(kind, args, kwargs, dist.get_world_size(group))
         self.record(kind, group, payload, sent)
         return collective(*args, **kwargs)

@@ -15,9 +15,9 @@ def every_kind_of_call():
     comm.call(dist.all_reduce, x)
     comm.call(dist.broadcast, x, src=0)
     gathered = torch.empty(10 * n)
-    comm.call(dist.all_gather_single, gathered, x)
+    comm.call(comm.all_gather_single, gathered, x)
     scattered = torch.empty(10)
-    comm.call(dist.reduce_scatter_single, scattered, torch.ones(10 * n))
+    comm.call(comm.reduce_scatter_single, scattered, torch.ones(10 * n))
     # Uneven all-to-all: rank r sends r + 1 rows to every peer.
     splits_in = [rank + 1] * n
     splits_out = [peer + 1 for peer in range(n)]
