@@ -1,0 +1,602 @@
+"""
+Lesson 04 — context parallelism in one file: ring attention (with zigzag balancing) and Ulysses.
+
+The problem. Activations grow with the sequence. Training the 8B shape on one 131,072-token
+sequence saves about 900 GB of activations for backward in bf16 (``predicted_activation_bytes``
+of the 8b preset): six H200s' worth of memory for one sequence, before a single weight. Data,
+tensor and pipeline parallelism do not help: they split the batch, the matrices and the layers,
+but every rank still holds every token of its sequence.
+
+The idea. Split the sequence. Almost everything in a transformer is per token: embeddings, norms,
+the q/k/v/o projections, the MLP, the loss. A rank holding 1/cp of the tokens computes all of that
+alone. Attention is the one exception: a query attends to the keys and values of every earlier
+token, and most of those live on other ranks. So only attention talks, in one of two ways.
+
+Ring attention. The cp ranks form a ring. Each holds its queries and one block of K/V; at every
+step it sends its current K/V block to the next rank, receives the previous rank's, and meanwhile
+computes attention of its queries over the block it holds. After cp steps every query has seen
+every key, and no rank ever held more than two K/V blocks:
+
+        step 0          step 1          step 2          step 3        (cp = 4, "Q_r x KV_j")
+    r0: Q0 x KV0  ──►  Q0 x KV3  ──►  Q0 x KV2  ──►  Q0 x KV1          K/V blocks move one rank
+    r1: Q1 x KV1  ──►  Q1 x KV0  ──►  Q1 x KV3  ──►  Q1 x KV2          to the right per step,
+    r2: Q2 x KV2  ──►  Q2 x KV1  ──►  Q2 x KV0  ──►  Q2 x KV3          the send of the next block
+    r3: Q3 x KV3  ──►  Q3 x KV2  ──►  Q3 x KV1  ──►  Q3 x KV0          hides behind this block's math
+
+Partial results are merged with the online-softmax rule: each block returns its output and the
+log-sum-exp (lse) of its scores, and two partial results combine exactly as
+
+    lse = log(exp(lse_a) + exp(lse_b))    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Backward recomputes each block's attention from the saved lse (no s x s matrix is ever stored)
+and passes the K/V gradients around the ring behind the K/V blocks, until each reaches its owner.
+
+Causal balance. With a contiguous split, rank 0's queries see only its own block and the last
+rank's see all of them: the last rank does cp times the work of the first, and the ring moves at
+the pace of the slowest. The zigzag split cuts the sequence into 2·cp chunks and gives rank i the
+chunks i and 2·cp−1−i, one early and one late, so every rank does the same work:
+
+    contiguous, cp=4:   r0 [0 1] r1 [2 3] r2 [4 5] r3 [6 7]     work  1 : 3 : 5 : 7 half-blocks
+    zigzag,     cp=4:   r0 [0 7] r1 [1 6] r2 [2 5] r3 [3 4]     work  9 : 9 : 9 : 9 chunk pairs
+
+Ulysses (DeepSpeed). Instead of moving K/V around, re-shard: one all-to-all turns "all heads of
+my tokens" into "my heads of all tokens", attention runs unchanged on whole sequences, and a second
+all-to-all turns the output back. It needs the head and kv-head counts divisible by cp.
+
+The price, per layer and micro-batch of b sequences of S tokens, n_kv kv-heads of size d, e bytes:
+    memory      activations of S/cp tokens per rank (+ one K/V block in flight for the ring)
+    ring        forward (cp−1) K/V blocks of 2·b·(S/cp)·n_kv·d·e bytes; backward the K/V blocks
+                again plus cp dK/dV blocks in float32. Per rank ~2·b·S·n_kv·d·e: it does not
+                shrink with cp, but it hides behind attention compute, which grows with (S/cp)².
+    Ulysses     4 all-to-alls of b·(S/cp)·(2·n_heads + 2·n_kv)·d·e bytes per rank in total,
+                each sending (cp−1)/cp of it: shrinks as 1/cp, but sits on the critical path.
+    gradients   every rank holds every weight, so one all-reduce over the dp × cp ranks per step.
+
+Run it:
+    torchrun --nproc_per_node=4 04_context_parallel.py --cp 4                        # CPU, ~30 s
+    torchrun --nproc_per_node=4 04_context_parallel.py --cp 4 --no-zigzag            # imbalance
+    torchrun --nproc_per_node=4 04_context_parallel.py --cp 2 --dp 2 --cp-mode ulysses
+    torchrun --nproc_per_node=8 04_context_parallel.py --cp 8 --preset 1b --seq-len 32768   # one node
+
+What to look for: the loss falls as on one device (the tests prove equality to float32 precision);
+activation memory per rank is that of S/cp tokens; the ring's bytes per step equal the formula;
+the per-rank attention work is cp:1 unbalanced with --no-zigzag and flat with the zigzag split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from picotron_like import comm
+from picotron_like.model import GPT, Attention, causal_attention, count_parameters, flops_per_token, get_config
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+                                    validate_parallel_config, world_size_from_env)
+from picotron_like.train import (SavedActivations, Throughput, add_training_flags, autocast_dtype, build_batches,
+                                 build_optimizer, exit_with_error, learning_rate, log0, log_step,
+                                 measured_memory, memory_table, peak_flops, predicted_activation_bytes,
+                                 predicted_memory, set_learning_rate)
+
+data_parallel = load_lesson("01_data_parallel")
+
+# ----------------------------------------------------------------------------- 1. splitting the sequence
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Which tokens of a sequence each cp rank holds: chunks of seq_len / n_chunks tokens.
+
+    Contiguous: cp chunks, rank i holds chunk i. Zigzag: 2·cp chunks, rank i holds chunks i and
+    2·cp−1−i. A rank's tokens are its chunks side by side, in that order.
+    """
+
+    cp: int
+    zigzag: bool
+
+    @property
+    def n_chunks(self) -> int:
+        return 2 * self.cp if self.zigzag else self.cp
+
+    def chunk_ids(self, cp_rank: int) -> tuple[int, ...]:
+        return (cp_rank, 2 * self.cp - 1 - cp_rank) if self.zigzag else (cp_rank,)
+
+    def positions(self, cp_rank: int, seq_len: int) -> torch.Tensor:
+        """The true positions of this rank's tokens: what RoPE must rotate them by."""
+        chunk = seq_len // self.n_chunks
+        return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in self.chunk_ids(cp_rank)])
+
+    def shard(self, tokens: torch.Tensor, cp_rank: int) -> torch.Tensor:
+        """This rank's columns of a [batch, seq_len] tensor (inputs or targets)."""
+        return tokens.index_select(1, self.positions(cp_rank, tokens.shape[1]))
+
+    def rank_order(self) -> list[int]:
+        """Chunk ids in the order the ranks' tokens line up when gathered rank after rank."""
+        return [c for rank in range(self.cp) for c in self.chunk_ids(rank)]
+
+
+def context_parallel_micro_batches(batches, step: int, dp_rank: int, split: SequenceSplit, cp_rank: int):
+    """This rank's micro-batches as (inputs, targets, positions): lesson 01's train_step passes
+    each tuple to model(*batch), and GPT.forward rotates each token by its true position.
+
+    Inputs and targets are cut from the same window, so every token keeps its own next token as
+    target, even the last token of a chunk, whose target is the first token of the next chunk.
+    """
+    return [(split.shard(inputs, cp_rank), split.shard(targets, cp_rank),
+             split.positions(cp_rank, inputs.shape[1]))
+            for inputs, targets in batches.micro_batches(step, dp_rank)]
+
+
+@dataclass
+class ContextParallel:
+    """What an attention core needs to talk to its cp peers; also counts the work it does."""
+
+    group: object
+    size: int
+    rank: int
+    prev_rank: int            # global ranks, as torch.distributed's point-to-point calls want them
+    next_rank: int
+    split: SequenceSplit
+    attention_work: int = 0   # query-key scores computed by this rank's attention forward passes
+
+    @classmethod
+    def from_grid(cls, grid: ProcessGrid, zigzag: bool) -> "ContextParallel":
+        return cls(grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_prev_rank, grid.cp_next_rank,
+                   SequenceSplit(grid.cp_size, zigzag))
+
+
+# ----------------------------------------------------------------------------- 2. attention of one block
+#
+# Queries are viewed as [b, kv_heads, group, s, d] and K/V as [b, kv_heads, 1, s, d]: broadcasting
+# pairs every query head with its kv head, so grouped-query K/V are never repeated, neither in
+# memory nor on the wire. Scores and softmax statistics are float32 even when the matmuls run in
+# bf16: the lse is what merges blocks, and it must not carry bf16 rounding into every output.
+
+
+def attention_block(q, k, v, causal: bool):
+    """softmax(q k^T / sqrt(d)) v over one K/V block: (output, lse), both float32.
+
+    causal: the block is on the diagonal (queries and keys are the same chunk), so query i sees
+    keys 0..i of it. Otherwise the whole block is visible.
+    """
+    scores = (q @ k.transpose(-1, -2)).float() / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    return (probs.to(v.dtype) @ v).float(), lse
+
+
+def attention_block_backward(q, k, v, d_out, lse, delta, causal: bool):
+    """Gradients (dq, dk, dv) of one block, recomputing its probabilities from the final lse.
+
+    With the lse of the *whole* row (not just this block's), exp(scores - lse) is the true
+    attention probability, so the usual softmax backward applies block by block:
+        dv = P^T dO      dP = dO V^T      dS = P * (dP - delta)      dq = dS K / sqrt(d)      dk = dS^T Q / sqrt(d)
+    with delta = rowsum(dO * O), the same for every block of a row.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if causal:
+        scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
+    probs = (scores - lse.unsqueeze(-1)).exp()
+    d_v = (probs.to(q.dtype).transpose(-1, -2) @ d_out).float().sum(dim=2)
+    d_probs = (d_out @ v.transpose(-1, -2)).float()
+    d_scores = (probs * (d_probs - delta.unsqueeze(-1))).to(q.dtype)
+    d_q = (d_scores @ k).float() * scale
+    d_k = (d_scores.transpose(-1, -2) @ q).float().sum(dim=2) * scale
+    return d_q, d_k, d_v
+
+
+def _above_diagonal(scores):
+    rows, cols = scores.shape[-2:]
+    return torch.ones(rows, cols, dtype=torch.bool, device=scores.device).triu(1)
+
+
+def merge_blocks(out, lse, block_out, block_lse):
+    """The online-softmax merge of two partial attention results over disjoint key sets."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out = out * (lse - new_lse).exp().unsqueeze(-1) + block_out * (block_lse - new_lse).exp().unsqueeze(-1)
+    return out, new_lse
+
+
+def visible_blocks(split: SequenceSplit, query_rank: int, key_rank: int, chunk: int):
+    """(query slice, key slice, causal) for every chunk pair with something visible.
+
+    Chunk ids are positions in the sequence, so visibility is a comparison: a query chunk sees an
+    earlier key chunk fully, its own chunk causally, and a later one not at all (skipped: this is
+    where the contiguous split's imbalance comes from, and where the zigzag split evens it out).
+    """
+    blocks = []
+    for qi, q_chunk in enumerate(split.chunk_ids(query_rank)):
+        for ki, k_chunk in enumerate(split.chunk_ids(key_rank)):
+            if k_chunk <= q_chunk:
+                blocks.append((slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk),
+                               k_chunk == q_chunk))
+    return blocks
+
+
+# ----------------------------------------------------------------------------- 3. ring attention
+
+
+def ring_pass(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel):
+    """Send `send` to the next rank and receive the previous rank's into `recv`, asynchronously.
+
+    Both go in one batch_isend_irecv: with NCCL, a send and a receive issued one by one between
+    the same pair of ranks (cp = 2: next and previous are the same rank) can each wait for the
+    other and deadlock; batched, they are posted together.
+    """
+    return comm.call(dist.batch_isend_irecv, [dist.P2POp(dist.isend, send, cp.next_rank, cp.group),
+                                              dist.P2POp(dist.irecv, recv, cp.prev_rank, cp.group)])
+
+
+def wait_all(requests):
+    for request in requests:
+        request.wait()
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the K/V of the whole cp ring.
+
+    Saved for backward: q, k, v, the output and the lse, all of S/cp tokens. Nothing of the
+    other ranks is kept; backward fetches their K/V around the ring again.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel):
+        b, n_heads, s, d = q.shape
+        n_kv = k.shape[1]
+        chunk = s // len(cp.split.chunk_ids(cp.rank))
+        grouped_q = q.reshape(b, n_kv, n_heads // n_kv, s, d)
+        kv = torch.stack((k, v)).unsqueeze(3)                 # one message per step: [2, b, n_kv, 1, s, d]
+        out = torch.zeros(grouped_q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(grouped_q.shape[:-1], float("-inf"), device=q.device)
+        for step in range(cp.size):
+            # The next block starts travelling before this one is computed: the overlap.
+            if step < cp.size - 1:
+                next_kv = torch.empty_like(kv)
+                in_flight = ring_pass(kv, next_kv, cp)
+            source = (cp.rank - step) % cp.size
+            for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
+                block_out, block_lse = attention_block(grouped_q[..., rows, :], kv[0][..., cols, :],
+                                                       kv[1][..., cols, :], causal)
+                out[..., rows, :], lse[..., rows] = merge_blocks(out[..., rows, :], lse[..., rows],
+                                                                 block_out, block_lse)
+                cp.attention_work += b * n_heads * (rows.stop - rows.start) * (cols.stop - cols.start)
+            if step < cp.size - 1:
+                wait_all(in_flight)
+                kv = next_kv
+        out = out.to(q.dtype).reshape(b, n_heads, s, d)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp = cp
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp = ctx.cp
+        b, n_heads, s, d = q.shape
+        n_kv = k.shape[1]
+        chunk = s // len(cp.split.chunk_ids(cp.rank))
+        grouped = (b, n_kv, n_heads // n_kv, s, d)
+        grouped_q, d_out = q.reshape(grouped), d_out.to(q.dtype).reshape(grouped)
+        delta = (d_out.float() * out.reshape(grouped).float()).sum(dim=-1)
+        d_q = torch.zeros(grouped, dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).unsqueeze(3)
+        # dK/dV of a block travel one step behind the block itself: each rank adds the gradient
+        # its queries give the block it holds, then passes the running sum on. After cp steps the
+        # sum has visited every rank and arrives, complete, at the block's owner. Float32 on the
+        # wire: cp partial gradients summed in bf16 would lose the small ones.
+        for step in range(cp.size):
+            if step < cp.size - 1:
+                next_kv = torch.empty_like(kv)
+                kv_in_flight = ring_pass(kv, next_kv, cp)
+            source = (cp.rank - step) % cp.size
+            d_kv = torch.zeros((2, b, n_kv, s, d), dtype=torch.float32, device=q.device)
+            for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
+                block_dq, block_dk, block_dv = attention_block_backward(
+                    grouped_q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], d_out[..., rows, :],
+                    lse[..., rows], delta[..., rows], causal)
+                d_q[..., rows, :] += block_dq
+                d_kv[0][..., cols, :] += block_dk
+                d_kv[1][..., cols, :] += block_dv
+            if step > 0:
+                wait_all(d_kv_in_flight)
+                d_kv += d_kv_received
+            if cp.size > 1:
+                d_kv_received = torch.empty_like(d_kv)
+                d_kv_in_flight = ring_pass(d_kv, d_kv_received, cp)
+            if step < cp.size - 1:
+                wait_all(kv_in_flight)
+                kv = next_kv
+        if cp.size > 1:
+            wait_all(d_kv_in_flight)
+            d_kv = d_kv_received
+        return d_q.reshape(q.shape).to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None
+
+
+def ring_attention(q, k, v, cp: ContextParallel):
+    """Drop-in Attention.attention_core: q [b, heads, S/cp, d], k/v [b, kv_heads, S/cp, d]."""
+    return RingAttention.apply(q, k, v, cp)
+
+
+# ----------------------------------------------------------------------------- 4. Ulysses: all-to-all
+
+
+class AllToAll(torch.autograd.Function):
+    """Slice j of dim 0 goes to rank j; the slice from rank j lands at index j of dim 0.
+
+    The exchange is its own inverse, so backward is the same all-to-all on the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        # Contiguous first: all_to_all_single cuts dim 0 of the raw memory, and empty_like of a
+        # permuted view would inherit its permuted strides.
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        comm.call(dist.all_to_all_single, out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        d_out = d_out.contiguous()
+        d_x = torch.empty_like(d_out)
+        comm.call(dist.all_to_all_single, d_x, d_out, group=ctx.group)
+        return d_x, None
+
+
+def _reorder_chunks(x, order: list[int], n_chunks: int):
+    """Permute the chunks of x's sequence dim (2) into `order`."""
+    if order == sorted(order):
+        return x
+    chunks = x.chunk(n_chunks, dim=2)
+    return torch.cat([chunks[i] for i in order], dim=2)
+
+
+def ulysses_attention(q, k, v, cp: ContextParallel):
+    """Drop-in Attention.attention_core: sequence-split in, all-to-all to head-split, the
+    reference causal attention on whole sequences, all-to-all back to sequence-split.
+
+        before: rank r has every head of tokens T_r       [b, heads, S/cp, d]
+        after:  rank r has heads H_r of every token       [b, heads/cp, S, d]
+    """
+    b, n_heads, s, d = q.shape
+    n_kv = k.shape[1]
+
+    def per_destination(t):               # [b, heads, s, d] -> [b, cp, heads/cp, s, d]
+        return t.reshape(b, cp.size, t.shape[1] // cp.size, s, d)
+
+    # q, k and v in one message: destination j gets its q heads, then its k and v heads.
+    packed = torch.cat([per_destination(q), per_destination(k), per_destination(v)], dim=2).movedim(1, 0)
+    received = AllToAll.apply(packed, cp.group)                     # [source rank, b, heads/cp, s, d]
+    whole = received.movedim(0, 2).reshape(b, -1, cp.size * s, d)   # tokens of rank 0, then rank 1, ...
+    # Gathered rank after rank, the zigzag chunks are out of order; causal attention needs them
+    # in sequence order.
+    rank_order = cp.split.rank_order()
+    true_order = sorted(range(len(rank_order)), key=rank_order.__getitem__)
+    whole = _reorder_chunks(whole, true_order, len(rank_order))
+    heads, kv_heads = n_heads // cp.size, n_kv // cp.size
+    q_heads, k_heads, v_heads = whole.split([heads, kv_heads, kv_heads], dim=1)
+    out = causal_attention(q_heads, k_heads, v_heads)
+    cp.attention_work += b * heads * (cp.size * s) ** 2
+    out = _reorder_chunks(out, rank_order, len(rank_order))
+    back = AllToAll.apply(out.reshape(b, heads, cp.size, s, d).movedim(2, 0), cp.group)
+    return back.movedim(0, 1).reshape(b, n_heads, s, d)
+
+
+# ----------------------------------------------------------------------------- 5. plugging into the model
+
+
+CP_MODES = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: str = "ring") -> torch.nn.Module:
+    """Replace the attention core of every Attention in `model` (a GPT, a pipeline stage, a
+    tensor-parallel model: whatever holds Attention modules) with the context-parallel one.
+
+    Nothing else changes: every other layer is per token and runs on this rank's S/cp tokens as
+    it is. The gradients then need one more thing, done by the caller: an all-reduce over the
+    dp × cp ranks (wrap_gradient_reduction).
+    """
+    core = functools.partial(CP_MODES[mode], cp=cp)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attention_core = core
+    return model
+
+
+def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_bytes: int) -> torch.nn.Module:
+    """Lesson 01's bucketed data parallel, over the dp × cp group instead of dp alone.
+
+    Needed even at dp = 1. Each cp rank holds a full copy of the weights but computes only part
+    of their gradient: the MLP weights' gradient from its own S/cp tokens, the K/V projections'
+    from the dK/dV its ring brought home. The gradient of the loss over the whole sequence is the
+    sum of these parts. Averaging over dp·cp ranks (sum, then divide by dp·cp) is right because
+    each rank's loss is the mean over its S/cp tokens, and the sequence's mean loss is the mean
+    of those cp equal-sized means. Skip it and the cp copies step with different partial
+    gradients and drift apart from the first step.
+    """
+    return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
+
+
+# ----------------------------------------------------------------------------- 6. configuration rules
+
+
+def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str) -> None:
+    """The general rules (including seq_len divisible by 2·cp for the zigzag split), then Ulysses'."""
+    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
+    problems = []
+    if mode == "ulysses":
+        for field in ("n_heads", "n_kv_heads"):
+            heads = getattr(cfg, field) // grid.tp
+            if heads % grid.cp:
+                problems.append(f"{field}={getattr(cfg, field)} gives {heads} heads per tp rank, not divisible "
+                                f"by --cp {grid.cp}: Ulysses gives each cp rank whole heads; use --cp-mode ring "
+                                f"or a cp that divides {heads}")
+    if problems:
+        raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+
+
+# ----------------------------------------------------------------------------- 7. the formulas
+
+
+def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, n_micro: int,
+                         element_bytes: int = 4, tp: int = 1) -> dict:
+    """Payload bytes per optimizer step on the cp group, by (collective, group)."""
+    tokens, d = micro_batch * seq_len // cp, cfg.head_dim
+    n_heads, n_kv = cfg.n_heads // tp, cfg.n_kv_heads // tp
+    per_step = cfg.n_layers * n_micro
+    if cp == 1:
+        return {}
+    if mode == "ring":
+        kv_block = 2 * tokens * n_kv * d
+        # forward: cp-1 K/V blocks; backward: cp-1 K/V blocks again and cp float32 dK/dV blocks
+        p2p = per_step * (2 * (cp - 1) * kv_block * element_bytes + cp * kv_block * 4)
+        return {("isend", "cp"): p2p, ("irecv", "cp"): p2p}
+    # forward: q, k, v out and the output back; backward: the same two in reverse
+    return {("all_to_all_single", "cp"): per_step * 2 * tokens * (2 * n_heads + 2 * n_kv) * d * element_bytes}
+
+
+def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigzag: bool, cp_rank: int,
+                             n_micro: int, mode: str = "ring") -> int:
+    """Query-key scores one rank's attention forward computes per optimizer step.
+
+    A diagonal (causal) block is computed whole and then masked, so it counts in full.
+    Contiguous ring, chunk c = S/cp: rank r computes r full blocks and its diagonal, (r+1)·c².
+    Zigzag ring, chunk c = S/2cp: 3 chunk pairs on its own block, 2 on each of the cp−1 others,
+    (2·cp+1)·c² on every rank. Ulysses: heads/cp heads over the whole sequence, S².
+    """
+    per_head = micro_batch * n_micro * cfg.n_layers * cfg.n_heads
+    if mode == "ulysses":
+        return per_head * seq_len ** 2 // cp
+    if zigzag:
+        return per_head * (2 * cp + 1) * (seq_len // (2 * cp)) ** 2
+    return per_head * (cp_rank + 1) * (seq_len // cp) ** 2
+
+
+def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str,
+                                  element_bytes: int = 4) -> int:
+    """The reference model's activations for S/cp tokens (train.predicted_activation_bytes), with
+    one difference per mode in what attention keeps, per token and layer:
+      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d;
+      Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
+               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more."""
+    local = predicted_activation_bytes(cfg, micro_batch, seq_len // cp, element_bytes=element_bytes)
+    kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
+    per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
+    return local + element_bytes * cfg.n_layers * micro_batch * (seq_len // cp) * per_token
+
+
+# ----------------------------------------------------------------------------- 8. training and the report
+
+
+def gather_attention_work(cp: ContextParallel) -> list[int]:
+    work = torch.tensor([cp.attention_work], dtype=torch.float64)
+    everyone = torch.empty(cp.size, dtype=torch.float64)
+    comm.call(dist.all_gather_single, everyone, work, group=cp.group)
+    return [int(w) for w in everyone.tolist()]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).")
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: world size / dp)")
+    parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
+                        help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
+    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
+                        help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
+                             "--no-zigzag: contiguous split")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MB (lesson 01)")
+    add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
+    return parser.parse_args(argv)
+
+
+def report(model, optimizer, cfg, args, shape, cp: ContextParallel, throughput, activations, device, dp):
+    n_params = sum(p.numel() for p in model.parameters())
+    element_bytes = next(model.parameters()).element_size()
+    seq, micro, n_micro, steps = shape.seq_len, shape.micro_batch_size, shape.grad_accum, args.steps
+    split = "zigzag" if args.zigzag else "contiguous"
+
+    log0(f"\n== memory (one rank; activations of one micro-batch of {micro} x {seq // cp.size} tokens) ==")
+    log0(memory_table(measured_memory(model, optimizer, activations.nbytes),
+                      predicted_memory(n_params, predicted_cp_activation_bytes(cfg, micro, seq, cp.size,
+                                                                               args.cp_mode, element_bytes))))
+    log0(f"the same micro-batch on one device (seq {seq}): "
+         f"{predicted_activation_bytes(cfg, micro, seq, element_bytes=element_bytes) / 1e6:.3f} MB predicted; "
+         f"per cp rank it is that of seq/cp = {seq // cp.size} tokens")
+
+    log0(f"\n== communication per step (cp={cp.size} {args.cp_mode}, dp={dp}; gradients over dp x cp) ==")
+    predicted = predicted_cp_traffic(cfg, micro, seq, cp.size, args.cp_mode, n_micro, element_bytes)
+    predicted[("all_reduce", "dp_cp")] = n_params * element_bytes + 4
+    log0(comm.meter.table(predicted, per=steps))
+    other = "ulysses" if args.cp_mode == "ring" else "ring"
+    other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, micro, seq, cp.size, other, n_micro,
+                                                                 element_bytes).items() if kind != "irecv")
+    log0(f"the {other} mode would send {other_bytes / 1e6:.4f} MB payload per step on this configuration")
+
+    work = gather_attention_work(cp)
+    predicted_work = [predicted_attention_work(cfg, micro, seq, cp.size, args.zigzag, r, n_micro, args.cp_mode)
+                      for r in range(cp.size)]
+    log0(f"\n== attention work per cp rank (query-key scores computed per step, {args.cp_mode}, {split}) ==")
+    log0("rank  " + "".join(f"{r:>12}" for r in range(cp.size)))
+    log0("meas. " + "".join(f"{w / steps:>12.3g}" for w in work))
+    log0("pred. " + "".join(f"{w:>12.3g}" for w in predicted_work))
+    log0(f"max/min = {max(work) / max(min(work), 1):.2f} (the ring moves at the pace of the busiest rank)")
+
+    tokens_per_s = throughput.tokens_per_second
+    log0("\n== compute ==")
+    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / (dp * cp.size):,.0f}")
+    peak = peak_flops(device)
+    if peak:
+        mfu = tokens_per_s / (dp * cp.size) * flops_per_token(cfg, seq) / peak
+        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        world_size = world_size_from_env()
+        cp_degree = args.cp or max(1, world_size // args.dp)
+        cfg = get_config(args.preset)
+        validate_context_parallel(GridShape(dp=args.dp, cp=cp_degree), world_size, cfg, args.seq_len,
+                                  args.zigzag, args.cp_mode)
+        batches, shape = build_batches(args, args.dp, cfg.vocab_size)
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+
+    device = init_distributed()
+    grid = ProcessGrid(GridShape(dp=args.dp, cp=cp_degree))
+    cp = ContextParallel.from_grid(grid, args.zigzag)
+    torch.manual_seed(args.seed)
+    model = apply_context_parallel(GPT(cfg, seed=args.seed).to(device), cp, args.cp_mode)
+    model = wrap_gradient_reduction(model, grid, int(args.bucket_mb * 2**20))
+    optimizer = build_optimizer(model.module, args.lr)
+    compute_dtype = autocast_dtype(args.dtype, device)
+    log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'}"
+         f" split), dp={args.dp}, {count_parameters(cfg)['total']:,} parameters, seq {shape.seq_len} = "
+         f"{shape.seq_len // cp.size} tokens per rank, {shape.tokens_per_step:,} tokens per step")
+    log0(grid.shape.picture())
+
+    throughput, activations = Throughput(), SavedActivations(model, device)
+    for step in range(args.steps):
+        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
+        throughput.start_step()
+        micro_batches = context_parallel_micro_batches(batches, step, grid.dp_rank, cp.split, cp.rank)
+        # Lesson 01's step as it is: it reduces over the group it was given (dp x cp), and the
+        # loss it returns, averaged over that group, is the mean over every token of the batch.
+        loss = data_parallel.train_step(model, optimizer, micro_batches, args.max_grad_norm, device,
+                                        compute_dtype, activations if step == 0 else None)
+        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
+
+    report(model, optimizer, cfg, args, shape, cp, throughput, activations, device, args.dp)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
