@@ -36,8 +36,11 @@ rank's see all of them: the last rank does cp times the work of the first, and t
 the pace of the slowest. The zigzag split cuts the sequence into 2·cp chunks and gives rank i the
 chunks i and 2·cp−1−i, one early and one late, so every rank does the same work:
 
-    contiguous, cp=4:   r0 [0 1] r1 [2 3] r2 [4 5] r3 [6 7]     work  1 : 3 : 5 : 7 half-blocks
-    zigzag,     cp=4:   r0 [0 7] r1 [1 6] r2 [2 5] r3 [3 4]     work  9 : 9 : 9 : 9 chunk pairs
+    contiguous, cp=4:   r0 [0 1] r1 [2 3] r2 [4 5] r3 [6 7]     blocks computed  1 : 2 : 3 : 4
+    zigzag,     cp=4:   r0 [0 7] r1 [1 6] r2 [2 5] r3 [3 4]     chunk pairs      9 : 9 : 9 : 9
+
+(A diagonal block is computed whole, then masked; a kernel that skips the masked half makes the
+contiguous split worse still, 1 : 3 : 5 : 7.)
 
 Ulysses (DeepSpeed). Instead of moving K/V around, re-shard: one all-to-all turns "all heads of
 my tokens" into "my heads of all tokens", attention runs unchanged on whole sequences, and a second
@@ -48,15 +51,18 @@ The price, per layer and micro-batch of b sequences of S tokens, n_kv kv-heads o
     ring        forward (cp−1) K/V blocks of 2·b·(S/cp)·n_kv·d·e bytes; backward the K/V blocks
                 again plus cp dK/dV blocks in float32. Per rank ~2·b·S·n_kv·d·e: it does not
                 shrink with cp, but it hides behind attention compute, which grows with (S/cp)².
-    Ulysses     4 all-to-alls of b·(S/cp)·(2·n_heads + 2·n_kv)·d·e bytes per rank in total,
-                each sending (cp−1)/cp of it: shrinks as 1/cp, but sits on the critical path.
+    Ulysses     4 all-to-alls (q/k/v and the output, forward and backward) of
+                2·b·(S/cp)·(2·n_heads + 2·n_kv)·d·e bytes per rank in all, (cp−1)/cp of it leaving
+                the rank: shrinks as 1/cp, but attention cannot start before it arrives.
     gradients   every rank holds every weight, so one all-reduce over the dp × cp ranks per step.
 
 Run it:
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4                        # CPU, ~30 s
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4 --no-zigzag            # imbalance
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 2 --dp 2 --cp-mode ulysses
-    torchrun --nproc_per_node=8 04_context_parallel.py --cp 8 --preset 1b --seq-len 32768   # one node
+    torchrun --nproc_per_node=8 04_context_parallel.py --dp 2 --cp 2 --tp 2          # with lesson 02
+    torchrun --nproc_per_node=4 04_context_parallel.py --cp 2 --pp 2                 # with lesson 03
+    torchrun --nproc_per_node=8 04_context_parallel.py --cp 8 --preset 1b --seq-len 32768 --micro-batch-size 1
 
 What to look for: the loss falls as on one device (the tests prove equality to float32 precision);
 activation memory per rank is that of S/cp tokens; the ring's bytes per step equal the formula;
@@ -425,11 +431,81 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
     return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
 
+def load_earlier_lesson(name: str, flag: str):
+    """Lesson 02 or 03, loaded only when its degree is above 1."""
+    try:
+        return load_lesson(name)
+    except Exception as error:  # a missing or broken lesson must stop the run with one clear line
+        raise ConfigError(f"{flag} > 1 needs {name}.py, which failed to load: {error!r}; use {flag} 1") from error
+
+
+def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
+                sequence_parallel: bool = False, bucket_bytes: int = 2**20) -> list[torch.nn.Module]:
+    """This rank's model parts, in the order the techniques apply:
+
+        reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03)
+        -> split by tensor parallelism with tp > 1 (lesson 02)
+        -> context-parallel attention cores (this lesson)
+        -> gradients reduced over dp × cp (lesson 01)
+
+    Context parallelism composes by touching only the attention core, which receives this rank's
+    heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves.
+    """
+    if grid.pp_size > 1:
+        pipeline = load_earlier_lesson("03_pipeline_parallel", "--pp")
+        parts = pipeline.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
+    else:
+        parts = [GPT(cfg, seed=seed)]
+    parts = [part.to(device) for part in parts]
+    if grid.tp_size > 1:
+        tensor_parallel = load_earlier_lesson("02_tensor_parallel", "--tp")
+        parts = [tensor_parallel.apply_tensor_parallel(part, grid.tp_group, sequence_parallel) for part in parts]
+    return [wrap_gradient_reduction(apply_context_parallel(part, cp, mode), grid, bucket_bytes) for part in parts]
+
+
+def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, compute_dtype,
+                   sequence_parallel: bool = False):
+    """Lesson 03's Pipeline over the parts, or None without pipeline parallelism. The tensor
+    between stages holds this rank's S/cp tokens (S/cp/tp under sequence parallelism)."""
+    if grid.pp_size == 1:
+        return None
+    tokens = shape.seq_len // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
+    return load_earlier_lesson("03_pipeline_parallel", "--pp").Pipeline(
+        parts, grid, schedule, shape.grad_accum, 1, (shape.micro_batch_size, tokens, cfg.hidden), device,
+        compute_dtype)
+
+
+def norm_settings(grid: ProcessGrid):
+    """Gradient clipping's extra groups under tensor parallelism (lesson 02): the norm sums over tp
+    shards and counts replicated norm gains once. cp ranks hold identical reduced gradients: no group."""
+    if grid.tp_size == 1:
+        return (), None
+    return (grid.tp_group,), load_earlier_lesson("02_tensor_parallel", "--tp").tp_counts_toward_norm(grid.tp_group)
+
+
+def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, grid: ProcessGrid, device,
+               compute_dtype, activation_meter=None) -> float:
+    """One optimizer step; returns the loss averaged over dp × cp, the mean over every token.
+
+    Lesson 01's step, or lesson 03's with a pipeline, as they are: they reduce gradients over the
+    group the parts were wrapped with (dp × cp) and average the loss over it. Each micro-batch is
+    (inputs, targets, positions); both hand it to the model as model(*batch).
+    """
+    norm_groups, counts_toward_norm = norm_settings(grid)
+    if pipeline is None:
+        return data_parallel.train_step(parts[0], optimizer, micro_batches, max_grad_norm, device, compute_dtype,
+                                        activation_meter, norm_groups, counts_toward_norm)
+    return load_earlier_lesson("03_pipeline_parallel", "--pp").train_step(
+        pipeline, optimizer, micro_batches, max_grad_norm, grid.dp_cp_group, norm_groups, counts_toward_norm)
+
+
 # ----------------------------------------------------------------------------- 6. configuration rules
 
 
-def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str) -> None:
-    """The general rules (including seq_len divisible by 2·cp for the zigzag split), then Ulysses'."""
+def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str,
+                              sequence_parallel: bool = False, schedule: str = "1f1b", n_micro: int = 1) -> None:
+    """Every rule, before any process group exists: the grid's (including seq_len divisible by
+    2·cp for the zigzag split), Ulysses' heads, and lessons 02 and 03's when tp or pp > 1."""
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
     problems = []
     if mode == "ulysses":
@@ -439,21 +515,31 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
                 problems.append(f"{field}={getattr(cfg, field)} gives {heads} heads per tp rank, not divisible "
                                 f"by --cp {grid.cp}: Ulysses gives each cp rank whole heads; use --cp-mode ring "
                                 f"or a cp that divides {heads}")
+    if sequence_parallel and (seq_len // grid.cp) % grid.tp:
+        problems.append(f"--seq-len {seq_len} leaves {seq_len // grid.cp} tokens per cp rank, not divisible by "
+                        f"--tp {grid.tp}: sequence parallelism splits each cp rank's tokens over tp; use a "
+                        f"multiple of {math.lcm(2 * grid.cp if zigzag else grid.cp, grid.cp * grid.tp)}")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+    if grid.tp > 1:
+        load_earlier_lesson("02_tensor_parallel", "--tp").validate_tensor_parallel(cfg, GridShape(tp=grid.tp))
+    if grid.pp > 1:
+        load_earlier_lesson("03_pipeline_parallel", "--pp").validate_pipeline_config(
+            grid, world_size, cfg, schedule, 1, n_micro)
 
 
 # ----------------------------------------------------------------------------- 7. the formulas
 
 
 def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, n_micro: int,
-                         element_bytes: int = 4, tp: int = 1) -> dict:
-    """Payload bytes per optimizer step on the cp group, by (collective, group)."""
-    tokens, d = micro_batch * seq_len // cp, cfg.head_dim
-    n_heads, n_kv = cfg.n_heads // tp, cfg.n_kv_heads // tp
-    per_step = cfg.n_layers * n_micro
+                         element_bytes: int = 4, tp: int = 1, n_layers: int | None = None) -> dict:
+    """Payload bytes per optimizer step on the cp group, by (collective, group), for the n_layers
+    layers this rank holds (all of them without pipeline parallelism) and its heads (n/tp)."""
     if cp == 1:
         return {}
+    tokens, d = micro_batch * seq_len // cp, cfg.head_dim
+    n_heads, n_kv = cfg.n_heads // tp, cfg.n_kv_heads // tp
+    per_step = (cfg.n_layers if n_layers is None else n_layers) * n_micro
     if mode == "ring":
         kv_block = 2 * tokens * n_kv * d
         # forward: cp-1 K/V blocks; backward: cp-1 K/V blocks again and cp float32 dK/dV blocks
@@ -464,7 +550,7 @@ def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str
 
 
 def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigzag: bool, cp_rank: int,
-                             n_micro: int, mode: str = "ring") -> int:
+                             n_micro: int, mode: str = "ring", tp: int = 1, n_layers: int | None = None) -> int:
     """Query-key scores one rank's attention forward computes per optimizer step.
 
     A diagonal (causal) block is computed whole and then masked, so it counts in full.
@@ -472,7 +558,8 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     Zigzag ring, chunk c = S/2cp: 3 chunk pairs on its own block, 2 on each of the cp−1 others,
     (2·cp+1)·c² on every rank. Ulysses: heads/cp heads over the whole sequence, S².
     """
-    per_head = micro_batch * n_micro * cfg.n_layers * cfg.n_heads
+    layers = cfg.n_layers if n_layers is None else n_layers
+    per_head = micro_batch * n_micro * layers * (cfg.n_heads // tp)
     if mode == "ulysses":
         return per_head * seq_len ** 2 // cp
     if zigzag:
@@ -480,17 +567,23 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     return per_head * (cp_rank + 1) * (seq_len // cp) ** 2
 
 
-def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str,
-                                  element_bytes: int = 4) -> int:
-    """The reference model's activations for S/cp tokens (train.predicted_activation_bytes), with
-    one difference per mode in what attention keeps, per token and layer:
-      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d;
+def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, element_bytes: int = 4,
+                                  tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Activations of one micro-batch of the whole model on one rank: the reference model's for
+    S/cp tokens (train.predicted_activation_bytes, or lesson 02's formula when tp > 1), with one
+    difference per mode in what attention keeps, per token and layer:
+      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d (per tp rank: /tp);
       Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
-               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more."""
-    local = predicted_activation_bytes(cfg, micro_batch, seq_len // cp, element_bytes=element_bytes)
+               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more (/tp)."""
+    tokens = seq_len // cp
+    if tp == 1:
+        local = predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
+    else:
+        local = load_earlier_lesson("02_tensor_parallel", "--tp").predicted_tp_activation_bytes(
+            cfg, micro_batch, tokens, tp, sequence_parallel)
     kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
     per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
-    return local + element_bytes * cfg.n_layers * micro_batch * (seq_len // cp) * per_token
+    return local + element_bytes * cfg.n_layers * micro_batch * tokens * per_token // tp
 
 
 # ----------------------------------------------------------------------------- 8. training and the report
@@ -505,56 +598,98 @@ def gather_attention_work(cp: ContextParallel) -> list[int]:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).")
-    parser.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: world size / dp)")
+    parser.add_argument("--cp", type=int, default=None,
+                        help="context-parallel degree (default: world size / (dp * tp * pp))")
     parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
                         help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
                         help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
                              "--no-zigzag: contiguous split")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (lesson 01)")
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MB (lesson 01)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (lesson 02)")
+    parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: Megatron sequence parallelism")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 03)")
+    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
     add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
     return parser.parse_args(argv)
 
 
-def report(model, optimizer, cfg, args, shape, cp: ContextParallel, throughput, activations, device, dp):
-    n_params = sum(p.numel() for p in model.parameters())
-    element_bytes = next(model.parameters()).element_size()
-    seq, micro, n_micro, steps = shape.seq_len, shape.micro_batch_size, shape.grad_accum, args.steps
+def configure(args, world_size: int):
+    """The model config and grid the flags describe, validated before any process group exists."""
+    cfg = get_config(args.preset)
+    cp = args.cp or max(1, world_size // (args.dp * args.tp * args.pp))
+    grid = GridShape(dp=args.dp, pp=args.pp, cp=cp, tp=args.tp)
+    validate_context_parallel(grid, world_size, cfg, args.seq_len, args.zigzag, args.cp_mode,
+                              args.sequence_parallel, args.schedule, args.grad_accum)
+    return cfg, grid
+
+
+def gather_attention_work(cp: ContextParallel) -> list[int]:
+    work = torch.tensor([cp.attention_work], dtype=torch.float64)
+    everyone = torch.empty(cp.size, dtype=torch.float64)
+    comm.call(dist.all_gather_single, everyone, work, group=cp.group)
+    return [int(w) for w in everyone.tolist()]
+
+
+def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParallel, throughput, activations,
+           device, compute_dtype):
+    modules = torch.nn.ModuleList(part.module for part in parts)
+    n_params = sum(p.numel() for p in modules.parameters())
+    n_layers = sum(len(part.module.layers) for part in parts)
+    kv_bytes = torch.finfo(compute_dtype).bits // 8
+    seq, micro, n_micro, steps, tp = shape.seq_len, shape.micro_batch_size, shape.grad_accum, args.steps, grid.tp_size
     split = "zigzag" if args.zigzag else "contiguous"
 
-    log0(f"\n== memory (one rank; activations of one micro-batch of {micro} x {seq // cp.size} tokens) ==")
-    log0(memory_table(measured_memory(model, optimizer, activations.nbytes),
-                      predicted_memory(n_params, predicted_cp_activation_bytes(cfg, micro, seq, cp.size,
-                                                                               args.cp_mode, element_bytes))))
+    log0(f"\n== memory (one rank; a micro-batch here is {micro} x {seq // cp.size} tokens) ==")
+    if pipeline is None:
+        log0("activations: those of the first micro-batch")
+        log0(memory_table(measured_memory(modules, optimizer, activations.nbytes),
+                          predicted_memory(n_params, predicted_cp_activation_bytes(
+                              cfg, micro, seq, cp.size, args.cp_mode, tp=tp, sequence_parallel=args.sequence_parallel))))
+    else:
+        log0(f"activations at the schedule's peak on this stage: {pipeline.activations.peak_bytes / 1e6:.3f} MB "
+             f"({pipeline.peak_live_micro_batches} live micro-batches of S/cp tokens; lesson 03 explains the peak)")
     log0(f"the same micro-batch on one device (seq {seq}): "
-         f"{predicted_activation_bytes(cfg, micro, seq, element_bytes=element_bytes) / 1e6:.3f} MB predicted; "
-         f"per cp rank it is that of seq/cp = {seq // cp.size} tokens")
+         f"{predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} MB predicted; per cp rank, that of "
+         f"seq/cp = {seq // cp.size} tokens")
 
-    log0(f"\n== communication per step (cp={cp.size} {args.cp_mode}, dp={dp}; gradients over dp x cp) ==")
-    predicted = predicted_cp_traffic(cfg, micro, seq, cp.size, args.cp_mode, n_micro, element_bytes)
-    predicted[("all_reduce", "dp_cp")] = n_params * element_bytes + 4
+    log0(f"\n== communication per step (cp={cp.size} {args.cp_mode}; gradients over dp x cp = "
+         f"{grid.dp_size} x {cp.size}) ==")
+    predicted = predicted_cp_traffic(cfg, micro, seq, cp.size, args.cp_mode, n_micro, kv_bytes, tp, n_layers)
+    predicted[("all_reduce", "dp_cp")] = n_params * 4 + 4
+    # The other axes' rows, from their lessons' formulas where they cover this configuration.
+    if tp > 1 and pipeline is None:
+        tensor_parallel = load_earlier_lesson("02_tensor_parallel", "--tp")
+        predicted.update(tensor_parallel.predicted_tp_traffic(cfg, micro, seq // cp.size, n_micro, tp,
+                                                              args.sequence_parallel, compute_dtype))
+        predicted[("all_reduce", "tp")] += 4      # gradient clipping's squared norm
+    if pipeline is not None:
+        p2p = load_earlier_lesson("03_pipeline_parallel", "--pp").predicted_p2p_bytes(
+            n_micro, pipeline.activation_shape, 4, grid.pp_size, grid.pp_rank, 1)
+        predicted.update({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "pp"): 8})
     log0(comm.meter.table(predicted, per=steps))
     other = "ulysses" if args.cp_mode == "ring" else "ring"
-    other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, micro, seq, cp.size, other, n_micro,
-                                                                 element_bytes).items() if kind != "irecv")
-    log0(f"the {other} mode would send {other_bytes / 1e6:.4f} MB payload per step on this configuration")
+    other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, micro, seq, cp.size, other, n_micro, kv_bytes,
+                                                                 tp, n_layers).items() if kind != "irecv")
+    log0(f"the {other} mode would move {other_bytes / 1e6:.4f} MB payload per step here (formula)")
 
     work = gather_attention_work(cp)
-    predicted_work = [predicted_attention_work(cfg, micro, seq, cp.size, args.zigzag, r, n_micro, args.cp_mode)
-                      for r in range(cp.size)]
+    predicted_work = [predicted_attention_work(cfg, micro, seq, cp.size, args.zigzag, r, n_micro, args.cp_mode,
+                                               tp, n_layers) for r in range(cp.size)]
     log0(f"\n== attention work per cp rank (query-key scores computed per step, {args.cp_mode}, {split}) ==")
-    log0("rank  " + "".join(f"{r:>12}" for r in range(cp.size)))
-    log0("meas. " + "".join(f"{w / steps:>12.3g}" for w in work))
-    log0("pred. " + "".join(f"{w:>12.3g}" for w in predicted_work))
+    log0("cp rank   " + "".join(f"{r:>12}" for r in range(cp.size)))
+    log0("measured  " + "".join(f"{w / steps:>12.4g}" for w in work))
+    log0("predicted " + "".join(f"{w:>12.4g}" for w in predicted_work))
     log0(f"max/min = {max(work) / max(min(work), 1):.2f} (the ring moves at the pace of the busiest rank)")
 
     tokens_per_s = throughput.tokens_per_second
+    world = grid.shape.world_size
     log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / (dp * cp.size):,.0f}")
+    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / world:,.0f}")
     peak = peak_flops(device)
     if peak:
-        mfu = tokens_per_s / (dp * cp.size) * flops_per_token(cfg, seq) / peak
+        mfu = tokens_per_s / world * flops_per_token(cfg, seq) / peak
         log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
 
 
@@ -562,39 +697,35 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         world_size = world_size_from_env()
-        cp_degree = args.cp or max(1, world_size // args.dp)
-        cfg = get_config(args.preset)
-        validate_context_parallel(GridShape(dp=args.dp, cp=cp_degree), world_size, cfg, args.seq_len,
-                                  args.zigzag, args.cp_mode)
-        batches, shape = build_batches(args, args.dp, cfg.vocab_size)
+        cfg, grid_shape = configure(args, world_size)
+        batches, shape = build_batches(args, grid_shape.dp, cfg.vocab_size)
     except (ConfigError, ValueError) as error:
         exit_with_error(error)
 
     device = init_distributed()
-    grid = ProcessGrid(GridShape(dp=args.dp, cp=cp_degree))
+    grid = ProcessGrid(grid_shape)
     cp = ContextParallel.from_grid(grid, args.zigzag)
     torch.manual_seed(args.seed)
-    model = apply_context_parallel(GPT(cfg, seed=args.seed).to(device), cp, args.cp_mode)
-    model = wrap_gradient_reduction(model, grid, int(args.bucket_mb * 2**20))
-    optimizer = build_optimizer(model.module, args.lr)
     compute_dtype = autocast_dtype(args.dtype, device)
-    log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'}"
-         f" split), dp={args.dp}, {count_parameters(cfg)['total']:,} parameters, seq {shape.seq_len} = "
-         f"{shape.seq_len // cp.size} tokens per rank, {shape.tokens_per_step:,} tokens per step")
+    parts = build_model(cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
+                        int(args.bucket_mb * 2**20))
+    pipeline = build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype, args.sequence_parallel)
+    optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), args.lr)
+    log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'} "
+         f"split), {count_parameters(cfg)['total']:,} parameters, seq {shape.seq_len} = {shape.seq_len // cp.size} "
+         f"tokens per rank, {shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    throughput, activations = Throughput(), SavedActivations(model, device)
+    throughput, activations = Throughput(), SavedActivations(parts[0], device)
     for step in range(args.steps):
         set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
         throughput.start_step()
         micro_batches = context_parallel_micro_batches(batches, step, grid.dp_rank, cp.split, cp.rank)
-        # Lesson 01's step as it is: it reduces over the group it was given (dp x cp), and the
-        # loss it returns, averaged over that group, is the mean over every token of the batch.
-        loss = data_parallel.train_step(model, optimizer, micro_batches, args.max_grad_norm, device,
-                                        compute_dtype, activations if step == 0 else None)
+        loss = train_step(parts, pipeline, optimizer, micro_batches, args.max_grad_norm, grid, device, compute_dtype,
+                          activations if step == 0 and pipeline is None else None)
         log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
 
-    report(model, optimizer, cfg, args, shape, cp, throughput, activations, device, args.dp)
+    report(parts, pipeline, optimizer, cfg, args, shape, grid, cp, throughput, activations, device, compute_dtype)
     shutdown()
 
 

@@ -69,16 +69,19 @@ def test_zigzag_split_holds_chunks_i_and_2cp_minus_1_minus_i():
         assert sorted(torch.cat([s.positions(r, 16) for r in range(4)]).tolist()) == list(range(16))
 
 
-@pytest.mark.parametrize("grid, cfg, seq_len, zigzag, mode, message", [
-    (GridShape(cp=4), CFG, 36, True, "ring", "--seq-len 36 is not divisible by 8 (2*cp for the zigzag split)"),
-    (GridShape(cp=4), get_config("tiny"), 64, True, "ulysses",
+@pytest.mark.parametrize("grid, cfg, seq_len, zigzag, mode, sequence_parallel, message", [
+    (GridShape(cp=4), CFG, 36, True, "ring", False,
+     "--seq-len 36 is not divisible by 8 (2*cp for the zigzag split)"),
+    (GridShape(cp=4), get_config("tiny"), 64, True, "ulysses", False,
      "n_kv_heads=2 gives 2 heads per tp rank, not divisible by --cp 4"),
-    (GridShape(cp=2, tp=2), replace(CFG, n_heads=4, n_kv_heads=2, hidden=32), 64, False, "ulysses",
+    (GridShape(cp=2, tp=2), replace(CFG, n_heads=4, n_kv_heads=2, hidden=32), 64, False, "ulysses", False,
      "n_kv_heads=2 gives 1 heads per tp rank, not divisible by --cp 2"),
+    (GridShape(cp=2, tp=4), CFG, 20, True, "ring", True,
+     "--seq-len 20 leaves 10 tokens per cp rank, not divisible by --tp 4"),
 ])
-def test_bad_configurations_name_value_rule_and_fix(grid, cfg, seq_len, zigzag, mode, message):
+def test_bad_configurations_name_value_rule_and_fix(grid, cfg, seq_len, zigzag, mode, sequence_parallel, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        lesson.validate_context_parallel(grid, grid.world_size, cfg, seq_len, zigzag, mode)
+        lesson.validate_context_parallel(grid, grid.world_size, cfg, seq_len, zigzag, mode, sequence_parallel)
     # The ring has no rule on heads.
     if mode == "ulysses":
         lesson.validate_context_parallel(grid, grid.world_size, cfg, seq_len, zigzag, "ring")
@@ -191,50 +194,84 @@ def reference_run():
         loss.backward()
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        clip_grad_norm_(model.parameters(), 1.0)
+        # Clipping must act at every step, or the tensor-parallel variants' norm (summed over tp
+        # shards, norm gains counted once) would go untested.
+        assert clip_grad_norm_(model.parameters(), 1.0) > 1.0
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, grads, {name: p.detach().clone() for name, p in model.state_dict().items()}
 
 
-def context_parallel_run(shape: GridShape, mode: str, zigzag: bool):
-    """On every rank: step-0 gradients after the dp x cp reduction, activations of one micro-batch,
-    per-step losses, cp and gradient traffic of the run, final parameters."""
+def lesson_missing(name: str) -> str | None:
+    """Why a combination test cannot run yet: the earlier lesson's file is absent."""
+    return None if (REPO_ROOT / f"{name}.py").exists() else f"{name}.py does not exist yet"
+
+
+def gradients_of_one_cycle(parts, pipeline, micro_batches):
+    """Gradients after one accumulation cycle and the dp x cp reduction, as train_step computes
+    them before clipping; and the saved activations of the first micro-batch (pp = 1 only)."""
+    if pipeline is None:
+        model, activations = parts[0], SavedActivations(parts[0], torch.device("cpu"))
+        for index, batch in enumerate(micro_batches):
+            model.require_backward_grad_sync = index == len(micro_batches) - 1
+            with activations if index == 0 else torch.enable_grad():
+                loss = model(*batch)
+            (loss / len(micro_batches)).backward()
+        activation_bytes = activations.nbytes
+    else:
+        pipeline.forward_backward(micro_batches)
+        activation_bytes = None
+    for part in parts:
+        part.finish_gradient_synchronization()
+    grads = {name: p.grad.clone() for part in parts for name, p in part.module.named_parameters()}
+    for part in parts:
+        part.zero_grad(set_to_none=False)
+    return grads, activation_bytes
+
+
+def context_parallel_run(shape: GridShape, mode: str, zigzag: bool, sequence_parallel: bool = False):
+    """On every rank, with the lesson's own builder and step: step-0 gradients, activations of one
+    micro-batch, per-step losses, the run's traffic, final parameters (as this rank holds them)."""
+    cpu = torch.device("cpu")
     grid = ProcessGrid(shape)
     cp = lesson.ContextParallel.from_grid(grid, zigzag)
-    model = lesson.apply_context_parallel(GPT(CFG, seed=SEED), cp, mode)
-    model = lesson.wrap_gradient_reduction(model, grid, bucket_bytes=64 * 1024)
-    optimizer = build_optimizer(model.module, LR)
+    parts = lesson.build_model(CFG, SEED, grid, cp, mode, cpu, sequence_parallel, bucket_bytes=64 * 1024)
     data = batches(shape.dp)
+    pipeline = lesson.build_pipeline(parts, grid, "1f1b", data.shape, CFG, cpu, torch.float32, sequence_parallel)
+    modules = torch.nn.ModuleList(part.module for part in parts)
+    optimizer = build_optimizer(modules, LR)
 
-    micro = lesson.context_parallel_micro_batches(data, 0, grid.dp_rank, cp.split, cp.rank)
-    activations = SavedActivations(model, torch.device("cpu"))
-    for index, batch in enumerate(micro):
-        model.require_backward_grad_sync = index == len(micro) - 1
-        with activations if index == 0 else torch.enable_grad():
-            loss = model(*batch)
-        (loss / len(micro)).backward()
-    model.finish_gradient_synchronization()
-    grads = {name: p.grad.clone() for name, p in model.module.named_parameters()}
-    model.zero_grad(set_to_none=False)
+    def micro_batches(step):
+        return lesson.context_parallel_micro_batches(data, step, grid.dp_rank, cp.split, cp.rank)
 
+    grads, activation_bytes = gradients_of_one_cycle(parts, pipeline, micro_batches(0))
     comm.meter.reset()
-    losses = [lesson.data_parallel.train_step(
-        model, optimizer, lesson.context_parallel_micro_batches(data, step, grid.dp_rank, cp.split, cp.rank),
-        1.0, torch.device("cpu"), torch.float32) for step in range(STEPS)]
-    return {"grads": grads, "losses": losses, "activations": activations.nbytes, "n_micro": len(micro),
+    losses = [lesson.train_step(parts, pipeline, optimizer, micro_batches(step), 1.0, grid, cpu, torch.float32)
+              for step in range(STEPS)]
+    # A pipeline stage names its parameters as the whole GPT does (layers.2.attn...), so the
+    # parts' names, without the list's index, are the reference's names.
+    named = {name: p for part in parts for name, p in part.module.named_parameters()}
+    return {"grads": grads, "losses": losses, "activations": activation_bytes, "n_micro": data.shape.grad_accum,
+            "tp_rank": grid.tp_rank, "n_layers": sum(len(part.module.layers) for part in parts),
+            "n_params": sum(p.numel() for p in named.values()),
             "traffic": {key: traffic.payload_bytes for key, traffic in comm.meter.traffic.items()},
-            "params": {name: p.detach().clone() for name, p in model.module.state_dict().items()}}
+            "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in named.items()},
+            "params": {name: p.detach().clone() for name, p in named.items()}}
 
 
-TRAINING_VARIANTS = [(GridShape(cp=4), "ring", True), (GridShape(cp=4), "ulysses", False),
-                     (GridShape(dp=2, cp=2), "ring", False), (GridShape(dp=2, cp=2), "ulysses", True)]
+CP_VARIANTS = [(GridShape(cp=4), "ring", True), (GridShape(cp=4), "ulysses", False),
+               (GridShape(dp=2, cp=2), "ring", False), (GridShape(dp=2, cp=2), "ulysses", True)]
+PP_CP_VARIANTS = [(GridShape(pp=2, cp=2), "ring", True)]
+# 8 ranks: one spawn for both; Ulysses with sequence parallelism needs heads/tp = 4 and kv/tp = 2
+# divisible by cp = 2.
+DP_CP_TP_VARIANTS = [(GridShape(dp=2, cp=2, tp=2), "ring", True, False),
+                     (GridShape(dp=2, cp=2, tp=2), "ulysses", False, True)]
 
 
-def several_training_variants():
+def several_training_variants(variants):
     """One spawn, every variant, each from the same initial weights."""
-    return {variant: context_parallel_run(*variant) for variant in TRAINING_VARIANTS}
+    return {variant: context_parallel_run(*variant) for variant in variants}
 
 
 @pytest.fixture(scope="module")
@@ -242,31 +279,67 @@ def reference():
     return reference_run()
 
 
-def assert_equals_reference(result, reference, where):
+@pytest.fixture(scope="module")
+def four_rank_training():
+    """cp alone and dp x cp, plus pp x cp when lesson 03 exists: one spawn of 4 ranks."""
+    variants = CP_VARIANTS + ([] if lesson_missing("03_pipeline_parallel") else PP_CP_VARIANTS)
+    return run_ranks(4, several_training_variants, variants, timeout_s=240)
+
+
+def assert_equals_reference(result, reference, shape: GridShape, where: str):
+    """Losses, step-0 gradients and final parameters against one device; a tensor-parallel rank
+    holds a slice of some parameters (tp_split_dim), compared with that slice of the reference."""
     ref_losses, ref_grads, ref_params = reference
+
+    def local(full, name):
+        split_dim = result["split_dims"][name]
+        return full if split_dim is None else full.chunk(shape.tp, dim=split_dim)[result["tp_rank"]]
+
     for name, grad in result["grads"].items():
-        torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE, msg=f"{where} grad {name}")
+        torch.testing.assert_close(grad, local(ref_grads[name], name), **TOLERANCE, msg=f"{where} grad {name}")
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5,
                                msg=f"{where} losses")
     for name, param in result["params"].items():
-        torch.testing.assert_close(param, ref_params[name], **PARAM_TOLERANCE, msg=f"{where} param {name}")
+        torch.testing.assert_close(param, local(ref_params[name], name), **PARAM_TOLERANCE,
+                                   msg=f"{where} param {name}")
 
 
-def test_training_equals_one_device(reference):
-    n_params = sum(p.numel() for p in GPT(CFG).parameters())
-    for rank, variants in enumerate(run_ranks(4, several_training_variants, timeout_s=240)):
-        for (shape, mode, zigzag), result in variants.items():
-            where = f"rank {rank} dp={shape.dp} cp={shape.cp} {mode} zigzag={zigzag}"
-            assert_equals_reference(result, reference, where)
+def check_variants(per_rank, variants, reference):
+    for rank, results in enumerate(per_rank):
+        for variant in variants:
+            shape, mode, zigzag, *sequence_parallel = variant
+            sequence_parallel = bool(sequence_parallel and sequence_parallel[0])
+            result = results[variant]
+            where = f"rank {rank} {shape} {mode} zigzag={zigzag} sp={sequence_parallel}"
+            assert_equals_reference(result, reference, shape, where)
+            if shape.pp == 1:
+                # Activation memory per rank is that of seq/cp tokens, to the byte.
+                assert result["activations"] == lesson.predicted_cp_activation_bytes(
+                    CFG, MICRO, SEQ, shape.cp, mode, tp=shape.tp, sequence_parallel=sequence_parallel), where
+            # The cp traffic of the run equals the formula for this rank's layers and heads; the
+            # gradients are reduced over dp x cp once per step, with the 4-byte loss average.
+            predicted = lesson.predicted_cp_traffic(CFG, MICRO, SEQ, shape.cp, mode, result["n_micro"],
+                                                    tp=shape.tp, n_layers=result["n_layers"])
+            predicted[("all_reduce", "dp_cp")] = 4 * result["n_params"] + 4
+            measured = {key: value for key, value in result["traffic"].items() if key in predicted}
+            assert measured == {key: STEPS * value for key, value in predicted.items()}, where
 
-            # Activation memory is that of seq/cp tokens, to the byte.
-            assert result["activations"] == lesson.predicted_cp_activation_bytes(CFG, MICRO, SEQ, shape.cp, mode), where
-            # cp traffic per run equals the formula; the gradients are reduced over dp x cp, once per
-            # step, with the 4-byte loss average.
-            predicted = {key: STEPS * value for key, value in
-                         lesson.predicted_cp_traffic(CFG, MICRO, SEQ, shape.cp, mode, result["n_micro"]).items()}
-            predicted[("all_reduce", "dp_cp")] = STEPS * (4 * n_params + 4)
-            assert result["traffic"] == predicted, where
+
+def test_training_equals_one_device(reference, four_rank_training):
+    check_variants(four_rank_training, CP_VARIANTS, reference)
+
+
+@pytest.mark.skipif(lesson_missing("03_pipeline_parallel") is not None,
+                    reason=str(lesson_missing("03_pipeline_parallel")))
+def test_pipeline_x_context_parallel_equals_one_device(reference, four_rank_training):
+    check_variants(four_rank_training, PP_CP_VARIANTS, reference)
+
+
+@pytest.mark.skipif(lesson_missing("02_tensor_parallel") is not None,
+                    reason=str(lesson_missing("02_tensor_parallel")))
+def test_dp_x_cp_x_tp_equals_one_device(reference):
+    per_rank = run_ranks(8, several_training_variants, DP_CP_TP_VARIANTS, timeout_s=300)
+    check_variants(per_rank, DP_CP_TP_VARIANTS, reference)
 
 
 # ----------------------------------------------------------------------------- the script
