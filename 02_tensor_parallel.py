@@ -1,0 +1,641 @@
+"""
+Lesson 02 — tensor parallelism (Megatron style), sequence parallelism and a vocab-parallel loss.
+
+The problem. Data parallelism gives every rank the whole model. The 8b preset (Llama-3-8B's shape)
+needs 16 bytes per parameter for float32 master weights, gradients and AdamW's two moments:
+128 GB, plus about 56 GB of bf16 activations for one 8192-token sequence. No single GPU holds
+184 GB, however many of them join the data-parallel group.
+
+The idea. Split every weight matrix across the `tp` ranks of one node, so that each rank stores and
+multiplies 1/tp of it. Two ways to cut a linear layer Y = X A^T:
+
+    column-parallel: A cut by output rows,  rank i computes Y_i = X A_i^T    (a slice of Y's columns)
+    row-parallel:    A cut by input columns, rank i computes X_i A_i^T        (a partial sum of all of Y)
+
+A column-parallel layer followed by a row-parallel one needs no communication in between: the
+column layer's output slice is exactly the input slice the row layer needs. So an MLP (and
+attention, whose heads are independent) costs one all-reduce forward and one backward:
+
+               f                                                              g
+    X ───── identity ──┬── X·gate_0, X·up_0 ─► silu(.)*(.) ─► ·down_0 ──┐     all-reduce ─► Y
+            (backward: │                                                ├──── (backward:
+            all-reduce)└── X·gate_1, X·up_1 ─► silu(.)*(.) ─► ·down_1 ──┘      identity)
+
+f and g are conjugate: f is the identity going forward and an all-reduce going backward (every
+rank's slice contributed to dL/dX); g is an all-reduce going forward and the identity going
+backward. Attention uses the same pair around its heads: q/k/v column-parallel (each rank owns
+n_heads/tp query heads and n_kv_heads/tp key/value heads, which keeps grouped-query attention's
+groups whole), o_proj row-parallel. The embedding is split by vocabulary (each rank looks up the
+ids of its slice, zeros the rest; g sums the slices), and so is the LM head, whose logits are then
+never gathered: the cross-entropy reduces three numbers per token (max, sum of exponentials,
+target logit) across tp instead of moving b*s*V logits.
+
+Sequence parallelism (Megatron-SP). Between blocks the activations are replicated on all tp
+ranks, and the RMSNorms compute the same thing tp times. Split those regions along the sequence
+instead: the all-reduce (= reduce-scatter + all-gather) is cut in two, the reduce-scatter ends a
+block (each rank keeps s/tp tokens), the all-gather starts the next one:
+
+    [b, s/tp, h] ─► RMSNorm ─► all-gather ─► column ─► ... ─► row ─► reduce-scatter ─► [b, s/tp, h]
+                  (weight grads summed over tp: each rank saw only s/tp tokens)
+
+The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocabulary V):
+    memory:  weights, gradients, optimizer states / tp (norm gains replicated); activations inside
+             the blocks / tp; the residual stream and norms / tp only with sequence parallelism.
+             Logits b*s*V/tp instead of b*s*V.
+    communication: per layer 2 all-reduces forward and 2 backward of b*s*h elements, plus one each
+             for the embedding and the head: (4L + 2) * b*s*h. With sequence parallelism the same
+             volume moves as (4L + 2) all-gathers and (4L + 2) reduce-scatters of b*s*h, plus
+             2L + 1 all-reduces of h for the norm gains. The loss adds 3 all-reduces of b*s floats.
+    compute: the same FLOPs split tp ways, but every collective sits on the critical path: the next
+             matmul needs its result.
+
+When TP pays. Per layer and token, a rank does 2 * 13h^2 / tp forward FLOPs (8b preset) and sends
+2 * 2h bytes * 2(tp-1)/tp in bf16: with h = 4096 and tp = 8, 1900 FLOPs per byte sent. At an H100's
+989 TFLOP/s the link must carry 520 GB/s to keep up: NVLink's 450 GB/s each way roughly does; a
+400 Gb/s InfiniBand NIC (50 GB/s) is ten times too slow. That is why tp stays inside a node (8
+GPUs) and data or pipeline parallelism crosses nodes. Sequence parallelism adds no traffic and
+divides what TP left replicated — the norms and the residual stream — by tp.
+
+Run it:
+    torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2                      # CPU, ~30 s
+    torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2 --sequence-parallel
+    torchrun --nproc_per_node=8 02_tensor_parallel.py --tp 8 --preset 1b --seq-len 2048 --sequence-parallel
+
+What to look for: the loss falls as on one device (the tests prove equality to float32 rounding);
+the tp rows of the communication table equal the formula to the byte, and switching on
+--sequence-parallel turns the all-reduces into all-gathers and reduce-scatters of the same volume
+while the activation memory per rank falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picotron_like import comm
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, flops_per_token, get_config
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson,
+                                    shutdown, validate_parallel_config, world_size_from_env)
+from picotron_like.train import (MemoryReport, SavedActivations, Throughput, add_training_flags,
+                                 autocast_dtype, build_batches, build_optimizer, exit_with_error,
+                                 learning_rate, log0, log_step, measured_memory, memory_table,
+                                 peak_flops, set_learning_rate)
+
+data_parallel = load_lesson("01_data_parallel")
+
+# ----------------------------------------------------------------------------- 1. the conjugate operators
+
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward.
+
+    Every rank feeds the same X to its slice of the next layer, so dL/dX is the sum of every
+    slice's contribution: the backward pass must add them up.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        # A fresh buffer: autograd may hand the same gradient tensor to another branch of the graph,
+        # which an in-place all-reduce would silently change.
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        comm.call(dist.all_reduce, grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward.
+
+    Each rank holds a partial sum of the output; after the all-reduce every rank holds the whole
+    output, and the gradient of a sum with respect to each of its terms is the gradient itself.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        # Reduce a copy: an in-place all-reduce would change the input behind autograd's back.
+        x = x.clone(memory_format=torch.contiguous_format)
+        comm.call(dist.all_reduce, x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+# Sequence parallelism splits f and g in halves along the sequence (dim 1 of [batch, seq, hidden]).
+# Collectives gather and scatter along the first dimension, so the sequence is moved to the front
+# around each call (one copy each way; Megatron keeps activations [seq, batch, hidden] throughout
+# to avoid it, a layout our reference model does not use).
+
+def all_gather_sequence(x, group):
+    """[b, s/tp, h] on each rank -> [b, s, h] on every rank (rank order = sequence order)."""
+    shard = x.transpose(0, 1).contiguous()
+    full = shard.new_empty((dist.get_world_size(group) * shard.shape[0], *shard.shape[1:]))
+    comm.call(dist.all_gather_single, full, shard, group=group)
+    return full.transpose(0, 1).contiguous()
+
+
+def reduce_scatter_sequence(x, group):
+    """Partial sums [b, s, h] on each rank -> rank r holds tokens [r*s/tp, (r+1)*s/tp) of the sum."""
+    tp = dist.get_world_size(group)
+    if x.shape[1] % tp:
+        # Checked on every rank from the same shape, before the collective, so no rank waits alone.
+        raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp}: sequence "
+                          f"parallelism splits it evenly; use a --seq-len that is a multiple of {tp}")
+    full = x.transpose(0, 1).contiguous()
+    shard = full.new_empty((full.shape[0] // tp, *full.shape[1:]))
+    comm.call(dist.reduce_scatter_single, shard, full, group=group)
+    return shard.transpose(0, 1).contiguous()
+
+
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """SP's g: reduce-scatter the sequence forward, all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
+def enter_tensor_parallel_region(x, group, sequence_parallel: bool):
+    """Before column-parallel layers: f, or with sequence parallelism the all-gather."""
+    if sequence_parallel:
+        return GatherFromSequenceParallelRegion.apply(x, group)
+    return CopyToTensorParallelRegion.apply(x, group)
+
+
+def exit_tensor_parallel_region(x, group, sequence_parallel: bool):
+    """After row-parallel layers: g, or with sequence parallelism the reduce-scatter."""
+    if sequence_parallel:
+        return ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
+    """Make `param`'s gradient the sum over the tp ranks, once per backward pass.
+
+    Under sequence parallelism a replicated parameter used on the sequence-split activations (a
+    norm gain, a row-parallel bias) sees only s/tp tokens per rank, so its gradient is a partial
+    sum. A tensor hook runs before the gradient is added into .grad, so the sum is taken per
+    micro-batch and gradient accumulation and data parallelism work on the full gradient.
+    """
+    def all_reduce_grad(grad):
+        grad = grad.clone()
+        comm.call(dist.all_reduce, grad, group=group)
+        return grad
+
+    param.register_hook(all_reduce_grad)
+
+
+# ----------------------------------------------------------------------------- 2. column and row parallel layers
+
+
+def take_shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
+    """This rank's contiguous 1/tp slice of a reference tensor along `dim`, as a new parameter.
+
+    Slicing the reference weight (not drawing a new one) makes the tp run start from exactly the
+    single-device model's parameters. `tp_split_dim` records the cut so that shards can be put
+    back together (checkpoints, tests).
+    """
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    shard = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
+    shard.tp_split_dim = dim
+    return shard
+
+
+def replicated(param: nn.Parameter) -> nn.Parameter:
+    """Mark a parameter every tp rank holds whole, so the gradient norm counts it once."""
+    param.tp_replicated = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i^T + b_i: this rank's slice of the output features.
+
+    The input must already be in the tensor-parallel region (``enter_tensor_parallel_region``):
+    the model does that once in the norm before each block, where q, k and v (or gate and up)
+    share one input. Megatron fuses q/k/v into one matrix for the same reason; one f for three
+    layers is one all-reduce backward instead of three.
+    """
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__()
+        self.weight = take_shard(full.weight, 0, group)
+        self.bias = take_shard(full.bias, 0, group) if full.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i A_i^T + b: this rank's slice of the input features, partial sums reduced over tp.
+
+    The bias is added once, after the reduction (added before it, it would be summed tp times).
+    """
+
+    def __init__(self, full: nn.Linear, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = take_shard(full.weight, 1, group)
+        self.bias = None
+        if full.bias is not None:
+            self.bias = replicated(nn.Parameter(full.bias.detach().clone()))
+            if sequence_parallel:
+                sum_gradient_over_tp(self.bias, group)
+
+    def forward(self, x):
+        out = exit_tensor_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+        return out if self.bias is None else out + self.bias
+
+
+# ----------------------------------------------------------------------------- 3. attention, MLP and their norms
+
+
+class TensorParallelRMSNorm(RMSNorm):
+    """The RMSNorm in front of a block (or of the LM head), handing its output to the tp region.
+
+    The norm is where a block's column-parallel layers take their shared input, so it is where the
+    entry operator goes: f without sequence parallelism; with it, the norm runs on this rank's s/tp
+    tokens and the all-gather builds the full sequence for the column-parallel layers. The gain
+    is replicated; under sequence parallelism its gradient is summed over tp.
+    """
+
+    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = replicated(nn.Parameter(norm.weight.detach().clone()))
+        if sequence_parallel:
+            sum_gradient_over_tp(self.weight, group)
+
+    def forward(self, x):
+        return enter_tensor_parallel_region(super().forward(x), self.group, self.sequence_parallel)
+
+
+def parallelize_attention(attn, group, sequence_parallel: bool) -> None:
+    """Heads split across ranks: q, k, v column-parallel, o_proj row-parallel.
+
+    The projections' rows are laid out head by head, so a contiguous slice of rows is a set of
+    whole heads; query heads [r*H/tp, (r+1)*H/tp) and key/value heads [r*KV/tp, (r+1)*KV/tp) are
+    exactly the heads whose groups match under grouped-query attention. Attention reads its head
+    count off the projections and its core (``attention_core``) is left alone.
+    """
+    attn.q_proj = ColumnParallelLinear(attn.q_proj, group)
+    attn.k_proj = ColumnParallelLinear(attn.k_proj, group)
+    attn.v_proj = ColumnParallelLinear(attn.v_proj, group)
+    attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel)
+
+
+def parallelize_mlp(mlp: SwiGLU, group, sequence_parallel: bool) -> None:
+    """SwiGLU's inner width split: gate and up column-parallel, down row-parallel.
+
+    silu(gate) * up is elementwise, so each rank applies it to its own slice of the inner width.
+    """
+    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
+    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel)
+
+
+# ----------------------------------------------------------------------------- 4. vocab-parallel embedding and loss
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns the embedding rows of token ids [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the ids that fall in its slice and writes zeros for the others; summing
+    over tp (g) gives every token its row. Under sequence parallelism the sum is a reduce-scatter,
+    so the embedding already returns this rank's s/tp tokens: a pipeline stage or GPT.forward
+    needs no extra call to enter the sequence-parallel region.
+    """
+
+    def __init__(self, full: nn.Embedding, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = take_shard(full.weight, 0, group)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, tokens):
+        local_ids = tokens - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_tensor_parallel_region(rows, self.group, self.sequence_parallel)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary, without gathering them.
+
+    loss_t = log sum_v exp(z_tv) - z_t,target. Each rank holds V/tp of the z_tv; three all-reduces
+    of one number per token finish the job: the max (for a stable exp), the sum of exponentials,
+    and the target logit (found on exactly one rank, zero on the others). The gradient is
+    softmax - onehot, local to each rank's slice, so backward needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index):
+        vocab_slice = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * vocab_slice
+        z = logits.float().reshape(-1, vocab_slice)
+        targets = targets.reshape(-1)
+
+        z_max = z.max(dim=-1).values
+        comm.call(dist.all_reduce, z_max, op=dist.ReduceOp.MAX, group=group)
+        exp = (z - z_max.unsqueeze(-1)).exp_()
+        sum_exp = exp.sum(dim=-1)
+        comm.call(dist.all_reduce, sum_exp, group=group)
+
+        valid = targets != ignore_index
+        local_target = targets - vocab_start
+        mine = valid & (local_target >= 0) & (local_target < vocab_slice)
+        local_target = torch.where(mine, local_target, -1)
+        rows = torch.arange(z.shape[0], device=z.device)
+        target_logit = torch.where(mine, z[rows, local_target.clamp(min=0)] - z_max, 0.0)
+        comm.call(dist.all_reduce, target_logit, group=group)
+
+        n_valid = valid.sum()
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum() / n_valid
+        # Keep softmax (zeroed on ignored tokens) and the local target id (-1 when it is on another
+        # rank or ignored): all backward needs. The exponentials become the softmax in place.
+        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(~valid.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(softmax, local_target, n_valid)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, n_valid = ctx.saved_tensors
+        grad = softmax.clone()
+        mine = local_target >= 0
+        grad[mine.nonzero(as_tuple=True)[0], local_target[mine]] -= 1.0
+        grad.mul_(grad_loss / n_valid)
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, group, ignore_index: int = -100):
+    """Mean loss over targets != ignore_index, from this rank's vocabulary slice of the logits."""
+    return VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
+
+
+# ----------------------------------------------------------------------------- 5. a reference model, tensor-parallel
+
+
+def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = None,
+                             sequence_parallel: bool = False, world_size: int | None = None) -> None:
+    """Raise one ConfigError listing every rule the grid and tensor parallelism break; no collectives.
+
+    `grid` is the whole grid, or just the tp degree. The grid's own rules (world size; heads, kv
+    heads, hidden, ffn and vocab divisible by tp) come from validate_parallel_config; tensor
+    parallelism adds two.
+    """
+    if isinstance(grid, int):
+        grid = GridShape(tp=grid)
+    problems = []
+    try:
+        validate_parallel_config(grid, grid.world_size if world_size is None else world_size, cfg)
+    except ConfigError as error:
+        problems += str(error).split("\n  - ")[1:]
+    if cfg.n_experts:
+        problems.append(f"n_experts={cfg.n_experts}: this lesson splits dense SwiGLU MLPs; experts are "
+                        f"spread over ranks by expert parallelism (lesson 05); use a dense preset")
+    if sequence_parallel and seq_len is not None and seq_len % grid.tp:
+        problems.append(f"--seq-len {seq_len} is not divisible by --tp {grid.tp}: sequence parallelism "
+                        f"splits the sequence evenly; use a multiple of {grid.tp}")
+    if problems:
+        raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+
+
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
+    """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
+
+    Contract:
+    - `model` has the reference GPT's attributes: `cfg`, `layers` (any subset of the Blocks), and
+      `tok_embeddings`, `norm`, `lm_head`, each of which may be None (a middle pipeline stage).
+    - Its parameters hold the full reference weights; every sharded layer keeps its slice of them
+      (and every rank of the tp group must pass the same weights). Build the full model (or stage),
+      then call this: the full tensors are released as the modules are swapped.
+    - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
+      -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
+      RowParallelLinear, lm_head -> ColumnParallelLinear (vocab-split logits) with
+      `model.cross_entropy` -> vocab-parallel cross-entropy. Parameter names stay the same.
+      `Attention.attention_core` is untouched.
+    - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
+      parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
+      [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
+      sends [b, s/tp, h] between stages and needs no code of its own. Rotary tables are built for
+      the full sequence (positions as in the reference).
+    - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
+    - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
+      divisible by tp, or an MoE model. The sequence length is checked by the caller
+      (validate_tensor_parallel) and again, identically on every rank, at the first reduce-scatter.
+    Returns the same object.
+    """
+    validate_tensor_parallel(model.cfg, dist.get_world_size(tp_group))
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group, sequence_parallel)
+    for block in model.layers:
+        block.attn_norm = TensorParallelRMSNorm(block.attn_norm, tp_group, sequence_parallel)
+        parallelize_attention(block.attn, tp_group, sequence_parallel)
+        block.mlp_norm = TensorParallelRMSNorm(block.mlp_norm, tp_group, sequence_parallel)
+        parallelize_mlp(block.mlp, tp_group, sequence_parallel)
+    if getattr(model, "norm", None) is not None:
+        model.norm = TensorParallelRMSNorm(model.norm, tp_group, sequence_parallel)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = ColumnParallelLinear(model.lm_head, tp_group)
+        model.cross_entropy = partial(vocab_parallel_cross_entropy, group=tp_group)
+    return model
+
+
+def tp_counts_toward_norm(tp_group):
+    """For clip_grad_norm_: count replicated parameters (norm gains) on tp rank 0 only."""
+    first = dist.get_rank(tp_group) == 0
+    return lambda param: first or not getattr(param, "tp_replicated", False)
+
+
+# ----------------------------------------------------------------------------- 6. the formulas
+
+
+def tp_parameter_count(cfg, tp: int) -> int:
+    """Parameters one tp rank holds: every matrix / tp, the norm gains whole."""
+    norms = (2 * cfg.n_layers + 1) * cfg.hidden
+    return (count_parameters(cfg)["total"] - norms) // tp + norms
+
+
+def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: int, sequence_parallel: bool,
+                         compute_dtype=torch.float32, n_layers: int | None = None, with_embedding: bool = True,
+                         with_head: bool = True) -> dict:
+    """Payload bytes on the tp group per optimizer step: n_micro micro-batches through a GPT, or
+    through a pipeline stage of `n_layers` layers with or without the embedding and the head.
+
+    Per micro-batch, with N = b*s*h: the embedding's g, 2 per layer forward (after o_proj and
+    down_proj), 2 per layer backward (the norms' f), and the head's f backward: 4L + 2 messages of N.
+    Under autocast the row-parallel outputs (and their gradients) travel in the compute dtype; the
+    embedding and the norms produce float32. The loss adds 3 all-reduces of b*s float32, and under
+    sequence parallelism the 2L + 1 norm gains' gradients (h float32 each) are summed.
+    """
+    layers = cfg.n_layers if n_layers is None else n_layers
+    N = micro_batch * seq_len * cfg.hidden
+    n_norms = 2 * layers + with_head
+    row_bytes = 2 * layers * N * (torch.finfo(compute_dtype).bits // 8)  # o_proj and down_proj outputs
+    fp32_bytes = (n_norms + with_embedding) * N * 4                       # the norms' outputs, the embedding
+    loss = 3 * micro_batch * seq_len * 4 * with_head
+    if not sequence_parallel:
+        # forward: embedding + row outputs; backward: the norms' f (g's backward is free)
+        per_micro = {("all_reduce", "tp"): fp32_bytes + row_bytes + loss}
+    else:
+        # every message above moves once as an all-gather and once as a reduce-scatter
+        per_micro = {("all_gather_single", "tp"): fp32_bytes + row_bytes,
+                     ("reduce_scatter_single", "tp"): fp32_bytes + row_bytes,
+                     ("all_reduce", "tp"): loss + n_norms * cfg.hidden * 4}
+    return {key: n_micro * value for key, value in per_micro.items() if value}
+
+
+def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
+                                  n_layers: int | None = None, with_embedding: bool = True,
+                                  with_head: bool = True) -> int:
+    """Bytes autograd saves for one micro-batch on one tp rank (float32, dense model), for a whole
+    GPT or a pipeline stage.
+
+    Per token and layer, in elements:
+      two RMSNorms, each: input, 1/rms, normalised input (/tp with SP)     2 * (2h + 1)
+      the gathered norm output the column layers keep for their weight grads      2 * h
+      attention: q, k and v (repeated), output, log-sum-exp                (4h + n_heads) / tp
+      o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
+    plus the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per
+    token; the head's final norm and input (2h + 1 [/tp] + h), the loss's softmax over V/tp, its
+    int64 targets and its count of valid targets.
+    """
+    layers = cfg.n_layers if n_layers is None else n_layers
+    tokens = micro_batch * seq_len
+    h, f = cfg.hidden, cfg.ffn_hidden
+    norm = (2 * h + 1) / (tp if sequence_parallel else 1)
+    per_layer = 2 * (norm + h) + (4 * h + cfg.n_heads + h + 4 * f) / tp
+    float_elements = tokens * layers * per_layer + (seq_len * cfg.head_dim if layers else 0)
+    other_bytes = 0
+    if with_embedding:
+        other_bytes += tokens * (8 + 1)
+    if with_head:
+        float_elements += tokens * (norm + h + cfg.vocab_size / tp)
+        other_bytes += tokens * 8 + 8
+    return int(4 * float_elements + other_bytes)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks sharing each layer)")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size / tp)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split norms and the residual stream along the sequence (Megatron-SP)")
+    add_training_flags(parser, micro_batch_size=4, steps=20)
+    return parser.parse_args(argv)
+
+
+# Data parallelism across tp groups reuses lesson 01's bucketed all-reduce; 1 MB buckets give the
+# tiny model several buckets to overlap with backward.
+DP_BUCKET_BYTES = 2**20
+
+
+def build_model(cfg, args, grid, device):
+    model = apply_tensor_parallel(GPT(cfg, seed=args.seed).to(device), grid.tp_group, args.sequence_parallel)
+    return data_parallel.wrap_data_parallel(model, grid.dp_group, "bucketed", DP_BUCKET_BYTES)
+
+
+def report(model, optimizer, cfg, args, shape, grid, throughput, activations, device, compute_dtype):
+    tp, sp, b, s = grid.tp_size, args.sequence_parallel, shape.micro_batch_size, shape.seq_len
+    n_params = sum(p.numel() for p in model.parameters())
+    predicted_params = tp_parameter_count(cfg, tp)
+    log0(f"\n== memory (one rank; activations of one micro-batch; tp={tp}, sequence parallel={sp}) ==")
+    log0(f"parameters on this rank: {n_params:,} measured, {predicted_params:,} predicted "
+         f"(of {count_parameters(cfg)['total']:,})")
+    predicted = MemoryReport(weights=4 * predicted_params, gradients=4 * predicted_params,
+                             optimizer_states=8 * predicted_params,
+                             activations=predicted_tp_activation_bytes(cfg, b, s, tp, sp))
+    log0(memory_table(measured_memory(model, optimizer, activations.nbytes), predicted))
+    log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
+         f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
+
+    predicted_traffic = predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sp, compute_dtype)
+    # gradient clipping sums the squared norm over tp: one float32 per step
+    predicted_traffic[("all_reduce", "tp")] += 4
+    grad_bytes = next(model.parameters()).element_size()
+    predicted_traffic.update(data_parallel.predicted_dp_traffic(n_params, grad_bytes, 1))
+    log0(f"\n== communication per step (b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, "
+         f"{shape.grad_accum} micro-batches) ==")
+    log0(comm.meter.table(predicted_traffic, per=args.steps))
+
+    tokens_per_s = throughput.tokens_per_second
+    log0("\n== compute ==")
+    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per model replica (tp={tp} ranks): "
+         f"{tokens_per_s / grid.dp_size:,.0f}")
+    peak = peak_flops(device)
+    if peak:
+        mfu = tokens_per_s / grid.shape.world_size * flops_per_token(cfg, s) / peak
+        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        world_size = world_size_from_env()
+        dp = args.dp or max(1, world_size // args.tp)
+        cfg = get_config(args.preset)
+        validate_tensor_parallel(cfg, GridShape(dp=dp, tp=args.tp), args.seq_len, args.sequence_parallel,
+                                 world_size)
+        batches, shape = build_batches(args, dp, cfg.vocab_size)
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+
+    device = init_distributed()
+    grid = ProcessGrid(GridShape(dp=dp, tp=args.tp))
+    torch.manual_seed(args.seed)
+    model = build_model(cfg, args, grid, device)
+    optimizer = build_optimizer(model.module, args.lr)
+    compute_dtype = autocast_dtype(args.dtype, device)
+    log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={dp}, sequence parallel={args.sequence_parallel}, "
+         f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step")
+    log0(grid.shape.picture())
+
+    throughput, activations = Throughput(), SavedActivations(model, device)
+    counts_toward_norm = tp_counts_toward_norm(grid.tp_group)
+    for step in range(args.steps):
+        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
+        throughput.start_step()
+        loss = data_parallel.train_step(model, optimizer, batches.micro_batches(step, grid.dp_rank),
+                                        args.max_grad_norm, device, compute_dtype,
+                                        activations if step == 0 else None,
+                                        norm_groups=(grid.tp_group,), counts_toward_norm=counts_toward_norm)
+        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
+
+    report(model, optimizer, cfg, args, shape, grid, throughput, activations, device, compute_dtype)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
