@@ -293,9 +293,13 @@ def exit_with_error(error: Exception) -> None:
     """Print a configuration error once (rank 0) and stop every rank with exit code 2.
 
     Every rank found the same error from the same flags before any collective, so no rank waits
-    for another: each can simply leave.
+    for another: each can simply leave. The other ranks leave a moment later than rank 0:
+    torchrun stops all ranks as soon as the first one exits, and it must not stop rank 0 before
+    the message is out.
     """
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(2.0)
     sys.stdout.flush()
     os._exit(2)
