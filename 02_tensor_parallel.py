@@ -140,7 +140,7 @@ def all_gather_sequence(x, group):
     """[b, s/tp, h] on each rank -> [b, s, h] on every rank (rank order = sequence order)."""
     shard = x.transpose(0, 1).contiguous()
     full = shard.new_empty((dist.get_world_size(group) * shard.shape[0], *shard.shape[1:]))
-    comm.call(dist.all_gather_single, full, shard, group=group)
+    comm.call(comm.all_gather_single, full, shard, group=group)
     return full.transpose(0, 1).contiguous()
 
 
@@ -153,7 +153,7 @@ def reduce_scatter_sequence(x, group):
                           f"parallelism splits it evenly; use a --seq-len that is a multiple of {tp}")
     full = x.transpose(0, 1).contiguous()
     shard = full.new_empty((full.shape[0] // tp, *full.shape[1:]))
-    comm.call(dist.reduce_scatter_single, shard, full, group=group)
+    comm.call(comm.reduce_scatter_single, shard, full, group=group)
     return shard.transpose(0, 1).contiguous()
 
 
