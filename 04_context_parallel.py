@@ -18,10 +18,10 @@ computes attention of its queries over the block it holds. After cp steps every 
 every key, and no rank ever held more than two K/V blocks:
 
         step 0          step 1          step 2          step 3        (cp = 4, "Q_r x KV_j")
-    r0: Q0 x KV0  ──►  Q0 x KV3  ──►  Q0 x KV2  ──►  Q0 x KV1          K/V blocks move one rank
-    r1: Q1 x KV1  ──►  Q1 x KV0  ──►  Q1 x KV3  ──►  Q1 x KV2          to the right per step,
-    r2: Q2 x KV2  ──►  Q2 x KV1  ──►  Q2 x KV0  ──►  Q2 x KV3          the send of the next block
-    r3: Q3 x KV3  ──►  Q3 x KV2  ──►  Q3 x KV1  ──►  Q3 x KV0          hides behind this block's math
+    r0: Q0 x KV0  ──►  Q0 x KV3  ──►  Q0 x KV2  ──►  Q0 x KV1          each K/V block moves to the
+    r1: Q1 x KV1  ──►  Q1 x KV0  ──►  Q1 x KV3  ──►  Q1 x KV2          next rank (one row down) per
+    r2: Q2 x KV2  ──►  Q2 x KV1  ──►  Q2 x KV0  ──►  Q2 x KV3          step; its send hides behind
+    r3: Q3 x KV3  ──►  Q3 x KV2  ──►  Q3 x KV1  ──►  Q3 x KV0          the current block's math
 
 Partial results are merged with the online-softmax rule: each block returns its output and the
 log-sum-exp (lse) of its scores, and two partial results combine exactly as
@@ -535,17 +535,18 @@ def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str
                          element_bytes: int = 4, tp: int = 1, n_layers: int | None = None) -> dict:
     """Payload bytes per optimizer step on the cp group, by (collective, group), for the n_layers
     layers this rank holds (all of them without pipeline parallelism) and its heads (n/tp)."""
-    if cp == 1:
-        return {}
     tokens, d = micro_batch * seq_len // cp, cfg.head_dim
     n_heads, n_kv = cfg.n_heads // tp, cfg.n_kv_heads // tp
     per_step = (cfg.n_layers if n_layers is None else n_layers) * n_micro
     if mode == "ring":
+        if cp == 1:
+            return {}       # a ring of one: its own block, nothing passed
         kv_block = 2 * tokens * n_kv * d
         # forward: cp-1 K/V blocks; backward: cp-1 K/V blocks again and cp float32 dK/dV blocks
         p2p = per_step * (2 * (cp - 1) * kv_block * element_bytes + cp * kv_block * 4)
         return {("isend", "cp"): p2p, ("irecv", "cp"): p2p}
-    # forward: q, k, v out and the output back; backward: the same two in reverse
+    # forward: q, k, v out and the output back; backward: the same two in reverse (at cp = 1 the
+    # all-to-alls still run, over a group of one, and send nothing off the rank)
     return {("all_to_all_single", "cp"): per_step * 2 * tokens * (2 * n_heads + 2 * n_kv) * d * element_bytes}
 
 
@@ -587,13 +588,6 @@ def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, 
 
 
 # ----------------------------------------------------------------------------- 8. training and the report
-
-
-def gather_attention_work(cp: ContextParallel) -> list[int]:
-    work = torch.tensor([cp.attention_work], dtype=torch.float64)
-    everyone = torch.empty(cp.size, dtype=torch.float64)
-    comm.call(dist.all_gather_single, everyone, work, group=cp.group)
-    return [int(w) for w in everyone.tolist()]
 
 
 def parse_args(argv=None):
@@ -644,9 +638,10 @@ def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParall
     log0(f"\n== memory (one rank; a micro-batch here is {micro} x {seq // cp.size} tokens) ==")
     if pipeline is None:
         log0("activations: those of the first micro-batch")
+        predicted_activations = predicted_cp_activation_bytes(cfg, micro, seq, cp.size, args.cp_mode, tp=tp,
+                                                              sequence_parallel=args.sequence_parallel)
         log0(memory_table(measured_memory(modules, optimizer, activations.nbytes),
-                          predicted_memory(n_params, predicted_cp_activation_bytes(
-                              cfg, micro, seq, cp.size, args.cp_mode, tp=tp, sequence_parallel=args.sequence_parallel))))
+                          predicted_memory(n_params, predicted_activations)))
     else:
         log0(f"activations at the schedule's peak on this stage: {pipeline.activations.peak_bytes / 1e6:.3f} MB "
              f"({pipeline.peak_live_micro_batches} live micro-batches of S/cp tokens; lesson 03 explains the peak)")
@@ -669,10 +664,16 @@ def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParall
             n_micro, pipeline.activation_shape, 4, grid.pp_size, grid.pp_rank, 1)
         predicted.update({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "pp"): 8})
     log0(comm.meter.table(predicted, per=steps))
+    kv_block = 2 * micro * (seq // cp.size) * (cfg.n_kv_heads // tp) * cfg.head_dim
+    if args.cp_mode == "ring":
+        log0(f"ring, per layer and micro-batch: cp-1 = {cp.size - 1} K/V blocks of {kv_block * kv_bytes / 1e3:.1f} kB "
+             f"forward, {cp.size - 1} again backward, and cp = {cp.size} float32 dK/dV blocks of "
+             f"{kv_block * 4 / 1e3:.1f} kB; x {n_layers} layers x {n_micro} micro-batches")
     other = "ulysses" if args.cp_mode == "ring" else "ring"
     other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, micro, seq, cp.size, other, n_micro, kv_bytes,
                                                                  tp, n_layers).items() if kind != "irecv")
-    log0(f"the {other} mode would move {other_bytes / 1e6:.4f} MB payload per step here (formula)")
+    log0(f"the {other} mode would move {other_bytes / 1e6:.4f} MB payload per step here (formula; Ulysses "
+         f"needs heads and kv-heads per tp rank divisible by cp)")
 
     work = gather_attention_work(cp)
     predicted_work = [predicted_attention_work(cfg, micro, seq, cp.size, args.zigzag, r, n_micro, args.cp_mode,
@@ -681,7 +682,7 @@ def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParall
     log0("cp rank   " + "".join(f"{r:>12}" for r in range(cp.size)))
     log0("measured  " + "".join(f"{w / steps:>12.4g}" for w in work))
     log0("predicted " + "".join(f"{w:>12.4g}" for w in predicted_work))
-    log0(f"max/min = {max(work) / max(min(work), 1):.2f} (the ring moves at the pace of the busiest rank)")
+    log0(f"max/min = {max(work) / max(min(work), 1):.2f} (every step waits for the busiest rank)")
 
     tokens_per_s = throughput.tokens_per_second
     world = grid.shape.world_size
