@@ -622,7 +622,7 @@ def configure(args, world_size: int):
 def gather_attention_work(cp: ContextParallel) -> list[int]:
     work = torch.tensor([cp.attention_work], dtype=torch.float64)
     everyone = torch.empty(cp.size, dtype=torch.float64)
-    comm.call(dist.all_gather_single, everyone, work, group=cp.group)
+    comm.call(comm.all_gather_single, everyone, work, group=cp.group)
     return [int(w) for w in everyone.tolist()]
 
 
