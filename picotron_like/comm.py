@@ -74,8 +74,7 @@ def _measure(kind: str, args, kwargs, n: int) -> tuple[int, float]:
         payload = n * _nbytes(args[1])
         return payload, ring * payload
     if kind == "all_to_all_single":
-        output, inp = args[0], args[1]
-        payload = _nbytes(inp)
+        payload = _nbytes(args[1])              # the input this rank scatters
         splits = kwargs.get("input_split_sizes")
         if splits is None:
             return payload, ring * payload

@@ -26,7 +26,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from picotron_like import comm
