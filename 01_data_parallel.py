@@ -51,13 +51,13 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
+from picotron_like.model import GPT, count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config, world_size_from_env)
 from picotron_like.train import (SavedActivations, Throughput, add_training_flags, autocast_dtype,
                                  build_batches, build_optimizer, clip_grad_norm_, exit_with_error,
                                  learning_rate, log0, log_step, measured_memory, memory_table,
-                                 peak_flops, predicted_activation_bytes, predicted_memory,
+                                 log_compute_report, predicted_activation_bytes, predicted_memory,
                                  set_learning_rate)
 
 # ----------------------------------------------------------------------------- 1. naive data parallel
@@ -258,13 +258,7 @@ def report(model, optimizer, cfg, shape, throughput, activations, device, steps,
                       predicted_memory(n_params, predicted_activations)))
     log0(f"\n== communication per step (dp={dp}; ring all-reduce sends 2(N-1)/N x payload) ==")
     log0(comm.meter.table(predicted_dp_traffic(n_params, grad_bytes, 1), per=steps))
-    tokens_per_s = throughput.tokens_per_second
-    log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / dp:,.0f}")
-    peak = peak_flops(device)
-    if peak:
-        mfu = tokens_per_s / dp * flops_per_token(cfg, shape.seq_len) / peak
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+    log_compute_report(throughput, dp, cfg, shape.seq_len, device)
 
 
 def main(argv=None):

@@ -78,13 +78,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, flops_per_token, get_config
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson,
                                     shutdown, validate_parallel_config, world_size_from_env)
 from picotron_like.train import (MemoryReport, SavedActivations, Throughput, add_training_flags,
                                  autocast_dtype, build_batches, build_optimizer, exit_with_error,
                                  learning_rate, log0, log_step, measured_memory, memory_table,
-                                 peak_flops, set_learning_rate)
+                                 log_compute_report, set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -590,14 +590,7 @@ def report(model, optimizer, cfg, args, shape, grid, throughput, activations, de
          f"{shape.grad_accum} micro-batches) ==")
     log0(comm.meter.table(predicted_traffic, per=args.steps))
 
-    tokens_per_s = throughput.tokens_per_second
-    log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per model replica (tp={tp} ranks): "
-         f"{tokens_per_s / grid.dp_size:,.0f}")
-    peak = peak_flops(device)
-    if peak:
-        mfu = tokens_per_s / grid.shape.world_size * flops_per_token(cfg, s) / peak
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+    log_compute_report(throughput, grid.shape.world_size, cfg, s, device)
 
 
 def main(argv=None):

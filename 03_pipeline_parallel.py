@@ -81,13 +81,13 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import DataError
-from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, flops_per_token, get_config
+from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, get_config
 from picotron_like.model import init_reference_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config, world_size_from_env)
 from picotron_like.train import (Throughput, add_training_flags, autocast_dtype, build_batches, build_optimizer,
                                  clip_grad_norm_, exit_with_error, learning_rate, log0, log_step, measured_memory,
-                                 memory_table, peak_flops, predicted_activation_bytes, predicted_memory,
+                                 memory_table, log_compute_report, predicted_activation_bytes, predicted_memory,
                                  set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
@@ -843,13 +843,7 @@ def report(pipeline, optimizer, cfg, shape, args, grid, throughput, recorder, de
          f"2*{m}*{'*'.join(map(str, boundary))}*4 = {(pp * v - 1) * boundary_bytes / 1e6:.4f} MB predicted, "
          f"{total_sent / 1e6:.4f} MB measured (sum of every stage's sends)")
 
-    tokens_per_s = throughput.tokens_per_second
-    log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / grid.shape.world_size:,.0f}")
-    peak = peak_flops(device)
-    if peak:
-        mfu = tokens_per_s / grid.shape.world_size * flops_per_token(cfg, shape.seq_len) / peak
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+    log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
 
 
 def main(argv=None):

@@ -80,12 +80,12 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPT, Attention, causal_attention, count_parameters, flops_per_token, get_config
+from picotron_like.model import GPT, Attention, causal_attention, count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config, world_size_from_env)
 from picotron_like.train import (SavedActivations, Throughput, add_training_flags, autocast_dtype, build_batches,
                                  build_optimizer, exit_with_error, learning_rate, log0, log_step,
-                                 measured_memory, memory_table, peak_flops, predicted_activation_bytes,
+                                 measured_memory, memory_table, log_compute_report, predicted_activation_bytes,
                                  predicted_memory, set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
@@ -684,14 +684,7 @@ def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParall
     log0("predicted " + "".join(f"{w:>12.4g}" for w in predicted_work))
     log0(f"max/min = {max(work) / max(min(work), 1):.2f} (every step waits for the busiest rank)")
 
-    tokens_per_s = throughput.tokens_per_second
-    world = grid.shape.world_size
-    log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / world:,.0f}")
-    peak = peak_flops(device)
-    if peak:
-        mfu = tokens_per_s / world * flops_per_token(cfg, seq) / peak
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+    log_compute_report(throughput, grid.shape.world_size, cfg, seq, device)
 
 
 def main(argv=None):

@@ -120,3 +120,36 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, **kwargs) ->
                        for rank in missing if stacks.get(rank, "").strip()]
         raise RankFailure(f"{fn.__name__} failed on {world_size} ranks\n" + "\n".join(report))
     return [pickle.loads(outcomes[rank][1]) for rank in range(world_size)]
+
+
+def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_norm: float = 1.0,
+                    adam_eps: float | None = None) -> dict:
+    """The ground truth of the equality tests: one GPT on one device, each step's whole global batch
+    in one piece.
+
+    Returns the loss of every step, the gradients of step 0 (before clipping), the parameters after
+    the last step, and the gradient norm of every step (so a test can check that clipping acted).
+    `adam_eps` overrides AdamW's eps for tests that must damp rounding noise (see their docstrings);
+    the distributed run under test must then use the same.
+    """
+    from picotron_like.model import GPT
+    from picotron_like.train import build_optimizer, clip_grad_norm_
+
+    model = GPT(cfg, seed=seed)
+    optimizer = build_optimizer(model, lr)
+    if adam_eps is not None:
+        for group in optimizer.param_groups:
+            group["eps"] = adam_eps
+    losses, norms, grads = [], [], {}
+    for step in range(steps):
+        window = batches.global_batch(step)
+        loss = model(window[:, :-1], window[:, 1:])
+        loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        norms.append(clip_grad_norm_(model.parameters(), max_grad_norm))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "params": params, "norms": norms}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import GPTConfig
+from picotron_like.model import GPTConfig, flops_per_token
 
 # ----------------------------------------------------------------------------- optimisation
 
@@ -135,6 +135,23 @@ class Throughput:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq_len: int,
+                       device: torch.device) -> None:
+    """The compute part of every lesson's report: tokens/s, and on a known GPU the MFU.
+
+    MFU (model FLOPs utilisation) divides the FLOPs the model needs per token (flops_per_token)
+    by the GPU's peak: work a technique adds (recomputation, idle bubbles, communication) lowers
+    it instead of counting as useful. Every rank shares the tokens, whatever it computes of them.
+    """
+    tokens_per_s = throughput.tokens_per_second
+    log0("\n== compute ==")
+    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / n_ranks:,.0f}")
+    peak = peak_flops(device)
+    if peak:
+        mfu = tokens_per_s / n_ranks * flops_per_token(cfg, seq_len) / peak
+        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
 
 
 def log_step(step: int, loss: float, tokens: int, seconds: float) -> None:

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import GPT, get_config
-from picotron_like.testing import run_ranks
+from picotron_like.model import get_config
+from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
-from picotron_like.train import SavedActivations, build_optimizer, clip_grad_norm_
+from picotron_like.train import SavedActivations, build_optimizer
 
 lesson = load_lesson("04_context_parallel")
 
@@ -183,23 +183,11 @@ def batches(dp: int) -> TokenBatches:
 
 def reference_run():
     """One device, the whole global batch in one piece: losses, step-0 gradients, final parameters."""
-    model = GPT(CFG, seed=SEED)
-    optimizer = build_optimizer(model, LR)
-    data = batches(1)
-    losses, grads = [], None
-    for step in range(STEPS):
-        window = data.global_batch(step)
-        loss = model(window[:, :-1], window[:, 1:])
-        loss.backward()
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        # Clipping must act at every step, or the tensor-parallel variants' norm (summed over tp
-        # shards, norm gains counted once) would go untested.
-        assert clip_grad_norm_(model.parameters(), 1.0) > 1.0
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {name: p.detach().clone() for name, p in model.state_dict().items()}
+    reference = train_reference(CFG, SEED, batches(1), STEPS, LR)
+    # Clipping must act at every step, or the tensor-parallel variants' norm (summed over tp
+    # shards, norm gains counted once) would go untested.
+    assert min(reference["norms"]) > 1.0
+    return reference["losses"], reference["grads"], reference["params"]
 
 
 def lesson_missing(name: str) -> str | None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.model import GPT, get_config
-from picotron_like.testing import run_ranks
+from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
 from picotron_like.train import build_optimizer, clip_grad_norm_
 
@@ -47,21 +47,8 @@ def batches(dp: int) -> TokenBatches:
 
 def reference_run():
     """One device, the whole global batch as one batch: losses, step-0 gradients, final parameters."""
-    model = GPT(CFG, seed=SEED)
-    optimizer = build_optimizer(model, LR)
-    data = batches(1)
-    losses, grads = [], None
-    for step in range(STEPS):
-        window = data.global_batch(step)
-        loss = model(window[:, :-1], window[:, 1:])
-        loss.backward()
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {name: p.detach().clone() for name, p in model.state_dict().items()}
+    reference = train_reference(CFG, SEED, batches(1), STEPS, LR)
+    return reference["losses"], reference["grads"], reference["params"]
 
 
 def data_parallel_run(mode: str, bucket_bytes: int):

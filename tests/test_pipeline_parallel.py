@@ -42,9 +42,9 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import BatchShape, DataError, TokenBatches, builtin_corpus_paths
 from picotron_like.model import GPT, cross_entropy_loss, get_config
-from picotron_like.testing import run_ranks
+from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
-from picotron_like.train import build_optimizer, clip_grad_norm_
+from picotron_like.train import build_optimizer
 
 lesson = load_lesson("03_pipeline_parallel")
 
@@ -64,31 +64,22 @@ def batches(micro: int, n_micro: int, dp: int) -> TokenBatches:
                         vocab_size=BASE.vocab_size)
 
 
+ADAM_EPS = 1e-6
+
+
 def optimizer_for(model):
     """AdamW as the lessons build it, with the larger eps explained in the module docstring."""
     optimizer = build_optimizer(model, LR)
     for group in optimizer.param_groups:
-        group["eps"] = 1e-6
+        group["eps"] = ADAM_EPS
     return optimizer
 
 
 def reference_run(cfg):
     """One device, the whole global batch at once: losses, step-0 gradients, final parameters."""
-    model = GPT(cfg, seed=SEED)
-    optimizer = optimizer_for(model)
-    data = batches(GLOBAL_SEQUENCES[cfg.n_layers], 1, 1)
-    losses, grads = [], None
-    for step in range(STEPS):
-        window = data.global_batch(step)
-        loss = model(window[:, :-1], window[:, 1:])
-        loss.backward()
-        if step == 0:
-            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses, grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = train_reference(cfg, SEED, batches(GLOBAL_SEQUENCES[cfg.n_layers], 1, 1), STEPS, LR,
+                                adam_eps=ADAM_EPS)
+    return reference["losses"], reference["grads"], reference["params"]
 
 
 @pytest.fixture(scope="module")
