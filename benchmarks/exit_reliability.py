@@ -38,7 +38,11 @@ def main():
                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
         exit_codes[result.returncode] += 1
         if result.returncode != 0:
-            print(f"run {run}: exit {result.returncode}\n{result.stderr[-2000:]}", flush=True)
+            # What the ranks printed (torchrun's own warnings left out) and how far training got.
+            rank_lines = [line for line in result.stderr.splitlines() if not line.startswith(("W", "E", "I"))]
+            print(f"run {run}: exit {result.returncode}\n--- last stdout lines:\n"
+                  + "\n".join(result.stdout.splitlines()[-5:])
+                  + "\n--- stderr of the ranks:\n" + "\n".join(rank_lines[:60]), flush=True)
     elapsed = time.monotonic() - start
     print(f"{args.runs} runs of `torchrun --nproc_per_node={args.nproc} {args.script} {' '.join(args.extra)}`: "
           f"exit codes {dict(exit_codes)} in {elapsed:.0f} s")
