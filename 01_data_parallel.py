@@ -234,7 +234,8 @@ def train_step(model, optimizer, micro_batches, max_grad_norm, device, compute_d
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 01: data parallelism (run with torchrun).")
+    parser = argparse.ArgumentParser(description="Lesson 01: data parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the world size)")
     parser.add_argument("--mode", choices=("naive", "bucketed"), default="bucketed",
                         help="naive: one blocking all-reduce per tensor; bucketed: async buckets overlapping backward")

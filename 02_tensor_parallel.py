@@ -548,7 +548,8 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).")
+    parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks sharing each layer)")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size / tp)")
     parser.add_argument("--sequence-parallel", action="store_true",

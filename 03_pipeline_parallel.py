@@ -682,7 +682,8 @@ def load_tensor_parallel():
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).")
+    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (dp * tp))")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                         help="afab: all forwards then all backwards (GPipe); 1f1b: one forward one backward; "

@@ -591,7 +591,8 @@ def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).")
+    parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--cp", type=int, default=None,
                         help="context-parallel degree (default: world size / (dp * tp * pp))")
     parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",

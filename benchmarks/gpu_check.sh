@@ -18,3 +18,9 @@ run() {
 # 125M-parameter shape, 16 x 1024 tokens per step: big enough for MFU to mean something.
 run 01_data_parallel.py --preset 125m --seq-len 1024 --micro-batch-size 16 --grad-accum 1 --steps 30 --warmup-steps 3 --lr 6e-4 --dtype bfloat16
 run 01_data_parallel.py --preset 1b --seq-len 2048 --micro-batch-size 4 --grad-accum 1 --steps 15 --warmup-steps 3 --lr 3e-4 --dtype bfloat16
+# The other lessons at degree 1: their CUDA code paths (vocab-parallel loss, pipeline executor,
+# ring attention's block kernels) on one GPU, 125m shape, bf16.
+common="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 15 --warmup-steps 3 --lr 6e-4 --dtype bfloat16"
+run 02_tensor_parallel.py --tp 1 --dp 1 --grad-accum 1 $common
+run 03_pipeline_parallel.py --pp 1 --micro-batches 2 $common
+run 04_context_parallel.py --cp 1 --grad-accum 1 $common
