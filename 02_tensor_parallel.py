@@ -38,23 +38,39 @@ block (each rank keeps s/tp tokens), the all-gather starts the next one:
     [b, s/tp, h] ─► RMSNorm ─► all-gather ─► column ─► ... ─► row ─► reduce-scatter ─► [b, s/tp, h]
                   (weight grads summed over tp: each rank saw only s/tp tokens)
 
+A column-parallel layer needs its whole input [b, s, h] once more in backward, for its weight
+gradient. Keeping the gathered input until then would leave one [b, s, h] tensor per norm
+replicated on every tp rank, so the column layers keep only the norm's output on this rank,
+[b, s/tp, h], and all-gather it again in backward: once for q, k and v together, once for gate and
+up, once for the head. Every activation of a block is then divided by tp, for one more all-gather
+per norm in backward. Megatron starts that all-gather before computing the input gradient, so
+that on GPUs it travels while the matmul runs; this file does the same (on gloo it runs on a
+background thread).
+
 The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocabulary V):
     memory:  weights, gradients, optimizer states / tp (norm gains replicated); activations inside
-             the blocks / tp; the residual stream and norms / tp only with sequence parallelism.
-             Logits b*s*V/tp instead of b*s*V.
+             the blocks / tp, except the norms' inputs, statistics and outputs (the column layers'
+             input), replicated on every tp rank: per token and layer 2(3h + 1) of the
+             2(3h + 1) + 5h + 4f + n_heads elements a block saves. With sequence parallelism every
+             activation of a block / tp. Logits b*s*V/tp instead of b*s*V.
     communication: per layer 2 all-reduces forward and 2 backward of b*s*h elements, plus one each
              for the embedding and the head: (4L + 2) * b*s*h. With sequence parallelism the same
-             volume moves as (4L + 2) all-gathers and (4L + 2) reduce-scatters of b*s*h, plus
+             volume moves as (4L + 2) all-gathers and (4L + 2) reduce-scatters of b*s*h, plus the
+             2L + 1 all-gathers of b*s*h that rebuild the column layers' input in backward, and
              2L + 1 all-reduces of h for the norm gains. The loss adds 3 all-reduces of b*s floats.
     compute: the same FLOPs split tp ways, but every collective sits on the critical path: the next
-             matmul needs its result.
+             matmul needs its result (except sequence parallelism's backward all-gathers, which
+             travel while the input gradient is computed).
 
 When TP pays. Per layer and token, a rank does 2 * 13h^2 / tp forward FLOPs (8b preset) and sends
 2 * 2h bytes * 2(tp-1)/tp in bf16: with h = 4096 and tp = 8, 1900 FLOPs per byte sent. At an H100's
 989 TFLOP/s the link must carry 520 GB/s to keep up: NVLink's 450 GB/s each way roughly does; a
 400 Gb/s InfiniBand NIC (50 GB/s) is ten times too slow. That is why tp stays inside a node (8
-GPUs) and data or pipeline parallelism crosses nodes. Sequence parallelism adds no traffic and
-divides what TP left replicated — the norms and the residual stream — by tp.
+GPUs) and data or pipeline parallelism crosses nodes. Sequence parallelism divides what TP left
+replicated — the norms, their outputs and the residual stream — by tp, for a quarter more bytes on
+the wire in float32: per micro-batch a rank sends (tp-1)/tp of (4L + 2) + (4L + 2) + (2L + 1)
+messages of b*s*h (all-gathers, reduce-scatters, backward all-gathers) instead of 2(tp-1)/tp of
+4L + 2 (all-reduces). The extra all-gathers start before a matmul that can hide them on a GPU.
 
 Run it:
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2                      # CPU, ~30 s
@@ -64,7 +80,9 @@ Run it:
 What to look for: the loss falls as on one device (the tests prove equality to float32 rounding);
 the tp rows of the communication table equal the formula to the byte, and switching on
 --sequence-parallel turns the all-reduces into all-gathers and reduce-scatters of the same volume
-while the activation memory per rank falls.
+plus one backward all-gather per norm, while the activation memory per rank falls from the
+report's "without" prediction to its "with sequence parallelism" one (every activation of a
+block / tp).
 """
 
 from __future__ import annotations
@@ -136,12 +154,25 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 # around each call (one copy each way; Megatron keeps activations [seq, batch, hidden] throughout
 # to avoid it, a layout our reference model does not use).
 
-def all_gather_sequence(x, group):
-    """[b, s/tp, h] on each rank -> [b, s, h] on every rank (rank order = sequence order)."""
+def start_all_gather_sequence(x, group):
+    """Start gathering [b, s/tp, h] from each rank into [b, s, h] (rank order = sequence order).
+
+    Returns a function that waits for the result and returns it, so that the caller can compute
+    something else while the all-gather travels.
+    """
     shard = x.transpose(0, 1).contiguous()
     full = shard.new_empty((dist.get_world_size(group) * shard.shape[0], *shard.shape[1:]))
-    comm.call(comm.all_gather_single, full, shard, group=group)
-    return full.transpose(0, 1).contiguous()
+    work = comm.call(comm.all_gather_single, full, shard, group=group, async_op=True)
+
+    def wait():
+        work.wait()
+        return full.transpose(0, 1).contiguous()
+    return wait
+
+
+def all_gather_sequence(x, group):
+    """[b, s/tp, h] on each rank -> [b, s, h] on every rank."""
+    return start_all_gather_sequence(x, group)()
 
 
 def reduce_scatter_sequence(x, group):
@@ -157,17 +188,63 @@ def reduce_scatter_sequence(x, group):
     return shard.transpose(0, 1).contiguous()
 
 
+class SequenceRegather:
+    """Backward's all-gather of one norm's output, made once for all the column layers that read it.
+
+    q, k and v (gate and up) each need the whole sequence for their weight gradient, and they
+    read the same input: the first of them to run backward starts the all-gather, the others
+    reuse its result. The entry's backward, which autograd runs only after all of theirs, drops
+    it: the gathered sequence lives for that stretch of the backward pass only.
+    """
+
+    def __init__(self, group):
+        self.group, self.wait, self.full = group, None, None
+
+    def start(self, shard):
+        if self.wait is None and self.full is None:
+            self.wait = start_all_gather_sequence(shard, self.group)
+
+    def result(self):
+        if self.full is None:
+            self.full, self.wait = self.wait(), None
+        return self.full
+
+    def release(self):
+        self.full = None
+
+
 class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward."""
+    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward.
+
+    The gradient that arrives here is the sum of the input gradients of every column layer that
+    read the gathered sequence (autograd adds them up), so one reduce-scatter serves q, k and v;
+    their backward passes are done, and the sequence they gathered again can go.
+    """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, regather):
+        ctx.group, ctx.regather = group, regather
         return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
+        ctx.regather.release()
+        return reduce_scatter_sequence(grad, ctx.group), None, None
+
+
+class SequenceParallelInput:
+    """What the column-parallel layers after a norm receive under sequence parallelism.
+
+    `shard` is the norm's output, this rank's s/tp tokens; `full` is the whole sequence, gathered
+    once in forward for every layer that reads it; `regather` gathers it once again in backward.
+    A layer multiplies `full` but keeps only `shard` for backward, so the gathered sequence is
+    freed once the layers that read it have run instead of living until their backward: that is
+    what makes every activation of a block 1/tp under sequence parallelism.
+    """
+
+    def __init__(self, shard, group):
+        self.shard, self.regather = shard, SequenceRegather(group)
+        self.full = GatherFromSequenceParallelRegion.apply(shard, group, self.regather)
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -184,9 +261,10 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 
 def enter_tensor_parallel_region(x, group, sequence_parallel: bool):
-    """Before column-parallel layers: f, or with sequence parallelism the all-gather."""
+    """Before column-parallel layers: f, or with sequence parallelism the all-gather (wrapped in a
+    SequenceParallelInput, which only column-parallel layers read)."""
     if sequence_parallel:
-        return GatherFromSequenceParallelRegion.apply(x, group)
+        return SequenceParallelInput(x, group)
     return CopyToTensorParallelRegion.apply(x, group)
 
 
@@ -235,13 +313,43 @@ def replicated(param: nn.Parameter) -> nn.Parameter:
     return param
 
 
+class LinearSavingSequenceShard(torch.autograd.Function):
+    """Y = X A^T + b on the gathered sequence X, keeping only this rank's tokens of X for backward.
+
+    forward:  Y from `full`; saves `shard` (and A, a parameter, not an activation).
+    backward: start gathering X again (only the first layer of a region sends anything), compute
+              dX = dY A while it travels, then wait for X and compute dA = dY^T X, db = sum dY.
+    dX is the gradient of `full`: autograd sums it over the layers that read `full`, and the
+    region's entry reduce-scatters the sum. Under autocast the matmuls run in the dtype of Y, as
+    F.linear's would, and each gradient is cast back to its tensor's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, full, shard, regather, weight, bias):
+        ctx.regather, ctx.bias_dtype = regather, None if bias is None else bias.dtype
+        ctx.save_for_backward(shard, weight)
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        ctx.regather.start(shard)
+        grad_input = (grad @ weight.to(grad.dtype)).to(shard.dtype)
+        full = ctx.regather.result()
+        grad = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (grad.t() @ full.reshape(-1, full.shape[-1]).to(grad.dtype)).to(weight.dtype)
+        grad_bias = None if ctx.bias_dtype is None else grad.sum(0).to(ctx.bias_dtype)
+        return grad_input, None, None, grad_weight, grad_bias
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i^T + b_i: this rank's slice of the output features.
 
     The input must already be in the tensor-parallel region (``enter_tensor_parallel_region``):
     the model does that once in the norm before each block, where q, k and v (or gate and up)
     share one input. Megatron fuses q/k/v into one matrix for the same reason; one f for three
-    layers is one all-reduce backward instead of three.
+    layers is one all-reduce backward instead of three. Under sequence parallelism the input is a
+    SequenceParallelInput, and the layer saves this rank's tokens instead of the gathered sequence.
     """
 
     def __init__(self, full: nn.Linear, group):
@@ -250,6 +358,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = take_shard(full.bias, 0, group) if full.bias is not None else None
 
     def forward(self, x):
+        if isinstance(x, SequenceParallelInput):
+            return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -282,8 +392,9 @@ class TensorParallelRMSNorm(RMSNorm):
 
     The norm is where a block's column-parallel layers take their shared input, so it is where the
     entry operator goes: f without sequence parallelism; with it, the norm runs on this rank's s/tp
-    tokens and the all-gather builds the full sequence for the column-parallel layers. The gain
-    is replicated; under sequence parallelism its gradient is summed over tp.
+    tokens and returns a SequenceParallelInput, whose all-gather builds the full sequence for the
+    column-parallel layers. The gain is replicated; under sequence parallelism its gradient is
+    summed over tp.
     """
 
     def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
@@ -446,8 +557,9 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
     - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
       parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
       [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
-      sends [b, s/tp, h] between stages and needs no code of its own. Rotary tables are built for
-      the full sequence (positions as in the reference).
+      sends [b, s/tp, h] between stages and needs no code of its own. The norms then return a
+      SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
+      Rotary tables are built for the full sequence (positions as in the reference).
     - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
     - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
       divisible by tp, or an MoE model. The sequence length is checked by the caller
@@ -494,8 +606,10 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
     Per micro-batch, with N = b*s*h: the embedding's g, 2 per layer forward (after o_proj and
     down_proj), 2 per layer backward (the norms' f), and the head's f backward: 4L + 2 messages of N.
     Under autocast the row-parallel outputs (and their gradients) travel in the compute dtype; the
-    embedding and the norms produce float32. The loss adds 3 all-reduces of b*s float32, and under
-    sequence parallelism the 2L + 1 norm gains' gradients (h float32 each) are summed.
+    embedding and the norms produce float32. The loss adds 3 all-reduces of b*s float32. Under
+    sequence parallelism each message becomes an all-gather and a reduce-scatter, the column
+    layers gather each norm's output again in backward (2L + 1 more all-gathers of N, float32),
+    and the 2L + 1 norm gains' gradients (h float32 each) are summed.
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     N = micro_batch * seq_len * cfg.hidden
@@ -507,8 +621,9 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
         # forward: embedding + row outputs; backward: the norms' f (g's backward is free)
         per_micro = {("all_reduce", "tp"): fp32_bytes + row_bytes + loss}
     else:
-        # every message above moves once as an all-gather and once as a reduce-scatter
-        per_micro = {("all_gather_single", "tp"): fp32_bytes + row_bytes,
+        # every message above moves once as an all-gather and once as a reduce-scatter; the
+        # column layers' weight gradients gather each norm's output once more
+        per_micro = {("all_gather_single", "tp"): fp32_bytes + row_bytes + n_norms * N * 4,
                      ("reduce_scatter_single", "tp"): fp32_bytes + row_bytes,
                      ("all_reduce", "tp"): loss + n_norms * cfg.hidden * 4}
     return {key: n_micro * value for key, value in per_micro.items() if value}
@@ -521,27 +636,32 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     GPT or a pipeline stage.
 
     Per token and layer, in elements:
-      two RMSNorms, each: input, 1/rms, normalised input (/tp with SP)     2 * (2h + 1)
-      the gathered norm output the column layers keep for their weight grads      2 * h
+      two RMSNorms, each: input, 1/rms, normalised input, and the output
+      the column layers keep for their weight gradients (/tp with SP)      2 * (3h + 1)
       attention: q, k and v (repeated), output, log-sum-exp                (4h + n_heads) / tp
       o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
-    plus the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per
-    token; the head's final norm and input (2h + 1 [/tp] + h), the loss's softmax over V/tp, its
-    int64 targets and its count of valid targets.
+    so with sequence parallelism everything a block saves is divided by tp. Plus the rotary tables
+    (s * head_dim); the embedding's int64 local ids and one-byte mask per token; the head's final
+    norm and input (3h + 1, /tp with SP), the loss's softmax over V/tp, its int64 targets and its
+    count of valid targets.
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len
     h, f = cfg.hidden, cfg.ffn_hidden
-    norm = (2 * h + 1) / (tp if sequence_parallel else 1)
-    per_layer = 2 * (norm + h) + (4 * h + cfg.n_heads + h + 4 * f) / tp
-    float_elements = tokens * layers * per_layer + (seq_len * cfg.head_dim if layers else 0)
+    # Integers throughout, so that the prediction is exact: sequence parallelism needs s % tp == 0
+    # and the grid rules make h, f, n_heads and V multiples of tp.
+    norm_tokens = tokens // tp if sequence_parallel else tokens      # the tokens a norm sees here
+    norm = 3 * h + 1
+    split = 4 * h + cfg.n_heads + h + 4 * f
+    float_elements = layers * (2 * norm_tokens * norm + tokens * split // tp)
+    float_elements += seq_len * cfg.head_dim if layers else 0
     other_bytes = 0
     if with_embedding:
         other_bytes += tokens * (8 + 1)
     if with_head:
-        float_elements += tokens * (norm + h + cfg.vocab_size / tp)
+        float_elements += norm_tokens * norm + tokens * cfg.vocab_size // tp
         other_bytes += tokens * 8 + 8
-    return int(4 * float_elements + other_bytes)
+    return 4 * float_elements + other_bytes
 
 
 # ----------------------------------------------------------------------------- main
@@ -579,6 +699,10 @@ def report(model, optimizer, cfg, args, shape, grid, throughput, activations, de
                              optimizer_states=8 * predicted_params,
                              activations=predicted_tp_activation_bytes(cfg, b, s, tp, sp))
     log0(memory_table(measured_memory(model, optimizer, activations.nbytes), predicted))
+    if s % tp == 0:
+        with_sp, without_sp = (predicted_tp_activation_bytes(cfg, b, s, tp, flag) for flag in (True, False))
+        log0(f"activations predicted with sequence parallelism: {with_sp / 1e6:.3f} MB per rank, without: "
+             f"{without_sp / 1e6:.3f} MB (the norms and their outputs, replicated over tp without it)")
     log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
          f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
 

@@ -8,7 +8,8 @@ Three spawns of 4 ranks carry every multi-rank check (starting ranks is the slow
   PyTorch's own torch.distributed.tensor.parallel on the same model;
 - the whole GPT at tp = 4 (with and without SP) and dp x tp = 2 x 2 (with and without SP): losses,
   gradients and parameters after AdamW steps with gradient accumulation and clipping, the tp
-  traffic against the formula, the saved activations against their formula;
+  traffic against the formula, the saved activations against their formula, and what SP saves
+  (every activation of a block / tp) from the measurements alone;
 - the script under torchrun.
 
 Tolerances. A tensor-parallel matmul adds the same products as the reference in a different order
@@ -72,9 +73,14 @@ def check_column(group, sequence_parallel):
     (full(x) * grad_out).sum().backward()
 
     layer = tp_lesson.ColumnParallelLinear(full, group)
-    x_local = (shard(x, 1, rank, tp) if sequence_parallel else x).detach().requires_grad_()
-    out = layer(tp_lesson.enter_tensor_parallel_region(x_local, group, sequence_parallel))
+    # a copy, not a view: a view of x would keep x's whole storage, which the meter would count
+    x_local = (shard(x, 1, rank, tp) if sequence_parallel else x).detach().clone().requires_grad_()
+    with SavedActivations(layer, torch.device("cpu")) as saved:
+        out = layer(tp_lesson.enter_tensor_parallel_region(x_local, group, sequence_parallel))
     what = f"column tp={tp} sp={sequence_parallel}"
+    # The layer keeps its input as this rank holds it: under sequence parallelism this rank's tokens
+    # only, not the sequence it gathered (which backward gathers again).
+    assert saved.nbytes == x_local.numel() * x_local.element_size(), what
     assert_close(out, shard(full(x), 2, rank, tp), f"{what} output")
     (out * shard(grad_out, 2, rank, tp)).sum().backward()
     expected_x_grad = shard(x.grad, 1, rank, tp) if sequence_parallel else x.grad
@@ -375,6 +381,21 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
             assert measured == {key: STEPS * value for key, value in predicted.items()}, what
             assert result["activation_bytes"] == tp_lesson.predicted_tp_activation_bytes(
                 CFG, MICRO, SEQ, tp, sequence_parallel), what
+
+        # What sequence parallelism saves, from the measurements alone (independently of the
+        # formula): the 2L + 1 norms' inputs, 1/rms, normalised inputs and outputs (the column
+        # layers' input), 3h + 1 floats per token, go from every token to s/tp tokens ...
+        measured = {result["config"]: result["activation_bytes"] for result in results}
+        tokens = MICRO * SEQ
+        norms = (2 * CFG.n_layers + 1) * tokens * (3 * CFG.hidden + 1) * 4
+        for (dp, tp, sequence_parallel), nbytes in measured.items():
+            if sequence_parallel:
+                assert measured[(dp, tp, False)] - nbytes == norms - norms // tp, (rank, dp, tp)
+        # ... and then everything else a block saves is split too: what is left after the parts
+        # outside the blocks that no tp rank splits (the rotary tables, the token ids with the
+        # embedding's mask, the targets and the loss's count) scales as 1/tp (tp = 2 and 4 agree).
+        unsplit = SEQ * CFG.head_dim * 4 + tokens * (8 + 1) + tokens * 8 + 8
+        assert len({(nbytes - unsplit) * tp for (_, tp, sp), nbytes in measured.items() if sp}) == 1, rank
 
 
 # ----------------------------------------------------------------------------- configuration errors
