@@ -91,6 +91,7 @@ from picotron_like.train import (Throughput, add_training_flags, autocast_dtype,
                                  set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
+tensor_parallel = load_lesson("02_tensor_parallel")
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 
@@ -669,15 +670,6 @@ def pipeline_programs_checked(schedule: str, pp: int, n_micro: int, virtual_stag
         raise ConfigError(f"schedule {schedule} with pp={pp}, m={n_micro}, v={virtual_stages} would deadlock: {error}")
 
 
-def load_tensor_parallel():
-    """Lesson 02, for --tp > 1 (stages are converted like a whole GPT)."""
-    try:
-        return load_lesson("02_tensor_parallel")
-    except Exception as error:  # a missing or broken lesson 02 must stop the run with one clear line
-        raise ConfigError(f"--tp > 1 needs lesson 02 (02_tensor_parallel.py), which failed to load: {error!r}; "
-                          f"use --tp 1") from error
-
-
 # ----------------------------------------------------------------------------- main
 
 
@@ -711,7 +703,7 @@ def configure(args, world_size: int):
     grid = GridShape(dp=args.dp, pp=pp, tp=args.tp)
     validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, args.grad_accum)
     if args.tp > 1:
-        load_tensor_parallel().validate_tensor_parallel(cfg, args.tp, args.seq_len, args.sequence_parallel)
+        tensor_parallel.validate_tensor_parallel(cfg, args.tp, args.seq_len, args.sequence_parallel)
     return cfg, grid
 
 
@@ -720,7 +712,6 @@ def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1, se
     """This rank's chunks: reference weights, then tensor-parallel (tp > 1), then data-parallel."""
     chunks = [chunk.to(device) for chunk in build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)]
     if grid.tp_size > 1:
-        tensor_parallel = load_tensor_parallel()
         chunks = [tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel) for chunk in chunks]
     return [data_parallel.BucketedDataParallel(chunk, grid.dp_group, bucket_bytes) for chunk in chunks]
 
@@ -735,7 +726,7 @@ def norm_settings(grid):
     """Extra groups and the replicated-parameter rule for gradient clipping (tensor parallelism)."""
     if grid.tp_size == 1:
         return (), None
-    return (grid.tp_group,), load_tensor_parallel().tp_counts_toward_norm(grid.tp_group)
+    return (grid.tp_group,), tensor_parallel.tp_counts_toward_norm(grid.tp_group)
 
 
 def predicted_p2p_bytes(n_micro: int, boundary_shape, element_bytes: int, pp: int, pp_rank: int,
@@ -761,7 +752,7 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
     """
     has_embedding, has_head = stage.tok_embeddings is not None, stage.lm_head is not None
     if tp > 1:
-        return load_tensor_parallel().predicted_tp_activation_bytes(
+        return tensor_parallel.predicted_tp_activation_bytes(
             cfg, micro_batch, seq_len, tp, sequence_parallel, n_layers=len(stage.layer_ids),
             with_embedding=has_embedding, with_head=has_head)
     whole_model_ids = predicted_activation_bytes(cfg, micro_batch, seq_len, n_layers=len(stage.layer_ids),
@@ -776,7 +767,7 @@ def predicted_tp_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_paral
     total = defaultdict(int)
     for chunk in pipeline.chunks:
         stage = chunk.module
-        for key, value in load_tensor_parallel().predicted_tp_traffic(
+        for key, value in tensor_parallel.predicted_tp_traffic(
                 cfg, shape.micro_batch_size, shape.seq_len, shape.grad_accum, tp, sequence_parallel,
                 pipeline.compute_dtype, n_layers=len(stage.layer_ids), with_embedding=stage.tok_embeddings is not None,
                 with_head=stage.lm_head is not None).items():

@@ -89,6 +89,8 @@ from picotron_like.train import (SavedActivations, Throughput, add_training_flag
                                  predicted_memory, set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
+tensor_parallel = load_lesson("02_tensor_parallel")
+pipeline_parallel = load_lesson("03_pipeline_parallel")
 
 # ----------------------------------------------------------------------------- 1. splitting the sequence
 
@@ -431,14 +433,6 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
     return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
 
-def load_earlier_lesson(name: str, flag: str):
-    """Lesson 02 or 03, loaded only when its degree is above 1."""
-    try:
-        return load_lesson(name)
-    except Exception as error:  # a missing or broken lesson must stop the run with one clear line
-        raise ConfigError(f"{flag} > 1 needs {name}.py, which failed to load: {error!r}; use {flag} 1") from error
-
-
 def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
                 sequence_parallel: bool = False, bucket_bytes: int = 2**20) -> list[torch.nn.Module]:
     """This rank's model parts, in the order the techniques apply:
@@ -452,13 +446,11 @@ def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: st
     heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves.
     """
     if grid.pp_size > 1:
-        pipeline = load_earlier_lesson("03_pipeline_parallel", "--pp")
-        parts = pipeline.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
+        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
     else:
         parts = [GPT(cfg, seed=seed)]
     parts = [part.to(device) for part in parts]
     if grid.tp_size > 1:
-        tensor_parallel = load_earlier_lesson("02_tensor_parallel", "--tp")
         parts = [tensor_parallel.apply_tensor_parallel(part, grid.tp_group, sequence_parallel) for part in parts]
     return [wrap_gradient_reduction(apply_context_parallel(part, cp, mode), grid, bucket_bytes) for part in parts]
 
@@ -470,7 +462,7 @@ def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, 
     if grid.pp_size == 1:
         return None
     tokens = shape.seq_len // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
-    return load_earlier_lesson("03_pipeline_parallel", "--pp").Pipeline(
+    return pipeline_parallel.Pipeline(
         parts, grid, schedule, shape.grad_accum, 1, (shape.micro_batch_size, tokens, cfg.hidden), device,
         compute_dtype)
 
@@ -480,7 +472,7 @@ def norm_settings(grid: ProcessGrid):
     shards and counts replicated norm gains once. cp ranks hold identical reduced gradients: no group."""
     if grid.tp_size == 1:
         return (), None
-    return (grid.tp_group,), load_earlier_lesson("02_tensor_parallel", "--tp").tp_counts_toward_norm(grid.tp_group)
+    return (grid.tp_group,), tensor_parallel.tp_counts_toward_norm(grid.tp_group)
 
 
 def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, grid: ProcessGrid, device,
@@ -495,7 +487,7 @@ def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, 
     if pipeline is None:
         return data_parallel.train_step(parts[0], optimizer, micro_batches, max_grad_norm, device, compute_dtype,
                                         activation_meter, norm_groups, counts_toward_norm)
-    return load_earlier_lesson("03_pipeline_parallel", "--pp").train_step(
+    return pipeline_parallel.train_step(
         pipeline, optimizer, micro_batches, max_grad_norm, grid.dp_cp_group, norm_groups, counts_toward_norm)
 
 
@@ -522,9 +514,9 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
     if grid.tp > 1:
-        load_earlier_lesson("02_tensor_parallel", "--tp").validate_tensor_parallel(cfg, GridShape(tp=grid.tp))
+        tensor_parallel.validate_tensor_parallel(cfg, GridShape(tp=grid.tp))
     if grid.pp > 1:
-        load_earlier_lesson("03_pipeline_parallel", "--pp").validate_pipeline_config(
+        pipeline_parallel.validate_pipeline_config(
             grid, world_size, cfg, schedule, 1, n_micro)
 
 
@@ -580,7 +572,7 @@ def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, 
     if tp == 1:
         local = predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
     else:
-        local = load_earlier_lesson("02_tensor_parallel", "--tp").predicted_tp_activation_bytes(
+        local = tensor_parallel.predicted_tp_activation_bytes(
             cfg, micro_batch, tokens, tp, sequence_parallel)
     kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
     per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
@@ -656,12 +648,11 @@ def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParall
     predicted[("all_reduce", "dp_cp")] = n_params * 4 + 4
     # The other axes' rows, from their lessons' formulas where they cover this configuration.
     if tp > 1 and pipeline is None:
-        tensor_parallel = load_earlier_lesson("02_tensor_parallel", "--tp")
         predicted.update(tensor_parallel.predicted_tp_traffic(cfg, micro, seq // cp.size, n_micro, tp,
                                                               args.sequence_parallel, compute_dtype))
         predicted[("all_reduce", "tp")] += 4      # gradient clipping's squared norm
     if pipeline is not None:
-        p2p = load_earlier_lesson("03_pipeline_parallel", "--pp").predicted_p2p_bytes(
+        p2p = pipeline_parallel.predicted_p2p_bytes(
             n_micro, pipeline.activation_shape, 4, grid.pp_size, grid.pp_rank, 1)
         predicted.update({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "pp"): 8})
     log0(comm.meter.table(predicted, per=steps))

@@ -190,11 +190,6 @@ def reference_run():
     return reference["losses"], reference["grads"], reference["params"]
 
 
-def lesson_missing(name: str) -> str | None:
-    """Why a combination test cannot run yet: the earlier lesson's file is absent."""
-    return None if (REPO_ROOT / f"{name}.py").exists() else f"{name}.py does not exist yet"
-
-
 def gradients_of_one_cycle(parts, pipeline, micro_batches):
     """Gradients after one accumulation cycle and the dp x cp reduction, as train_step computes
     them before clipping; and the saved activations of the first micro-batch (pp = 1 only)."""
@@ -268,9 +263,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def four_rank_training():
-    """cp alone and dp x cp, plus pp x cp when lesson 03 exists: one spawn of 4 ranks."""
-    variants = CP_VARIANTS + ([] if lesson_missing("03_pipeline_parallel") else PP_CP_VARIANTS)
-    return run_ranks(4, several_training_variants, variants, timeout_s=240)
+    """cp alone, dp x cp and pp x cp: one spawn of 4 ranks."""
+    return run_ranks(4, several_training_variants, CP_VARIANTS + PP_CP_VARIANTS, timeout_s=240)
 
 
 def assert_equals_reference(result, reference, shape: GridShape, where: str):
@@ -316,14 +310,10 @@ def test_training_equals_one_device(reference, four_rank_training):
     check_variants(four_rank_training, CP_VARIANTS, reference)
 
 
-@pytest.mark.skipif(lesson_missing("03_pipeline_parallel") is not None,
-                    reason=str(lesson_missing("03_pipeline_parallel")))
 def test_pipeline_x_context_parallel_equals_one_device(reference, four_rank_training):
     check_variants(four_rank_training, PP_CP_VARIANTS, reference)
 
 
-@pytest.mark.skipif(lesson_missing("02_tensor_parallel") is not None,
-                    reason=str(lesson_missing("02_tensor_parallel")))
 def test_dp_x_cp_x_tp_equals_one_device(reference):
     per_rank = run_ranks(8, several_training_variants, DP_CP_TP_VARIANTS, timeout_s=300)
     check_variants(per_rank, DP_CP_TP_VARIANTS, reference)
