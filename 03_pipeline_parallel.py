@@ -80,7 +80,6 @@ import torch.distributed as dist
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.data import DataError
 from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, get_config
 from picotron_like.model import init_reference_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
@@ -844,7 +843,7 @@ def main(argv=None):
         world_size = world_size_from_env()
         cfg, grid_shape = configure(args, world_size)
         batches, shape = build_batches(args, grid_shape.dp, cfg.vocab_size)
-    except (ConfigError, DataError, ValueError) as error:
+    except (ConfigError, ValueError) as error:
         exit_with_error(error)
 
     device = init_distributed()

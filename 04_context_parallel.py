@@ -467,14 +467,6 @@ def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, 
         compute_dtype)
 
 
-def norm_settings(grid: ProcessGrid):
-    """Gradient clipping's extra groups under tensor parallelism (lesson 02): the norm sums over tp
-    shards and counts replicated norm gains once. cp ranks hold identical reduced gradients: no group."""
-    if grid.tp_size == 1:
-        return (), None
-    return (grid.tp_group,), tensor_parallel.tp_counts_toward_norm(grid.tp_group)
-
-
 def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, grid: ProcessGrid, device,
                compute_dtype, activation_meter=None) -> float:
     """One optimizer step; returns the loss averaged over dp × cp, the mean over every token.
@@ -483,7 +475,9 @@ def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, 
     group the parts were wrapped with (dp × cp) and average the loss over it. Each micro-batch is
     (inputs, targets, positions); both hand it to the model as model(*batch).
     """
-    norm_groups, counts_toward_norm = norm_settings(grid)
+    # cp ranks hold identical gradients after the dp x cp reduction: clipping needs only lesson 03's
+    # rule for tensor-parallel shards.
+    norm_groups, counts_toward_norm = pipeline_parallel.norm_settings(grid)
     if pipeline is None:
         return data_parallel.train_step(parts[0], optimizer, micro_batches, max_grad_norm, device, compute_dtype,
                                         activation_meter, norm_groups, counts_toward_norm)
