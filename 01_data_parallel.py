@@ -45,6 +45,7 @@ makes a handful.
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -213,12 +214,9 @@ def train_step(model, optimizer, micro_batches, max_grad_norm, device, compute_d
     for index, batch in enumerate(micro_batches):
         model.require_backward_grad_sync = index == n_micro - 1
         batch = [tensor.to(device) for tensor in batch]
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-            if activation_meter is not None and index == 0:
-                with activation_meter:
-                    loss = model(*batch)
-            else:
-                loss = model(*batch)
+        measure = activation_meter if activation_meter is not None and index == 0 else nullcontext()
+        with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32), measure:
+            loss = model(*batch)
         (loss / n_micro).backward()
         loss_sum += loss.detach()
     model.finish_gradient_synchronization()

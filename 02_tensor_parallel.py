@@ -99,9 +99,9 @@ from picotron_like import comm
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson,
                                     shutdown, validate_parallel_config, world_size_from_env)
-from picotron_like.train import (MemoryReport, SavedActivations, Throughput, add_training_flags,
+from picotron_like.train import (SavedActivations, Throughput, add_training_flags,
                                  autocast_dtype, build_batches, build_optimizer, exit_with_error,
-                                 learning_rate, log0, log_step, measured_memory, memory_table,
+                                 learning_rate, log0, log_step, measured_memory, memory_table, predicted_memory,
                                  log_compute_report, set_learning_rate)
 
 data_parallel = load_lesson("01_data_parallel")
@@ -695,9 +695,7 @@ def report(model, optimizer, cfg, args, shape, grid, throughput, activations, de
     log0(f"\n== memory (one rank; activations of one micro-batch; tp={tp}, sequence parallel={sp}) ==")
     log0(f"parameters on this rank: {n_params:,} measured, {predicted_params:,} predicted "
          f"(of {count_parameters(cfg)['total']:,})")
-    predicted = MemoryReport(weights=4 * predicted_params, gradients=4 * predicted_params,
-                             optimizer_states=8 * predicted_params,
-                             activations=predicted_tp_activation_bytes(cfg, b, s, tp, sp))
+    predicted = predicted_memory(predicted_params, predicted_tp_activation_bytes(cfg, b, s, tp, sp))
     log0(memory_table(measured_memory(model, optimizer, activations.nbytes), predicted))
     if s % tp == 0:
         with_sp, without_sp = (predicted_tp_activation_bytes(cfg, b, s, tp, flag) for flag in (True, False))
