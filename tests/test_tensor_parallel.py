@@ -174,7 +174,8 @@ def torch_tensor_parallel_loss(tokens):
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()
     # gradients come back as DTensors; full_tensor() gathers the shards into the reference shape
-    grads = {name: getattr(p.grad, "full_tensor", lambda: p.grad)() for name, p in model.named_parameters()}
+    grads = {name: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+             for name, p in model.named_parameters()}
     return loss.item(), grads
 
 
