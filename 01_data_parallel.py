@@ -6,12 +6,12 @@ tokens needs about 6 * 1.5e9 * 1e11 = 9e20 FLOPs: 35 days on one H100 at a reali
 989 TFLOP/s bf16 peak, four and a half days on eight of them, if the eight can share the work.
 
 The idea. Give every rank a full copy of the model and a different slice of the batch. Each rank
-computes the gradient of its own slice; an all-reduce then averages the gradients, so every rank
-holds the gradient of the whole batch and takes the same optimizer step. The copies never drift
+computes the gradient of its own slice's share of the loss; an all-reduce then sums the shares,
+so every rank holds the gradient of the whole batch and takes the same optimizer step. The copies never drift
 apart, and the result is the result of one device training on the whole batch.
 
         rank 0: model copy, batch rows 0..7   ─► grad_0 ┐
-        rank 1: model copy, batch rows 8..15  ─► grad_1 ├─ all-reduce (mean) ─► same grad everywhere
+        rank 1: model copy, batch rows 8..15  ─► grad_1 ├─ all-reduce (sum)  ─► same grad everywhere
         rank 2: model copy, batch rows 16..23 ─► grad_2 │                       ─► same AdamW step
         rank 3: model copy, batch rows 24..31 ─► grad_3 ┘
 
@@ -45,23 +45,22 @@ makes a handful.
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.model import GPT, count_parameters, get_config
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
-                                    validate_parallel_config, world_size_from_env)
-from picotron_like.train import (SavedActivations, Throughput, add_training_flags, autocast_dtype,
-                                 build_batches, build_optimizer, clip_grad_norm_, exit_with_error,
-                                 learning_rate, log0, log_step, measured_memory, memory_table,
-                                 log_compute_report, predicted_activation_bytes, predicted_memory,
-                                 set_learning_rate)
+from picotron_like.data import StepBatch
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
+                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
+from picotron_like.model import GPT, count_parameters
+from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, clip_grad_norm_, plan_run, train)
 
-# ----------------------------------------------------------------------------- 1. naive data parallel
+# ============================================================================ the technique: naive data parallel
 
 
 class NaiveDataParallel(nn.Module):
@@ -80,7 +79,6 @@ class NaiveDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
         self.require_backward_grad_sync = True
         for param in module.parameters():
             param.register_post_accumulate_grad_hook(self._all_reduce_grad)
@@ -88,9 +86,10 @@ class NaiveDataParallel(nn.Module):
     def _all_reduce_grad(self, param):
         if not self.require_backward_grad_sync:
             return
-        # Average, don't sum: each rank's loss is the mean over its own slice, and the reference
-        # is the mean over the whole batch. gloo has no AVG reduction, so divide, then sum.
-        param.grad.div_(self.dp_size)
+        # Sum, don't average: each rank's loss is already its share of the global mean (its
+        # summed token losses divided by the whole batch's target count, see train_step), so the
+        # gradients of the shares add up to the gradient of the mean. Averaging instead would be
+        # right only when every rank holds as many targets as every other.
         comm.call(dist.all_reduce, param.grad, group=self.dp_group)
 
     def forward(self, *args, **kwargs):
@@ -100,7 +99,7 @@ class NaiveDataParallel(nn.Module):
         """Nothing in flight: every all-reduce already completed inside backward."""
 
 
-# ----------------------------------------------------------------------------- 2. bucketed data parallel
+# ============================================================================ the technique: bucketed data parallel
 
 
 class Bucket:
@@ -138,7 +137,6 @@ class BucketedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group)
         self.require_backward_grad_sync = True
         self.buckets = self._fill_buckets([p for p in module.parameters() if p.requires_grad], bucket_bytes)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
@@ -167,7 +165,7 @@ class BucketedDataParallel(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket):
-        bucket.grads.div_(self.dp_size)
+        # Summed, as in the naive version: each rank's gradient is already its share of the mean.
         bucket.pending = comm.call(dist.all_reduce, bucket.grads, group=self.dp_group, async_op=True)
 
     def forward(self, *args, **kwargs):
@@ -194,103 +192,100 @@ def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int)
     return BucketedDataParallel(model, dp_group, bucket_bytes)
 
 
-# ----------------------------------------------------------------------------- 3. one training step
+# ============================================================================ the technique: gradient accumulation
 
 
-def train_step(model, optimizer, micro_batches, max_grad_norm, device, compute_dtype,
-               activation_meter=None, norm_groups=(), counts_toward_norm=None) -> float:
-    """One optimizer step over this rank's micro-batches; returns the loss averaged over all ranks.
+def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """One optimizer step over this rank's micro-batches; the loss is that of the global batch.
 
-    Each micro-batch is a tuple of model arguments, (inputs, targets) here; later lessons add
-    positions. The all-reduce runs only during the last micro-batch's backward: before it,
-    gradients just accumulate locally (require_backward_grad_sync = False), which divides the
-    communication by the number of micro-batches. Dividing each micro-batch's loss by their
-    number makes the accumulated gradient the gradient of the mean loss, as on one device.
-    `norm_groups` and `counts_toward_norm` tell gradient clipping how the parameters are sharded
-    (see clip_grad_norm_); data parallelism alone shards nothing.
+    The loss is token-weighted over the global batch: each micro-batch's *summed* token losses
+    divided by the number of targets in the whole global batch (every rank, every micro-batch).
+    Summed over micro-batches and ranks, that is exactly the mean one device computes over the
+    whole batch, even when micro-batches hold different numbers of ignored targets; a mean of
+    per-rank means is not, and a rank whose targets are all ignored would make it NaN.
+
+    The all-reduce runs only during the last micro-batch's backward: before it, gradients just
+    accumulate locally (require_backward_grad_sync = False), which divides the communication by
+    the number of micro-batches.
     """
-    n_micro = len(micro_batches)
-    loss_sum = torch.zeros((), device=device)
-    for index, batch in enumerate(micro_batches):
+    n_micro = len(batch.micro_batches)
+    loss = torch.zeros((), device=settings.device)
+    for index, micro_batch in enumerate(batch.micro_batches):
         model.require_backward_grad_sync = index == n_micro - 1
-        batch = [tensor.to(device) for tensor in batch]
-        measure = activation_meter if activation_meter is not None and index == 0 else nullcontext()
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype != torch.float32), measure:
-            loss = model(*batch)
-        (loss / n_micro).backward()
-        loss_sum += loss.detach()
+        with settings.autocast():
+            share = model(*(t.to(settings.device) for t in micro_batch), reduction="sum") / batch.n_targets
+        share.backward()
+        loss += share.detach()
     model.finish_gradient_synchronization()
-    clip_grad_norm_(model.parameters(), max_grad_norm, norm_groups, counts_toward_norm)
+    grad_norm = clip_grad_norm_(model.parameters(), settings.max_grad_norm, settings.norm_groups,
+                                settings.counts_toward_norm)
     optimizer.step()
     model.zero_grad(set_to_none=False)
-    mean_loss = loss_sum / n_micro
-    comm.call(dist.all_reduce, mean_loss, group=model.dp_group)
-    return mean_loss.item() / model.dp_size
+    comm.call(dist.all_reduce, loss, group=model.dp_group)
+    return StepResult(loss.item(), grad_norm)
 
 
-# ----------------------------------------------------------------------------- main
+# ============================================================================ configuration rules
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """Data parallelism alone needs only the grid's rules: dp equal to the world size."""
+    validate_parallel_config(grid, world_size, cfg)
+
+
+# ============================================================================ measuring the three challenges
+
+
+def predicted_dp_traffic(n_params: int, grad_bytes: int) -> dict:
+    """Per step: one all-reduce of every gradient byte."""
+    return {("all_reduce", "dp"): n_params * grad_bytes}
+
+
+def report(model, optimizer, plan, activations: ActivationMeter, throughput, device, steps: int) -> None:
+    cfg, shape, dp = plan.cfg, plan.shape, plan.grid.dp
+    n_params = sum(p.numel() for p in model.parameters())
+    grad_bytes = next(model.parameters()).element_size()
+    log0("\n== memory (one rank; activations of one micro-batch) ==")
+    log0(memory_table(measured_memory(model, optimizer, activations.peak_bytes),
+                      predicted_memory(n_params, predicted_activation_bytes(cfg, shape.micro_batch_size,
+                                                                            shape.seq_len))))
+    log0(f"\n== communication per step (dp={dp}; ring all-reduce sends 2(N-1)/N x payload) ==")
+    predicted = add_traffic(predicted_dp_traffic(n_params, grad_bytes), step_bookkeeping_traffic(loss_groups=("dp",)))
+    log0(comm.meter.table(predicted, per=steps))
+    log_compute_report(throughput, dp, cfg, shape.seq_len, device)
+
+
+# ============================================================================ main
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 01: data parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: the world size)")
+    add_parallel_flags(parser, axes=("dp",), fill_axis="dp")
     parser.add_argument("--mode", choices=("naive", "bucketed"), default="bucketed",
                         help="naive: one blocking all-reduce per tensor; bucketed: async buckets overlapping backward")
-    parser.add_argument("--bucket-mb", type=float, default=1.0,
-                        help="bucket size in MB for --mode bucketed (PyTorch DDP uses 25)")
     add_training_flags(parser)
     return parser.parse_args(argv)
 
 
-def predicted_dp_traffic(n_params: int, grad_bytes: int, steps: int) -> dict:
-    """Per run: one all-reduce of every gradient byte per step, plus the 4-byte loss average."""
-    return {("all_reduce", "dp"): steps * (n_params * grad_bytes + 4)}
-
-
-def report(model, optimizer, cfg, shape, throughput, activations, device, steps, dp):
-    n_params = sum(p.numel() for p in model.parameters())
-    grad_bytes = next(model.parameters()).element_size()
-    predicted_activations = predicted_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len)
-    log0("\n== memory (one rank; activations of one micro-batch) ==")
-    log0(memory_table(measured_memory(model, optimizer, activations.nbytes),
-                      predicted_memory(n_params, predicted_activations)))
-    log0(f"\n== communication per step (dp={dp}; ring all-reduce sends 2(N-1)/N x payload) ==")
-    log0(comm.meter.table(predicted_dp_traffic(n_params, grad_bytes, 1), per=steps))
-    log_compute_report(throughput, dp, cfg, shape.seq_len, device)
-
-
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        world_size = world_size_from_env()
-        dp = args.dp or world_size
-        cfg = get_config(args.preset)
-        validate_parallel_config(GridShape(dp=dp), world_size, cfg)
-        batches, shape = build_batches(args, dp, cfg.vocab_size)
-    except (ConfigError, ValueError) as error:
-        exit_with_error(error)
-
+    plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(GridShape(dp=dp))
-    torch.manual_seed(args.seed)
-    model = wrap_data_parallel(GPT(cfg, seed=args.seed).to(device), grid.dp_group, args.mode,
+    grid = ProcessGrid(plan.grid)
+    model = wrap_data_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.mode,
                                int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(model.module, args.lr)
-    compute_dtype = autocast_dtype(args.dtype, device)
-    log0(f"lesson 01: data parallel, dp={dp}, mode={args.mode}, {count_parameters(cfg)['total']:,} parameters, "
-         f"{shape.tokens_per_step:,} tokens per step ({shape.micro_batch_size} x {shape.seq_len} x "
-         f"{shape.grad_accum} micro-batches x {dp} ranks)")
+    settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm)
+    shape = plan.shape
+    log0(f"lesson 01: data parallel, dp={grid.dp_size}, mode={args.mode}, "
+         f"{count_parameters(plan.cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
+         f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} ranks)")
 
-    throughput, activations = Throughput(), SavedActivations(model, device)
-    for step in range(args.steps):
-        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
-        throughput.start_step()
-        loss = train_step(model, optimizer, batches.micro_batches(step, grid.dp_rank), args.max_grad_norm,
-                          device, compute_dtype, activations if step == 0 else None)
-        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
-
-    report(model, optimizer, cfg, shape, throughput, activations, device, args.steps, dp)
+    activations = ActivationMeter(model)
+    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
+                       grid.dp_rank, device, meters=(activations,))
+    report(model, optimizer, plan, activations, throughput, device, args.steps)
     shutdown()
 
 

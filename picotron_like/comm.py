@@ -58,6 +58,16 @@ def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _device_of(args):
+    """The device of a collective's first tensor argument (a list of tensors counts by its first)."""
+    for arg in args:
+        if isinstance(arg, (list, tuple)) and arg:
+            arg = arg[0]
+        if hasattr(arg, "device"):
+            return arg.device
+    return None
+
+
 def _measure(kind: str, args, kwargs, n: int) -> tuple[int, float]:
     """(payload bytes, bytes this rank sends on a ring) of one collective call."""
     ring = (n - 1) / n
@@ -91,14 +101,25 @@ def _measure(kind: str, args, kwargs, n: int) -> tuple[int, float]:
 
 
 class CommMeter:
+    """Counts every call by (kind, group). Also keeps, per group, the kind of its first operation,
+    and the devices each (kind, group) moved tensors on: the two facts a GPU run depends on and a
+    CPU test can check (a group's first operation must include all its ranks; NCCL moves only
+    tensors on the rank's GPU)."""
+
     def __init__(self):
         self.traffic: dict[tuple[str, str], Traffic] = defaultdict(Traffic)
+        self.first_operation: dict[str, str] = {}
+        self.devices: dict[tuple[str, str], set[str]] = defaultdict(set)
 
-    def record(self, kind: str, group, payload: int, sent: float) -> None:
-        entry = self.traffic[(kind, group_name(group))]
+    def record(self, kind: str, group, payload: int, sent: float, device=None) -> None:
+        name = group_name(group)
+        entry = self.traffic[(kind, name)]
         entry.calls += 1
         entry.payload_bytes += payload
         entry.sent_bytes += sent
+        self.first_operation.setdefault(name, kind)
+        if device is not None:
+            self.devices[(kind, name)].add(str(device))
 
     def call(self, collective, *args, **kwargs):
         """Count `collective(*args, **kwargs)`, then run it and return what it returns."""
@@ -106,16 +127,18 @@ class CommMeter:
             for op in args[0]:
                 kind = op.op.__name__
                 payload, sent = _measure(kind, (op.tensor,), {}, 2)
-                self.record(kind, op.group, payload, sent)
+                self.record(kind, op.group, payload, sent, op.tensor.device)
             return collective(*args, **kwargs)
         group = kwargs.get("group")
         kind = _KIND_NAMES.get(collective.__name__, collective.__name__)
         payload, sent = _measure(kind, args, kwargs, dist.get_world_size(group))
-        self.record(kind, group, payload, sent)
+        self.record(kind, group, payload, sent, _device_of(args))
         return collective(*args, **kwargs)
 
     def reset(self) -> None:
+        """Forget the traffic (a lesson resets after start-up); first operations stay known."""
         self.traffic.clear()
+        self.devices.clear()
 
     def get(self, kind: str, group: str) -> Traffic:
         """A snapshot (a copy) of the traffic counted so far for one kind of call on one group."""

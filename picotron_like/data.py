@@ -62,6 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from picotron_like.model import IGNORE_INDEX
+
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
@@ -229,6 +231,23 @@ class BatchShape:
         return cls(micro_batch_size, seq_len, global_batch_tokens // tokens_per_micro_step, dp)
 
 
+@dataclass
+class StepBatch:
+    """What one rank trains on in one optimizer step.
+
+    micro_batches: this rank's micro-batches, each a tuple of model arguments: (inputs, targets),
+        or (inputs, targets, positions) once context parallelism hands a rank part of a sequence.
+    n_targets: the targets that count (not IGNORE_INDEX) in the *global* batch, over every rank and
+        micro-batch. Every distributed step divides its summed loss by this number, so the loss is
+        the reference's mean over the whole batch however the batch is cut, even when ranks hold
+        different numbers of ignored targets. It is known from the data before the forward pass,
+        so finding it costs no collective.
+    """
+
+    micro_batches: list
+    n_targets: int
+
+
 def _expand_paths(paths) -> list[Path]:
     """Files in the order given; a string with *, ? or [ is a glob pattern, expanded sorted."""
     if isinstance(paths, (str, Path)):
@@ -313,6 +332,11 @@ class TokenBatches:
             raise DataError(f"step must be >= 0, got {step}")
         G = self.shape.sequences_per_step
         return self._read_stream(step * G, G)
+
+    def step_batch(self, step: int, dp_rank: int) -> "StepBatch":
+        """This rank's micro-batches of a step, with the number of targets of the whole global batch."""
+        targets = self.global_batch(step)[:, 1:]
+        return StepBatch(self.micro_batches(step, dp_rank), int((targets != IGNORE_INDEX).sum()))
 
     def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's grad_accum (inputs, targets) pairs, each [micro_batch_size, seq_len]."""

@@ -216,9 +216,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over the tokens whose target is not -100, computed in float32."""
-    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100)
+# A target equal to IGNORE_INDEX (padding, a prompt the model should not learn to write) adds
+# nothing to the loss and is not counted in its denominator.
+IGNORE_INDEX = -100
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token loss over the tokens whose target is not IGNORE_INDEX, computed in float32.
+
+    reduction "mean" divides by the number of such targets (the reference); "sum" does not, so
+    that a distributed step can divide by the count of the *global* batch instead (train.py).
+    """
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
 
 
 class GPT(nn.Module):
@@ -238,18 +248,18 @@ class GPT(nn.Module):
     def rope(self, positions):
         return rotary_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
 
-    def head_loss(self, h, targets=None):
-        """Final norm and LM head; the loss if targets are given, else the logits."""
+    def head_loss(self, h, targets=None, reduction: str = "mean"):
+        """Final norm and LM head; the loss if targets are given (see cross_entropy_loss), else the logits."""
         logits = self.lm_head(self.norm(h))
-        return logits if targets is None else self.cross_entropy(logits, targets)
+        return logits if targets is None else self.cross_entropy(logits, targets, reduction=reduction)
 
-    def forward(self, tokens, targets=None, positions=None):
+    def forward(self, tokens, targets=None, positions=None, reduction: str = "mean"):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h, rope = self.embed(tokens), self.rope(positions)
         for layer in self.layers:
             h = layer(h, rope)
-        return self.head_loss(h, targets)
+        return self.head_loss(h, targets, reduction)
 
 
 # ----------------------------------------------------------------------------- initialisation

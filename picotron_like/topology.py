@@ -137,22 +137,31 @@ def validate_parallel_config(grid: GridShape, world_size: int, cfg=None, seq_len
 
 # ----------------------------------------------------------------------------- start-up
 
+def backend_for(device: torch.device) -> str:
+    """The default process group's backend for a rank computing on `device`.
+
+    On CUDA the group gets two backends: NCCL moves the tensors that live on the GPU (every
+    collective of the training step), gloo the ones that live on the CPU (the small bookkeeping
+    the reports gather at the end). With NCCL alone, a CPU tensor in a collective is an error;
+    torch.distributed picks the backend per call from the tensor's device.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_distributed(init_method: str | None = None, rank: int | None = None,
                      world_size: int | None = None, timeout_s: float = 120.0) -> torch.device:
-    """Create the default process group: NCCL with one GPU per local rank, or gloo on CPU.
+    """Create the default process group (see backend_for); returns this rank's device.
 
     With no arguments it reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
-    A finite timeout turns a collective that some rank never joins into an error on the others
-    instead of a hang.
+    One GPU per local rank. A finite timeout turns a collective that some rank never joins into an
+    error on the others instead of a hang.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
-    dist.init_process_group(backend, init_method=init_method,
+    dist.init_process_group(backend_for(device), init_method=init_method,
                             rank=-1 if rank is None else rank,
                             world_size=-1 if world_size is None else world_size,
                             timeout=timedelta(seconds=timeout_s),
@@ -187,6 +196,8 @@ class ProcessGrid:
         self.pp_group = self._create_groups(("pp",), "pp")
         self.dp_group = self._create_groups(("dp",), "dp")
         self.dp_cp_group = self._create_groups(("dp", "cp"), "dp_cp")
+        # The start-up barriers (see _create_groups) are not training traffic.
+        comm.meter.reset()
 
         def neighbour(axis, step):
             moved = dict(coords, **{axis: (coords[axis] + step) % getattr(shape, axis)})
@@ -206,6 +217,11 @@ class ProcessGrid:
             if self.rank in ranks:
                 mine = group
         comm.name_group(mine, name)
+        # A group's first operation must include all of its ranks (NCCL sets up its communicator
+        # then, among whoever takes part). Without this barrier the first operation on a pipeline
+        # group of 3 or more stages is a send between two neighbours, and the stage left out
+        # would later join a communicator the others built without it.
+        comm.call(dist.barrier, group=mine)
         return mine
 
     def __repr__(self):

@@ -1,13 +1,24 @@
 """
-Training helpers shared by every lesson: nothing here is a parallelism technique.
+The training skeleton every lesson shares: nothing here is a parallelism technique.
 
-- ``build_optimizer`` and ``learning_rate``: AdamW with decoupled weight decay on matrices only, a
-  linear warm-up and a cosine decay;
-- ``clip_grad_norm_``: gradient clipping whose norm is the norm of the *whole* model's gradient even
-  when each rank holds only part of it;
-- ``log0``, ``Throughput``: rank-0 printing and tokens per second (and MFU on CUDA);
-- ``SavedActivations``, ``memory_report``: the four components of training memory (weights,
-  gradients, optimizer states, activations), measured, next to the formula's prediction.
+A lesson's ``main()`` reads as its table of contents because everything else lives here:
+
+    args = parse_args(argv)                        # add_training_flags + add_parallel_flags + its own
+    plan = plan_run(args, fill_axis, validate)     # every flag checked before any process group
+    device = init_distributed(); grid = ProcessGrid(plan.grid)
+    model, optimizer = <the lesson's technique>
+    throughput = train(args, optimizer, step_fn, plan.batches, grid.dp_rank, device)
+    report(...); shutdown()
+
+- flags: ``add_training_flags`` (model, data, optimisation) and ``add_parallel_flags`` (the
+  degrees of the grid), checked by ``check_flag_ranges``; ``plan_run`` turns them into the model
+  shape, the grid and the batches, and stops every rank with one ``error:`` line if they cannot run;
+- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine), and
+  ``clip_grad_norm_``, whose norm is that of the *whole* model even when each rank holds a part;
+- the step contract: every lesson's ``train_step(model, optimizer, batch, settings) -> StepResult``,
+  with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
+  tokens and divided by the global batch's target count (``StepBatch.n_targets``);
+- ``train``: the loop (learning rate, step, one log line per step, throughput).
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +36,9 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import GPTConfig, flops_per_token
+from picotron_like.metrics import Throughput, log0
+from picotron_like.model import GPTConfig, get_config
+from picotron_like.topology import AXES, ConfigError, GridShape, world_size_from_env
 
 # ----------------------------------------------------------------------------- optimisation
 
@@ -86,191 +101,43 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
     return total_norm
 
 
-# ----------------------------------------------------------------------------- logging and speed
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+# ----------------------------------------------------------------------------- the step contract
 
 
-def log0(*parts) -> None:
-    if is_rank0():
-        print(*parts, flush=True)
+@dataclass(frozen=True)
+class StepSettings:
+    """What a train_step needs besides the model, the optimizer and the batch.
 
-
-# Dense bf16 tensor-core peak of the GPUs the README names, in FLOP/s, for MFU.
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
-
-
-class Throughput:
-    """Tokens per second over the steps after the first `warmup` (which pay one-off costs)."""
-
-    def __init__(self, warmup: int = 1):
-        self.warmup = warmup
-        self.steps = 0
-        self.tokens = 0
-        self.seconds = 0.0
-        self._start = None
-
-    def start_step(self) -> None:
-        self._start = time.perf_counter()
-
-    def end_step(self, tokens: int, device: torch.device) -> float:
-        """Close the step; returns its duration in seconds."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - self._start
-        self.steps += 1
-        if self.steps > self.warmup:
-            self.tokens += tokens
-            self.seconds += elapsed
-        return elapsed
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
-
-
-def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq_len: int,
-                       device: torch.device) -> None:
-    """The compute part of every lesson's report: tokens/s, and on a known GPU the MFU.
-
-    MFU (model FLOPs utilisation) divides the FLOPs the model needs per token (flops_per_token)
-    by the GPU's peak: work a technique adds (recomputation, idle bubbles, communication) lowers
-    it instead of counting as useful. Every rank shares the tokens, whatever it computes of them.
-    """
-    tokens_per_s = throughput.tokens_per_second
-    log0("\n== compute ==")
-    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / n_ranks:,.0f}")
-    peak = peak_flops(device)
-    if peak:
-        mfu = tokens_per_s / n_ranks * flops_per_token(cfg, seq_len) / peak
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
-
-
-def log_step(step: int, loss: float, tokens: int, seconds: float) -> None:
-    log0(f"step {step:>4} | loss {loss:.4f} | {tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
-
-
-# ----------------------------------------------------------------------------- memory
-
-class SavedActivations:
-    """Measures the bytes autograd keeps alive between forward and backward.
-
-    On CPU there is no allocator to ask, so every tensor saved for backward passes through a hook
-    and the storages it lives in are summed once each (many saved tensors are views of one
-    storage). Parameters are saved too (a linear layer keeps its weight) but they are not
-    activations, so they are left out. On CUDA the allocator's growth over the forward pass is
-    the measurement.
+    norm_groups and counts_toward_norm tell gradient clipping how the parameters are split over
+    ranks (see clip_grad_norm_); data parallelism alone splits nothing.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
-        self.device = device
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.storages: dict[int, int] = {}
-        self.nbytes = 0
+    device: torch.device
+    compute_dtype: torch.dtype = torch.float32
+    max_grad_norm: float = 1.0
+    norm_groups: tuple = ()
+    counts_toward_norm: Callable | None = None
 
-    def _pack(self, tensor):
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr not in self.parameter_storages and ptr not in self.storages:
-            self.storages[ptr] = tensor.untyped_storage().nbytes()
-        return tensor
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._allocated_before = torch.cuda.memory_allocated(self.device)
-        else:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
-            self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.nbytes = torch.cuda.memory_allocated(self.device) - self._allocated_before
-        else:
-            self._hooks.__exit__(*exc)
-            self.nbytes = sum(self.storages.values())
-        return False
+    def autocast(self):
+        """The forward pass's mixed-precision context (a no-op in float32)."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype != torch.float32)
 
 
-def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n_layers: int | None = None,
-                               with_head: bool = True, element_bytes: int = 4) -> int:
-    """Bytes autograd saves for one micro-batch of the dense reference model in float32 on CPU.
-
-    Per token and layer, in elements:
-      two RMSNorms, each: input, 1/rms, normalised input, output        2 * (3h + 1)
-      attention: q, k and v (repeated to every head), output, log-sum-exp  4h + n_heads
-      o_proj input (the heads re-laid out as one row)                     h
-      SwiGLU: gate, silu(gate), up, their product                         4f
-    plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm and the
-    log-softmax of the logits (3h + 1 + V per token) with the loss's float32 normaliser (one
-    scalar), and the int64 token ids and targets.
-    A model with experts saves per-expert copies instead of the 4f term; the formula covers
-    dense models only.
-    """
-    layers = cfg.n_layers if n_layers is None else n_layers
-    tokens = micro_batch * seq_len
-    h, f = cfg.hidden, cfg.ffn_hidden
-    elements = layers * tokens * (11 * h + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
-    if with_head:
-        elements += tokens * (3 * h + 1 + cfg.vocab_size) + 1
-    return element_bytes * elements + 8 * tokens * 2
-
-
-@dataclass
-class MemoryReport:
-    weights: int
-    gradients: int
-    optimizer_states: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer_states + self.activations
-
-
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def measured_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> MemoryReport:
-    """Weights, gradients and optimizer states counted from the tensors this rank holds."""
-    params = list(model.parameters())
-    states = [value for state in optimizer.state.values() for value in state.values()
-              if torch.is_tensor(value) and value.dim() > 0]
-    return MemoryReport(weights=tensor_bytes(params),
-                        gradients=tensor_bytes(p.grad for p in params if p.grad is not None),
-                        optimizer_states=tensor_bytes(states),
-                        activations=activations)
-
-
-def predicted_memory(n_params: int, activations: int, param_bytes: int = 4) -> MemoryReport:
-    """The textbook prediction: float32 weights and gradients, AdamW's two moments per parameter."""
-    return MemoryReport(weights=n_params * param_bytes, gradients=n_params * param_bytes,
-                        optimizer_states=2 * n_params * 4, activations=activations)
-
-
-def memory_table(measured: MemoryReport, predicted: MemoryReport) -> str:
-    rows = [f"{'memory per rank':<22}{'measured MB':>13}{'predicted MB':>14}"]
-    for field in ("weights", "gradients", "optimizer_states", "activations", "total"):
-        rows.append(f"{field:<22}{getattr(measured, field) / 1e6:>13.3f}{getattr(predicted, field) / 1e6:>14.3f}")
-    return "\n".join(rows)
+@dataclass(frozen=True)
+class StepResult:
+    loss: float         # the global batch's mean loss over its targets, the same on every rank
+    grad_norm: float    # the whole model's gradient norm, before clipping
 
 
 # ----------------------------------------------------------------------------- the flags every lesson shares
+
 
 def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, grad_accum: int = 2,
                        steps: int = 30) -> None:
     """Model, data and optimisation flags; each lesson adds the flags of its own technique."""
     parser.add_argument("--preset", default="tiny", help="model shape from picotron_like.model.PRESETS")
+    parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--data", default=None,
                         help="token shard(s), a path or glob in the llm.c .bin layout; default: the built-in corpus")
     parser.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
@@ -289,21 +156,118 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                         help="compute dtype under autocast; auto: bfloat16 on CUDA, float32 on CPU")
 
 
+_AXIS_HELP = {
+    "dp": "data-parallel degree (lesson 01)",
+    "tp": "tensor-parallel degree: ranks sharing each layer (lesson 02)",
+    "pp": "pipeline stages (lesson 03)",
+    "cp": "context-parallel degree: ranks sharing each sequence (lesson 04)",
+}
+
+
+def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, **defaults: int) -> None:
+    """--dp / --tp / --pp / --cp for the axes a lesson composes, --sequence-parallel with tp, and
+    --bucket-mb with dp. The `fill_axis` (the lesson's own) takes the ranks the others leave."""
+    for axis in axes:
+        if axis == fill_axis:
+            help_text = f"{_AXIS_HELP[axis]}; default: the world size / the other degrees"
+            parser.add_argument(f"--{axis}", type=int, default=None, help=help_text)
+        else:
+            parser.add_argument(f"--{axis}", type=int, default=defaults.get(axis, 1), help=_AXIS_HELP[axis])
+    parser.set_defaults(fill_axis=fill_axis)
+    if "tp" in axes:
+        parser.add_argument("--sequence-parallel", action="store_true",
+                            help="with --tp > 1: split norms and the residual stream along the sequence (Megatron-SP)")
+    if "dp" in axes:
+        parser.add_argument("--bucket-mb", type=float, default=1.0,
+                            help="data-parallel gradient bucket size in MB (PyTorch DDP uses 25)")
+
+
+# (flag, the rule it must satisfy, the rule in words). Checked before anything else runs, so a
+# negative learning rate or a zero step count is one line, not a traceback from deep in torch.
+_FLAG_RULES = [
+    ("steps", lambda v: v >= 1, "at least 1"),
+    ("lr", lambda v: v > 0 and math.isfinite(v), "a positive number"),
+    ("warmup_steps", lambda v: v >= 0, "0 or more"),
+    ("max_grad_norm", lambda v: v > 0 and math.isfinite(v), "a positive number"),
+    ("seq_len", lambda v: v >= 1, "at least 1"),
+    ("micro_batch_size", lambda v: v >= 1, "at least 1"),
+    ("grad_accum", lambda v: v >= 1, "at least 1"),
+    ("global_batch_tokens", lambda v: v >= 1, "at least 1"),
+    ("seed", lambda v: v >= 0, "0 or more"),
+    ("n_layers", lambda v: v >= 1, "at least 1"),
+    ("bucket_mb", lambda v: v > 0 and math.isfinite(v), "a positive number"),
+    *((axis, lambda v: v >= 1, "at least 1") for axis in AXES),
+]
+
+
+def check_flag_ranges(args) -> None:
+    """Raise one ConfigError naming every numeric flag outside its range (None means 'not given')."""
+    problems = []
+    for name, rule, words in _FLAG_RULES:
+        value = getattr(args, name, None)
+        if value is not None and not rule(value):
+            problems.append(f"--{name.replace('_', '-')} {value} must be {words}")
+    if getattr(args, "sequence_parallel", False) and getattr(args, "tp", 1) == 1:
+        problems.append("--sequence-parallel needs --tp > 1: it splits what tensor parallelism leaves "
+                        "replicated; add --tp 2 (or more) or drop --sequence-parallel")
+    if problems:
+        raise ConfigError("bad flags:\n  - " + "\n  - ".join(problems))
+
+
+def grid_from_args(args, world_size: int) -> GridShape:
+    """The grid the degree flags describe; the lesson's own axis gets whatever ranks are left."""
+    degrees = {axis: getattr(args, axis, 1) for axis in AXES}
+    fill = args.fill_axis
+    if degrees[fill] is None:
+        others = math.prod(d for axis, d in degrees.items() if axis != fill)
+        degrees[fill] = max(1, world_size // others)
+    return GridShape(**degrees)
+
+
+def batch_shape(args, dp: int) -> BatchShape:
+    """How a step's batch is cut, from --global-batch-tokens when given, else --grad-accum."""
+    if args.global_batch_tokens is not None:
+        return BatchShape.from_global_batch_tokens(args.global_batch_tokens, args.micro_batch_size,
+                                                   args.seq_len, dp)
+    return BatchShape(args.micro_batch_size, args.seq_len, args.grad_accum, dp)
+
+
 def autocast_dtype(flag: str, device: torch.device) -> torch.dtype:
     if flag == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, flag)
 
 
-def build_batches(args, dp: int, vocab_size: int):
-    """The TokenBatches and BatchShape the flags describe (the built-in corpus unless --data)."""
-    if args.global_batch_tokens is not None:
-        shape = BatchShape.from_global_batch_tokens(args.global_batch_tokens, args.micro_batch_size,
-                                                    args.seq_len, dp)
-    else:
-        shape = BatchShape(args.micro_batch_size, args.seq_len, args.grad_accum, dp)
-    paths = args.data if args.data is not None else builtin_corpus_paths()[0]
-    return TokenBatches(paths, shape, seed=args.seed, vocab_size=vocab_size), shape
+@dataclass(frozen=True)
+class RunPlan:
+    """What the flags describe, validated: the model shape, the grid, how batches are cut, the data."""
+
+    cfg: GPTConfig
+    grid: GridShape
+    shape: BatchShape
+    batches: TokenBatches
+
+
+def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None]) -> RunPlan:
+    """Everything the flags describe, checked before any process group exists.
+
+    `validate(cfg, grid, shape, args, world_size)` is the lesson's own rules; it sees the batch
+    shape that will actually run (grad_accum derived from --global-batch-tokens included), so what
+    it validates is what trains. Every rank reads the same flags and finds the same error, so each
+    prints nothing but rank 0's one `error:` line and leaves: no rank waits in a collective.
+    """
+    try:
+        check_flag_ranges(args)
+        world_size = world_size_from_env()
+        grid = grid_from_args(args, world_size)
+        cfg = get_config(args.preset, n_layers=args.n_layers)
+        shape = batch_shape(args, grid.dp)
+        validate(cfg, grid, shape, args, world_size)
+        paths = args.data if args.data is not None else builtin_corpus_paths()[0]
+        batches = TokenBatches(paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+    return RunPlan(cfg, grid, shape, batches)
 
 
 def exit_with_error(error: Exception) -> None:
@@ -320,3 +284,37 @@ def exit_with_error(error: Exception) -> None:
         time.sleep(2.0)
     sys.stdout.flush()
     os._exit(2)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def log_step(step: int, result: StepResult, tokens: int, seconds: float) -> None:
+    log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | "
+         f"{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
+
+
+def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
+          prepare_batch: Callable | None = None, meters=(), meter_step: int = 0) -> Throughput:
+    """The loop every lesson shares: learning rate, one step, one log line; returns the throughput.
+
+    step_fn(batch) runs one optimizer step on a data.StepBatch and returns a StepResult (a
+    lesson's train_step with its model, optimizer and settings bound). `prepare_batch(batch)`
+    reshapes the batch first when a lesson needs it (context parallelism cuts each sequence).
+    `meters` are context managers (activation meters, timeline recorders) entered around step
+    `meter_step` only: they observe the technique from outside and cost nothing on other steps.
+    """
+    throughput = Throughput()
+    tokens = batches.shape.tokens_per_step
+    for step in range(args.steps):
+        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
+        batch = batches.step_batch(step, dp_rank)
+        if prepare_batch is not None:
+            batch = prepare_batch(batch)
+        throughput.start_step()
+        with ExitStack() as observing:
+            for meter in meters if step == meter_step else ():
+                observing.enter_context(meter)
+            result = step_fn(batch)
+        log_step(step, result, tokens, throughput.end_step(tokens, device))
+    return throughput

@@ -1,0 +1,242 @@
+"""
+Measuring the three challenges: memory, communication and compute, each next to its formula.
+
+Nothing here is a parallelism technique, and no technique counts anything for it: the meters
+observe a run from outside. Communication is counted by ``picotron_like.comm`` (every collective
+goes through ``comm.call``); the rest is here:
+
+- ``ActivationMeter``: the bytes autograd keeps alive for backward, at their peak, through a
+  saved-tensors hook;
+- ``measured_memory`` / ``predicted_memory`` / ``memory_table``: weights, gradients, optimizer
+  states and activations, counted from the tensors a rank holds and predicted by formula;
+- ``step_bookkeeping_traffic``: the two float32 scalars every training step all-reduces (its loss
+  and its gradient norm), so that no report adds them by hand;
+- ``Throughput`` and ``log_compute_report``: tokens per second, and on a known GPU the MFU.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from picotron_like.model import GPTConfig, flops_per_token
+
+
+def log0(*parts) -> None:
+    """Print on rank 0 only (or when no process group exists)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+# ----------------------------------------------------------------------------- memory: activations
+
+
+class _SavedForBackward:
+    """What autograd stores in place of a saved tensor: it lives exactly as long as the graph does."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class ActivationMeter:
+    """The bytes autograd keeps alive for backward on this rank: live now, and at their peak.
+
+    Inside ``with meter:``, every tensor saved for backward is handed to autograd wrapped in a small
+    holder, and the holder's death (when backward frees that part of the graph) is watched. The
+    live bytes are the storages of the holders still alive, each storage counted once (many saved
+    tensors are views of one storage); parameters are saved too (a linear layer keeps its weight)
+    but they are not activations, so they are left out. The peak is what a schedule really keeps:
+    one micro-batch with gradient accumulation, p micro-batches on 1F1B's first pipeline stage.
+    It counts tensors, not allocator blocks, so it reads the same on CPU and CUDA.
+    """
+
+    def __init__(self, *modules: torch.nn.Module):
+        self.parameter_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self._live: dict[int, list[int]] = {}    # storage address -> [holders alive, bytes]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def _pack(self, tensor):
+        holder = _SavedForBackward(tensor)
+        storage = tensor.untyped_storage()
+        address = storage.data_ptr()
+        if address not in self.parameter_storages:
+            entry = self._live.get(address)
+            if entry is None:
+                entry = self._live[address] = [0, storage.nbytes()]
+                self.live_bytes += entry[1]
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            entry[0] += 1
+            weakref.finalize(holder, self._release, address)
+        return holder
+
+    def _release(self, address: int) -> None:
+        entry = self._live[address]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[address]
+            self.live_bytes -= entry[1]
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda holder: holder.tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n_layers: int | None = None,
+                               with_head: bool = True, element_bytes: int = 4) -> int:
+    """Bytes autograd saves for one micro-batch of the dense reference model in float32 on CPU.
+
+    Per token and layer, in elements:
+      two RMSNorms, each: input, 1/rms, normalised input, output        2 * (3h + 1)
+      attention: q, k and v (repeated to every head), output, log-sum-exp  4h + n_heads
+      o_proj input (the heads re-laid out as one row)                     h
+      SwiGLU: gate, silu(gate), up, their product                         4f
+    plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm and the
+    log-softmax of the logits (3h + 1 + V per token) with the loss's float32 count of targets (one
+    scalar, saved for the mean and the sum alike), and the int64 token ids and targets.
+    A model with experts saves per-expert copies instead of the 4f term; the formula covers
+    dense models only.
+    """
+    layers = cfg.n_layers if n_layers is None else n_layers
+    tokens = micro_batch * seq_len
+    h, f = cfg.hidden, cfg.ffn_hidden
+    elements = layers * tokens * (11 * h + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
+    if with_head:
+        elements += tokens * (3 * h + 1 + cfg.vocab_size) + 1
+    return element_bytes * elements + 8 * tokens * 2
+
+
+# ----------------------------------------------------------------------------- memory: the four components
+
+
+@dataclass
+class MemoryReport:
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states + self.activations
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def measured_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> MemoryReport:
+    """Weights, gradients and optimizer states counted from the tensors this rank holds."""
+    params = list(model.parameters())
+    states = [value for state in optimizer.state.values() for value in state.values()
+              if torch.is_tensor(value) and value.dim() > 0]
+    return MemoryReport(weights=tensor_bytes(params),
+                        gradients=tensor_bytes(p.grad for p in params if p.grad is not None),
+                        optimizer_states=tensor_bytes(states),
+                        activations=activations)
+
+
+def predicted_memory(n_params: int, activations: int, param_bytes: int = 4) -> MemoryReport:
+    """The textbook prediction: float32 weights and gradients, AdamW's two moments per parameter."""
+    return MemoryReport(weights=n_params * param_bytes, gradients=n_params * param_bytes,
+                        optimizer_states=2 * n_params * 4, activations=activations)
+
+
+def memory_table(measured: MemoryReport, predicted: MemoryReport) -> str:
+    rows = [f"{'memory per rank':<22}{'measured MB':>13}{'predicted MB':>14}"]
+    for field in ("weights", "gradients", "optimizer_states", "activations", "total"):
+        rows.append(f"{field:<22}{getattr(measured, field) / 1e6:>13.3f}{getattr(predicted, field) / 1e6:>14.3f}")
+    return "\n".join(rows)
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def step_bookkeeping_traffic(loss_groups=(), norm_groups=()) -> dict[tuple[str, str], int]:
+    """Bytes per step of the two float32 scalars a training step all-reduces besides its technique:
+    the loss, summed over `loss_groups`, and the squared gradient norm, summed over `norm_groups`
+    (group names as the meter reports them)."""
+    traffic = defaultdict(int)
+    for group in (*loss_groups, *norm_groups):
+        traffic[("all_reduce", group)] += 4
+    return dict(traffic)
+
+
+def add_traffic(*predictions: dict) -> dict:
+    """Sum several predicted-traffic dictionaries key by key."""
+    total = defaultdict(int)
+    for prediction in predictions:
+        for key, value in prediction.items():
+            total[key] += value
+    return dict(total)
+
+
+# ----------------------------------------------------------------------------- compute
+
+# Dense bf16 tensor-core peak of the GPUs the README names, in FLOP/s, for MFU.
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+class Throughput:
+    """Tokens per second over the steps after the first `warmup` (which pay one-off costs)."""
+
+    def __init__(self, warmup: int = 1):
+        self.warmup = warmup
+        self.steps = 0
+        self.tokens = 0
+        self.seconds = 0.0
+        self._start = None
+
+    def start_step(self) -> None:
+        self._start = time.perf_counter()
+
+    def end_step(self, tokens: int, device: torch.device) -> float:
+        """Close the step; returns its duration in seconds."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - self._start
+        self.steps += 1
+        if self.steps > self.warmup:
+            self.tokens += tokens
+            self.seconds += elapsed
+        return elapsed
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+
+def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq_len: int,
+                       device: torch.device) -> None:
+    """The compute part of every lesson's report: tokens/s, and on a known GPU the MFU.
+
+    MFU (model FLOPs utilisation) divides the FLOPs the model needs per token (flops_per_token)
+    by the GPU's peak: work a technique adds (recomputation, idle bubbles, communication) lowers
+    it instead of counting as useful. Every rank shares the tokens, whatever it computes of them.
+    """
+    tokens_per_s = throughput.tokens_per_second
+    log0("\n== compute ==")
+    log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / n_ranks:,.0f}")
+    peak = peak_flops(device)
+    if peak:
+        mfu = tokens_per_s / n_ranks * flops_per_token(cfg, seq_len) / peak
+        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
