@@ -16,9 +16,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from picotron_like import comm
+from picotron_like.data import TokenBatches, builtin_corpus_paths
+from picotron_like.metrics import log0
 from picotron_like.model import GPT, get_config
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, load_lesson, shutdown
-from picotron_like.train import add_training_flags, build_batches, build_optimizer, log0
+from picotron_like.train import StepSettings, add_training_flags, batch_shape, build_optimizer
 
 
 def time_steps(step_fn, steps):
@@ -39,7 +41,9 @@ def main():
     device = init_distributed()
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
     cfg = get_config(args.preset)
-    batches, shape = build_batches(args, grid.dp_size, cfg.vocab_size)
+    shape = batch_shape(args, grid.dp_size)
+    batches = TokenBatches(args.data or builtin_corpus_paths()[0], shape, seed=args.seed, vocab_size=cfg.vocab_size)
+    settings = StepSettings(device, torch.float32, args.max_grad_norm)
     log0(f"{grid.dp_size} ranks, {shape.tokens_per_step} tokens per step, {args.steps} timed steps")
 
     for mode, bucket_mb in (("naive", 0), ("bucketed", 0.25), ("bucketed", 1.0), ("bucketed", 25.0)):
@@ -48,8 +52,7 @@ def main():
         optimizer = build_optimizer(model.module, args.lr)
         comm.meter.reset()
         seconds = time_steps(lambda step: lesson.train_step(
-            model, optimizer, batches.micro_batches(step, grid.dp_rank), args.max_grad_norm, device,
-            torch.float32), args.steps)
+            model, optimizer, batches.step_batch(step, grid.dp_rank), settings), args.steps)
         calls = comm.meter.get("all_reduce", "dp").calls / (args.steps + 1) - 1  # minus the loss average
         log0(f"ours {mode:<9} bucket {bucket_mb:>5} MB: {shape.tokens_per_step / seconds:>9,.0f} tok/s, "
              f"{calls:.0f} gradient all-reduces per step")
