@@ -77,6 +77,9 @@ Run it:
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2 --sequence-parallel
     torchrun --nproc_per_node=8 02_tensor_parallel.py --tp 8 --preset 1b --seq-len 2048 --sequence-parallel
 
+With --dp > 1 the tp groups are data-parallel replicas of each other, joined by lesson 01's
+bucketed all-reduce (--bucket-mb sets its bucket size).
+
 What to look for: the loss falls as on one device (the tests prove equality to float32 rounding);
 the tp rows of the communication table equal the formula to the byte, and switching on
 --sequence-parallel turns the all-reduces into all-gathers and reduce-scatters of the same volume
@@ -96,17 +99,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, get_config
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson,
-                                    shutdown, validate_parallel_config, world_size_from_env)
-from picotron_like.train import (SavedActivations, Throughput, add_training_flags,
-                                 autocast_dtype, build_batches, build_optimizer, exit_with_error,
-                                 learning_rate, log0, log_step, measured_memory, memory_table, predicted_memory,
-                                 log_compute_report, set_learning_rate)
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
+                                   predicted_memory, step_bookkeeping_traffic)
+from picotron_like.model import GPT, IGNORE_INDEX, RMSNorm, SwiGLU, count_parameters
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+                                    validate_parallel_config)
+from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
+                                 plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
-# ----------------------------------------------------------------------------- 1. the conjugate operators
+# ============================================================================ the technique: tensor parallelism
 
 
 class CopyToTensorParallelRegion(torch.autograd.Function):
@@ -149,10 +152,251 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
+def take_shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
+    """This rank's contiguous 1/tp slice of a reference tensor along `dim`, as a new parameter.
+
+    Slicing the reference weight (not drawing a new one) makes the tp run start from exactly the
+    single-device model's parameters. `tp_split_dim` records the cut so that shards can be put
+    back together (checkpoints, tests).
+    """
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    shard = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
+    shard.tp_split_dim = dim
+    return shard
+
+
+def replicated(param: nn.Parameter) -> nn.Parameter:
+    """Mark a parameter every tp rank holds whole, so the gradient norm counts it once."""
+    param.tp_replicated = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X A_i^T + b_i: this rank's slice of the output features.
+
+    The input must already be in the tensor-parallel region: the norm in front of the layer
+    applies f (TensorParallelRMSNorm), once for q, k and v (or gate and up), which share one input.
+    Megatron fuses q/k/v into one matrix for the same reason; one f for three layers is one
+    all-reduce backward instead of three.
+    """
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__()
+        self.weight = take_shard(full.weight, 0, group)
+        self.bias = take_shard(full.bias, 0, group) if full.bias is not None else None
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = sum_i X_i A_i^T + b: this rank's slice of the input features, partial sums reduced over tp.
+
+    The bias is added once, after the reduction (added before it, it would be summed tp times).
+    """
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__()
+        self.group = group
+        self.weight = take_shard(full.weight, 1, group)
+        self.bias = None if full.bias is None else replicated(nn.Parameter(full.bias.detach().clone()))
+
+    def forward(self, x):
+        out = self.exit_region(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def exit_region(self, partial_sums):
+        return ReduceFromTensorParallelRegion.apply(partial_sums, self.group)      # g
+
+
+class TensorParallelRMSNorm(RMSNorm):
+    """The RMSNorm in front of a block's column-parallel layers (or of the LM head): it applies f.
+
+    The norm is where those layers take their shared input, so it is where the entry operator
+    goes. The gain is replicated: every rank normalises the whole activation.
+    """
+
+    def __init__(self, norm: RMSNorm, group):
+        super().__init__(norm.weight.shape[0], norm.eps)
+        self.group = group
+        self.weight = replicated(nn.Parameter(norm.weight.detach().clone()))
+
+    def forward(self, x):
+        return self.enter_region(super().forward(x))
+
+    def enter_region(self, x):
+        return CopyToTensorParallelRegion.apply(x, self.group)                      # f
+
+
+def parallelize_attention(attn, group, column=ColumnParallelLinear, row=RowParallelLinear) -> None:
+    """Heads split across ranks: q, k, v column-parallel, o_proj row-parallel.
+
+    The projections' rows are laid out head by head, so a contiguous slice of rows is a set of
+    whole heads; query heads [r*H/tp, (r+1)*H/tp) and key/value heads [r*KV/tp, (r+1)*KV/tp) are
+    exactly the heads whose groups match under grouped-query attention. Attention reads its head
+    count off the projections and its core (``attention_core``) is left alone.
+    """
+    attn.q_proj = column(attn.q_proj, group)
+    attn.k_proj = column(attn.k_proj, group)
+    attn.v_proj = column(attn.v_proj, group)
+    attn.o_proj = row(attn.o_proj, group)
+
+
+def parallelize_mlp(mlp: SwiGLU, group, column=ColumnParallelLinear, row=RowParallelLinear) -> None:
+    """SwiGLU's inner width split: gate and up column-parallel, down row-parallel.
+
+    silu(gate) * up is elementwise, so each rank applies it to its own slice of the inner width.
+    """
+    mlp.gate_proj = column(mlp.gate_proj, group)
+    mlp.up_proj = column(mlp.up_proj, group)
+    mlp.down_proj = row(mlp.down_proj, group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r owns the embedding rows of token ids [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the ids that fall in its slice and writes zeros for the others; summing
+    over tp (g) gives every token its row.
+    """
+
+    def __init__(self, full: nn.Embedding, group):
+        super().__init__()
+        self.group = group
+        self.weight = take_shard(full.weight, 0, group)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, tokens):
+        local_ids = tokens - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
+        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        return self.exit_region(rows.masked_fill(outside.unsqueeze(-1), 0.0))
+
+    def exit_region(self, rows):
+        return ReduceFromTensorParallelRegion.apply(rows, self.group)               # g
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split by vocabulary, without gathering them.
+
+    loss_t = log sum_v exp(z_tv) - z_t,target. Each rank holds V/tp of the z_tv; three all-reduces
+    of one number per token finish the job: the max (for a stable exp), the sum of exponentials,
+    and the target logit (found on exactly one rank, zero on the others). The gradient is
+    softmax - onehot, local to each rank's slice, so backward needs no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, reduction, ignore_index):
+        vocab_slice = logits.shape[-1]
+        vocab_start = dist.get_rank(group) * vocab_slice
+        z = logits.float().reshape(-1, vocab_slice)
+        targets = targets.reshape(-1)
+
+        z_max = z.max(dim=-1).values
+        comm.call(dist.all_reduce, z_max, op=dist.ReduceOp.MAX, group=group)
+        exp = (z - z_max.unsqueeze(-1)).exp_()
+        sum_exp = exp.sum(dim=-1)
+        comm.call(dist.all_reduce, sum_exp, group=group)
+
+        valid = targets != ignore_index
+        local_target = targets - vocab_start
+        mine = valid & (local_target >= 0) & (local_target < vocab_slice)
+        local_target = torch.where(mine, local_target, -1)
+        rows = torch.arange(z.shape[0], device=z.device)
+        target_logit = torch.where(mine, z[rows, local_target.clamp(min=0)] - z_max, 0.0)
+        comm.call(dist.all_reduce, target_logit, group=group)
+
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum()
+        # "sum" is what a training step asks for: it divides by the global batch's target count
+        # itself, and a call whose targets are all ignored adds 0. "mean" divides by this call's
+        # count, as F.cross_entropy does (0 / 0 = NaN when nothing counts, as there).
+        n_valid = valid.sum() if reduction == "mean" else None
+        # Keep softmax (zeroed on ignored tokens) and the local target id (-1 when it is on another
+        # rank or ignored): all backward needs. The exponentials become the softmax in place.
+        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(~valid.unsqueeze(-1), 0.0)
+        ctx.save_for_backward(softmax, local_target, n_valid)
+        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
+        return loss if n_valid is None else loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, n_valid = ctx.saved_tensors
+        grad = softmax.clone()
+        mine = local_target >= 0
+        grad[mine.nonzero(as_tuple=True)[0], local_target[mine]] -= 1.0
+        grad.mul_(grad_loss if n_valid is None else grad_loss / n_valid)
+        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, group, reduction: str = "mean", ignore_index: int = IGNORE_INDEX):
+    """The loss over targets != ignore_index ("mean" or "sum", as model.cross_entropy_loss), from this
+    rank's vocabulary slice of the logits."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return VocabParallelCrossEntropy.apply(logits, targets, group, reduction, ignore_index)
+
+
+# The four layer types a conversion swaps in; sequence parallelism (the next section) swaps in a
+# subclass of each instead, and nothing else changes.
+TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnParallelLinear, RowParallelLinear)
+
+
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
+    """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
+
+    Contract:
+    - `model` has the reference GPT's attributes: `cfg`, `layers` (any subset of the Blocks), and
+      `tok_embeddings`, `norm`, `lm_head`, each of which may be None (a middle pipeline stage).
+    - Its parameters hold the full reference weights; every sharded layer keeps its slice of them
+      (and every rank of the tp group must pass the same weights). Build the full model (or stage),
+      then call this: the full tensors are released as the modules are swapped.
+    - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
+      -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
+      RowParallelLinear, lm_head -> ColumnParallelLinear (vocab-split logits) with
+      `model.cross_entropy` -> vocab-parallel cross-entropy (with sequence parallelism, the
+      SequenceParallel* subclasses of those four layers). Parameter names stay the same.
+      `Attention.attention_core` is untouched.
+    - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
+      parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
+      [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
+      sends [b, s/tp, h] between stages and needs no code of its own. The norms then return a
+      SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
+      Rotary tables are built for the full sequence (positions as in the reference).
+    - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
+    - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
+      divisible by tp, or an MoE model. The sequence length is checked by the caller
+      (validate_tensor_parallel) and again, identically on every rank, at the first reduce-scatter.
+    Returns the same object.
+    """
+    validate_tensor_parallel(model.cfg, dist.get_world_size(tp_group))
+    embedding, norm, column, row = SEQUENCE_PARALLEL_LAYERS if sequence_parallel else TENSOR_PARALLEL_LAYERS
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
+    for block in model.layers:
+        block.attn_norm = norm(block.attn_norm, tp_group)
+        parallelize_attention(block.attn, tp_group, column, row)
+        block.mlp_norm = norm(block.mlp_norm, tp_group)
+        parallelize_mlp(block.mlp, tp_group, column, row)
+    if getattr(model, "norm", None) is not None:
+        model.norm = norm(model.norm, tp_group)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = column(model.lm_head, tp_group)
+        model.cross_entropy = partial(vocab_parallel_cross_entropy, group=tp_group)
+    return model
+
+
+def tp_counts_toward_norm(tp_group):
+    """For clip_grad_norm_: count replicated parameters (norm gains) on tp rank 0 only."""
+    first = dist.get_rank(tp_group) == 0
+    return lambda param: first or not getattr(param, "tp_replicated", False)
+
+
+# ============================================================================ the technique: sequence parallelism
+
 # Sequence parallelism splits f and g in halves along the sequence (dim 1 of [batch, seq, hidden]).
 # Collectives gather and scatter along the first dimension, so the sequence is moved to the front
 # around each call (one copy each way; Megatron keeps activations [seq, batch, hidden] throughout
 # to avoid it, a layout our reference model does not use).
+
 
 def start_all_gather_sequence(x, group):
     """Start gathering [b, s/tp, h] from each rank into [b, s, h] (rank order = sequence order).
@@ -186,6 +430,19 @@ def reduce_scatter_sequence(x, group):
     shard = full.new_empty((full.shape[0] // tp, *full.shape[1:]))
     comm.call(comm.reduce_scatter_single, shard, full, group=group)
     return shard.transpose(0, 1).contiguous()
+
+
+class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """SP's g: reduce-scatter the sequence forward, all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
 
 
 class SequenceRegather:
@@ -247,72 +504,6 @@ class SequenceParallelInput:
         self.full = GatherFromSequenceParallelRegion.apply(shard, group, self.regather)
 
 
-class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
-    """SP's g: reduce-scatter the sequence forward, all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
-
-
-def enter_tensor_parallel_region(x, group, sequence_parallel: bool):
-    """Before column-parallel layers: f, or with sequence parallelism the all-gather (wrapped in a
-    SequenceParallelInput, which only column-parallel layers read)."""
-    if sequence_parallel:
-        return SequenceParallelInput(x, group)
-    return CopyToTensorParallelRegion.apply(x, group)
-
-
-def exit_tensor_parallel_region(x, group, sequence_parallel: bool):
-    """After row-parallel layers: g, or with sequence parallelism the reduce-scatter."""
-    if sequence_parallel:
-        return ReduceScatterToSequenceParallelRegion.apply(x, group)
-    return ReduceFromTensorParallelRegion.apply(x, group)
-
-
-def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
-    """Make `param`'s gradient the sum over the tp ranks, once per backward pass.
-
-    Under sequence parallelism a replicated parameter used on the sequence-split activations (a
-    norm gain, a row-parallel bias) sees only s/tp tokens per rank, so its gradient is a partial
-    sum. A tensor hook runs before the gradient is added into .grad, so the sum is taken per
-    micro-batch and gradient accumulation and data parallelism work on the full gradient.
-    """
-    def all_reduce_grad(grad):
-        grad = grad.clone()
-        comm.call(dist.all_reduce, grad, group=group)
-        return grad
-
-    param.register_hook(all_reduce_grad)
-
-
-# ----------------------------------------------------------------------------- 2. column and row parallel layers
-
-
-def take_shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
-    """This rank's contiguous 1/tp slice of a reference tensor along `dim`, as a new parameter.
-
-    Slicing the reference weight (not drawing a new one) makes the tp run start from exactly the
-    single-device model's parameters. `tp_split_dim` records the cut so that shards can be put
-    back together (checkpoints, tests).
-    """
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    shard = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
-    shard.tp_split_dim = dim
-    return shard
-
-
-def replicated(param: nn.Parameter) -> nn.Parameter:
-    """Mark a parameter every tp rank holds whole, so the gradient norm counts it once."""
-    param.tp_replicated = True
-    return param
-
-
 class LinearSavingSequenceShard(torch.autograd.Function):
     """Y = X A^T + b on the gathered sequence X, keeping only this rank's tokens of X for backward.
 
@@ -342,177 +533,72 @@ class LinearSavingSequenceShard(torch.autograd.Function):
         return grad_input, None, None, grad_weight, grad_bias
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y_i = X A_i^T + b_i: this rank's slice of the output features.
+def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
+    """Make `param`'s gradient the sum over the tp ranks, once per backward pass.
 
-    The input must already be in the tensor-parallel region (``enter_tensor_parallel_region``):
-    the model does that once in the norm before each block, where q, k and v (or gate and up)
-    share one input. Megatron fuses q/k/v into one matrix for the same reason; one f for three
-    layers is one all-reduce backward instead of three. Under sequence parallelism the input is a
-    SequenceParallelInput, and the layer saves this rank's tokens instead of the gathered sequence.
+    Under sequence parallelism a replicated parameter used on the sequence-split activations (a
+    norm gain, a row-parallel bias) sees only s/tp tokens per rank, so its gradient is a partial
+    sum. A tensor hook runs before the gradient is added into .grad, so the sum is taken per
+    micro-batch and gradient accumulation and data parallelism work on the full gradient.
     """
+    def all_reduce_grad(grad):
+        grad = grad.clone()
+        comm.call(dist.all_reduce, grad, group=group)
+        return grad
+
+    param.register_hook(all_reduce_grad)
+
+
+# The same four layers with the sequence-parallel entry and exit. Between blocks, and inside the
+# norms, each rank now holds its s/tp tokens only.
+
+
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """Sums the vocabulary slices by a reduce-scatter, so the embedding already returns this rank's
+    s/tp tokens: GPT.forward and a pipeline stage need no extra call to enter the split region."""
+
+    def exit_region(self, rows):
+        return ReduceScatterToSequenceParallelRegion.apply(rows, self.group)
+
+
+class SequenceParallelRMSNorm(TensorParallelRMSNorm):
+    """Normalises this rank's s/tp tokens and hands them on as a SequenceParallelInput, whose
+    all-gather builds the whole sequence for the column-parallel layers. The gain saw s/tp tokens
+    here, so its gradient is summed over tp."""
+
+    def __init__(self, norm: RMSNorm, group):
+        super().__init__(norm, group)
+        sum_gradient_over_tp(self.weight, group)
+
+    def enter_region(self, x):
+        return SequenceParallelInput(x, self.group)
+
+
+class SequenceParallelColumnLinear(ColumnParallelLinear):
+    """Multiplies the gathered sequence, keeps this rank's tokens of it for backward."""
+
+    def forward(self, x: SequenceParallelInput):
+        return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """Ends the region by a reduce-scatter: this rank keeps its s/tp tokens of the sum. The bias is
+    added to those tokens only, so its gradient is summed over tp."""
 
     def __init__(self, full: nn.Linear, group):
-        super().__init__()
-        self.weight = take_shard(full.weight, 0, group)
-        self.bias = take_shard(full.bias, 0, group) if full.bias is not None else None
+        super().__init__(full, group)
+        if self.bias is not None:
+            sum_gradient_over_tp(self.bias, group)
 
-    def forward(self, x):
-        if isinstance(x, SequenceParallelInput):
-            return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+    def exit_region(self, partial_sums):
+        return ReduceScatterToSequenceParallelRegion.apply(partial_sums, self.group)
 
 
-class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i A_i^T + b: this rank's slice of the input features, partial sums reduced over tp.
-
-    The bias is added once, after the reduction (added before it, it would be summed tp times).
-    """
-
-    def __init__(self, full: nn.Linear, group, sequence_parallel: bool):
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = take_shard(full.weight, 1, group)
-        self.bias = None
-        if full.bias is not None:
-            self.bias = replicated(nn.Parameter(full.bias.detach().clone()))
-            if sequence_parallel:
-                sum_gradient_over_tp(self.bias, group)
-
-    def forward(self, x):
-        out = exit_tensor_parallel_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
-        return out if self.bias is None else out + self.bias
+SEQUENCE_PARALLEL_LAYERS = (SequenceParallelEmbedding, SequenceParallelRMSNorm, SequenceParallelColumnLinear,
+                            SequenceParallelRowLinear)
 
 
-# ----------------------------------------------------------------------------- 3. attention, MLP and their norms
-
-
-class TensorParallelRMSNorm(RMSNorm):
-    """The RMSNorm in front of a block (or of the LM head), handing its output to the tp region.
-
-    The norm is where a block's column-parallel layers take their shared input, so it is where the
-    entry operator goes: f without sequence parallelism; with it, the norm runs on this rank's s/tp
-    tokens and returns a SequenceParallelInput, whose all-gather builds the full sequence for the
-    column-parallel layers. The gain is replicated; under sequence parallelism its gradient is
-    summed over tp.
-    """
-
-    def __init__(self, norm: RMSNorm, group, sequence_parallel: bool):
-        super().__init__(norm.weight.shape[0], norm.eps)
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = replicated(nn.Parameter(norm.weight.detach().clone()))
-        if sequence_parallel:
-            sum_gradient_over_tp(self.weight, group)
-
-    def forward(self, x):
-        return enter_tensor_parallel_region(super().forward(x), self.group, self.sequence_parallel)
-
-
-def parallelize_attention(attn, group, sequence_parallel: bool) -> None:
-    """Heads split across ranks: q, k, v column-parallel, o_proj row-parallel.
-
-    The projections' rows are laid out head by head, so a contiguous slice of rows is a set of
-    whole heads; query heads [r*H/tp, (r+1)*H/tp) and key/value heads [r*KV/tp, (r+1)*KV/tp) are
-    exactly the heads whose groups match under grouped-query attention. Attention reads its head
-    count off the projections and its core (``attention_core``) is left alone.
-    """
-    attn.q_proj = ColumnParallelLinear(attn.q_proj, group)
-    attn.k_proj = ColumnParallelLinear(attn.k_proj, group)
-    attn.v_proj = ColumnParallelLinear(attn.v_proj, group)
-    attn.o_proj = RowParallelLinear(attn.o_proj, group, sequence_parallel)
-
-
-def parallelize_mlp(mlp: SwiGLU, group, sequence_parallel: bool) -> None:
-    """SwiGLU's inner width split: gate and up column-parallel, down row-parallel.
-
-    silu(gate) * up is elementwise, so each rank applies it to its own slice of the inner width.
-    """
-    mlp.gate_proj = ColumnParallelLinear(mlp.gate_proj, group)
-    mlp.up_proj = ColumnParallelLinear(mlp.up_proj, group)
-    mlp.down_proj = RowParallelLinear(mlp.down_proj, group, sequence_parallel)
-
-
-# ----------------------------------------------------------------------------- 4. vocab-parallel embedding and loss
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Rank r owns the embedding rows of token ids [r*V/tp, (r+1)*V/tp).
-
-    Each rank looks up the ids that fall in its slice and writes zeros for the others; summing
-    over tp (g) gives every token its row. Under sequence parallelism the sum is a reduce-scatter,
-    so the embedding already returns this rank's s/tp tokens: a pipeline stage or GPT.forward
-    needs no extra call to enter the sequence-parallel region.
-    """
-
-    def __init__(self, full: nn.Embedding, group, sequence_parallel: bool):
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = take_shard(full.weight, 0, group)
-        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
-
-    def forward(self, tokens):
-        local_ids = tokens - self.vocab_start
-        outside = (local_ids < 0) | (local_ids >= self.weight.shape[0])
-        rows = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
-        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-        return exit_tensor_parallel_region(rows, self.group, self.sequence_parallel)
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, without gathering them.
-
-    loss_t = log sum_v exp(z_tv) - z_t,target. Each rank holds V/tp of the z_tv; three all-reduces
-    of one number per token finish the job: the max (for a stable exp), the sum of exponentials,
-    and the target logit (found on exactly one rank, zero on the others). The gradient is
-    softmax - onehot, local to each rank's slice, so backward needs no communication.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, ignore_index):
-        vocab_slice = logits.shape[-1]
-        vocab_start = dist.get_rank(group) * vocab_slice
-        z = logits.float().reshape(-1, vocab_slice)
-        targets = targets.reshape(-1)
-
-        z_max = z.max(dim=-1).values
-        comm.call(dist.all_reduce, z_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (z - z_max.unsqueeze(-1)).exp_()
-        sum_exp = exp.sum(dim=-1)
-        comm.call(dist.all_reduce, sum_exp, group=group)
-
-        valid = targets != ignore_index
-        local_target = targets - vocab_start
-        mine = valid & (local_target >= 0) & (local_target < vocab_slice)
-        local_target = torch.where(mine, local_target, -1)
-        rows = torch.arange(z.shape[0], device=z.device)
-        target_logit = torch.where(mine, z[rows, local_target.clamp(min=0)] - z_max, 0.0)
-        comm.call(dist.all_reduce, target_logit, group=group)
-
-        n_valid = valid.sum()
-        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum() / n_valid
-        # Keep softmax (zeroed on ignored tokens) and the local target id (-1 when it is on another
-        # rank or ignored): all backward needs. The exponentials become the softmax in place.
-        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(~valid.unsqueeze(-1), 0.0)
-        ctx.save_for_backward(softmax, local_target, n_valid)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target, n_valid = ctx.saved_tensors
-        grad = softmax.clone()
-        mine = local_target >= 0
-        grad[mine.nonzero(as_tuple=True)[0], local_target[mine]] -= 1.0
-        grad.mul_(grad_loss / n_valid)
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(logits, targets, group, ignore_index: int = -100):
-    """Mean loss over targets != ignore_index, from this rank's vocabulary slice of the logits."""
-    return VocabParallelCrossEntropy.apply(logits, targets, group, ignore_index)
-
-
-# ----------------------------------------------------------------------------- 5. a reference model, tensor-parallel
+# ============================================================================ configuration rules
 
 
 def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = None,
@@ -540,55 +626,12 @@ def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = N
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
 
 
-def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
-    """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
-
-    Contract:
-    - `model` has the reference GPT's attributes: `cfg`, `layers` (any subset of the Blocks), and
-      `tok_embeddings`, `norm`, `lm_head`, each of which may be None (a middle pipeline stage).
-    - Its parameters hold the full reference weights; every sharded layer keeps its slice of them
-      (and every rank of the tp group must pass the same weights). Build the full model (or stage),
-      then call this: the full tensors are released as the modules are swapped.
-    - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
-      -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
-      RowParallelLinear, lm_head -> ColumnParallelLinear (vocab-split logits) with
-      `model.cross_entropy` -> vocab-parallel cross-entropy. Parameter names stay the same.
-      `Attention.attention_core` is untouched.
-    - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
-      parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
-      [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
-      sends [b, s/tp, h] between stages and needs no code of its own. The norms then return a
-      SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
-      Rotary tables are built for the full sequence (positions as in the reference).
-    - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
-    - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
-      divisible by tp, or an MoE model. The sequence length is checked by the caller
-      (validate_tensor_parallel) and again, identically on every rank, at the first reduce-scatter.
-    Returns the same object.
-    """
-    validate_tensor_parallel(model.cfg, dist.get_world_size(tp_group))
-    if getattr(model, "tok_embeddings", None) is not None:
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, tp_group, sequence_parallel)
-    for block in model.layers:
-        block.attn_norm = TensorParallelRMSNorm(block.attn_norm, tp_group, sequence_parallel)
-        parallelize_attention(block.attn, tp_group, sequence_parallel)
-        block.mlp_norm = TensorParallelRMSNorm(block.mlp_norm, tp_group, sequence_parallel)
-        parallelize_mlp(block.mlp, tp_group, sequence_parallel)
-    if getattr(model, "norm", None) is not None:
-        model.norm = TensorParallelRMSNorm(model.norm, tp_group, sequence_parallel)
-    if getattr(model, "lm_head", None) is not None:
-        model.lm_head = ColumnParallelLinear(model.lm_head, tp_group)
-        model.cross_entropy = partial(vocab_parallel_cross_entropy, group=tp_group)
-    return model
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """For plan_run: the grid's rules and tensor parallelism's, on the sequence length that will run."""
+    validate_tensor_parallel(cfg, grid, shape.seq_len, args.sequence_parallel, world_size)
 
 
-def tp_counts_toward_norm(tp_group):
-    """For clip_grad_norm_: count replicated parameters (norm gains) on tp rank 0 only."""
-    first = dist.get_rank(tp_group) == 0
-    return lambda param: first or not getattr(param, "tp_replicated", False)
-
-
-# ----------------------------------------------------------------------------- 6. the formulas
+# ============================================================================ measuring the three challenges
 
 
 def tp_parameter_count(cfg, tp: int) -> int:
@@ -633,7 +676,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
                                   n_layers: int | None = None, with_embedding: bool = True,
                                   with_head: bool = True) -> int:
     """Bytes autograd saves for one micro-batch on one tp rank (float32, dense model), for a whole
-    GPT or a pipeline stage.
+    GPT or a pipeline stage, with the loss summed as a training step asks for it.
 
     Per token and layer, in elements:
       two RMSNorms, each: input, 1/rms, normalised input, and the output
@@ -642,8 +685,8 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
       o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
     so with sequence parallelism everything a block saves is divided by tp. Plus the rotary tables
     (s * head_dim); the embedding's int64 local ids and one-byte mask per token; the head's final
-    norm and input (3h + 1, /tp with SP), the loss's softmax over V/tp, its int64 targets and its
-    count of valid targets.
+    norm and input (3h + 1, /tp with SP), the loss's softmax over V/tp and its int64 targets (a
+    mean would keep its int64 count of targets too, 8 bytes).
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len
@@ -660,43 +703,19 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
         other_bytes += tokens * (8 + 1)
     if with_head:
         float_elements += norm_tokens * norm + tokens * cfg.vocab_size // tp
-        other_bytes += tokens * 8 + 8
+        other_bytes += tokens * 8
     return 4 * float_elements + other_bytes
 
 
-# ----------------------------------------------------------------------------- main
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (ranks sharing each layer)")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default: world size / tp)")
-    parser.add_argument("--sequence-parallel", action="store_true",
-                        help="split norms and the residual stream along the sequence (Megatron-SP)")
-    add_training_flags(parser, micro_batch_size=4, steps=20)
-    return parser.parse_args(argv)
-
-
-# Data parallelism across tp groups reuses lesson 01's bucketed all-reduce; 1 MB buckets give the
-# tiny model several buckets to overlap with backward.
-DP_BUCKET_BYTES = 2**20
-
-
-def build_model(cfg, args, grid, device):
-    model = apply_tensor_parallel(GPT(cfg, seed=args.seed).to(device), grid.tp_group, args.sequence_parallel)
-    return data_parallel.wrap_data_parallel(model, grid.dp_group, "bucketed", DP_BUCKET_BYTES)
-
-
-def report(model, optimizer, cfg, args, shape, grid, throughput, activations, device, compute_dtype):
-    tp, sp, b, s = grid.tp_size, args.sequence_parallel, shape.micro_batch_size, shape.seq_len
-    n_params = sum(p.numel() for p in model.parameters())
-    predicted_params = tp_parameter_count(cfg, tp)
+def report(model, optimizer, plan, args, activations: ActivationMeter, throughput, compute_dtype, device) -> None:
+    cfg, shape, grid = plan.cfg, plan.shape, plan.grid
+    tp, sp, b, s = grid.tp, args.sequence_parallel, shape.micro_batch_size, shape.seq_len
+    n_params = tp_parameter_count(cfg, tp)
     log0(f"\n== memory (one rank; activations of one micro-batch; tp={tp}, sequence parallel={sp}) ==")
-    log0(f"parameters on this rank: {n_params:,} measured, {predicted_params:,} predicted "
-         f"(of {count_parameters(cfg)['total']:,})")
-    predicted = predicted_memory(predicted_params, predicted_tp_activation_bytes(cfg, b, s, tp, sp))
-    log0(memory_table(measured_memory(model, optimizer, activations.nbytes), predicted))
+    log0(f"parameters on this rank: {sum(p.numel() for p in model.parameters()):,} measured, {n_params:,} "
+         f"predicted (of {count_parameters(cfg)['total']:,})")
+    log0(memory_table(measured_memory(model, optimizer, activations.peak_bytes),
+                      predicted_memory(n_params, predicted_tp_activation_bytes(cfg, b, s, tp, sp))))
     if s % tp == 0:
         with_sp, without_sp = (predicted_tp_activation_bytes(cfg, b, s, tp, flag) for flag in (True, False))
         log0(f"activations predicted with sequence parallelism: {with_sp / 1e6:.3f} MB per rank, without: "
@@ -704,52 +723,46 @@ def report(model, optimizer, cfg, args, shape, grid, throughput, activations, de
     log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
          f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
 
-    predicted_traffic = predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sp, compute_dtype)
-    # gradient clipping sums the squared norm over tp: one float32 per step
-    predicted_traffic[("all_reduce", "tp")] += 4
-    grad_bytes = next(model.parameters()).element_size()
-    predicted_traffic.update(data_parallel.predicted_dp_traffic(n_params, grad_bytes, 1))
     log0(f"\n== communication per step (b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, "
          f"{shape.grad_accum} micro-batches) ==")
-    log0(comm.meter.table(predicted_traffic, per=args.steps))
+    predicted = add_traffic(predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sp, compute_dtype),
+                            data_parallel.predicted_dp_traffic(n_params, next(model.parameters()).element_size()),
+                            step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("tp",)))
+    log0(comm.meter.table(predicted, per=args.steps))
+    log_compute_report(throughput, grid.world_size, cfg, s, device)
 
-    log_compute_report(throughput, grid.shape.world_size, cfg, s, device)
+
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "tp"), fill_axis="dp", tp=2)
+    add_training_flags(parser, micro_batch_size=4, steps=20)
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        world_size = world_size_from_env()
-        dp = args.dp or max(1, world_size // args.tp)
-        cfg = get_config(args.preset)
-        validate_tensor_parallel(cfg, GridShape(dp=dp, tp=args.tp), args.seq_len, args.sequence_parallel,
-                                 world_size)
-        batches, shape = build_batches(args, dp, cfg.vocab_size)
-    except (ConfigError, ValueError) as error:
-        exit_with_error(error)
-
+    plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(GridShape(dp=dp, tp=args.tp))
-    torch.manual_seed(args.seed)
-    model = build_model(cfg, args, grid, device)
-    optimizer = build_optimizer(model.module, args.lr)
-    compute_dtype = autocast_dtype(args.dtype, device)
-    log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={dp}, sequence parallel={args.sequence_parallel}, "
-         f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step")
+    grid = ProcessGrid(plan.grid)
+    module = apply_tensor_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.tp_group, args.sequence_parallel)
+    # The tp groups are data-parallel replicas of each other: lesson 01's bucketed all-reduce.
+    model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", int(args.bucket_mb * 2**20))
+    optimizer = build_optimizer(module, args.lr)
+    settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm,
+                            norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group))
+    log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={grid.dp_size}, "
+         f"sequence parallel={args.sequence_parallel}, {count_parameters(plan.cfg)['total']:,} parameters, "
+         f"{plan.shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    throughput, activations = Throughput(), SavedActivations(model, device)
-    counts_toward_norm = tp_counts_toward_norm(grid.tp_group)
-    for step in range(args.steps):
-        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
-        throughput.start_step()
-        loss = data_parallel.train_step(model, optimizer, batches.micro_batches(step, grid.dp_rank),
-                                        args.max_grad_norm, device, compute_dtype,
-                                        activations if step == 0 else None,
-                                        norm_groups=(grid.tp_group,), counts_toward_norm=counts_toward_norm)
-        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
-
-    report(model, optimizer, cfg, args, shape, grid, throughput, activations, device, compute_dtype)
+    activations = ActivationMeter(model)
+    throughput = train(args, optimizer, partial(data_parallel.train_step, model, optimizer, settings=settings),
+                       plan.batches, grid.dp_rank, device, meters=(activations,))
+    report(model, optimizer, plan, args, activations, throughput, settings.compute_dtype, device)
     shutdown()
 
 

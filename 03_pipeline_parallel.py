@@ -27,8 +27,9 @@ the forward (F) and backward (B) of its micro-batches. This lesson builds three:
           ...). A micro-batch passes through every rank v times; each pass is v times shorter, so
           the pipeline fills and drains v times faster.
 
-Timelines on 4 stages with 8 micro-batches, printed by this file's simulator (forward: the
-micro-batch's digit, backward: its letter, a = 0, a backward twice as long as a forward, '.': idle):
+Timelines on 4 stages with 8 micro-batches, printed by the schedule simulator in
+picotron_like.pipeline_tools (forward: the micro-batch's digit, backward: its letter, a = 0, a
+backward twice as long as a forward, '.': idle):
 
     AFAB         stage 0 |01234567.........aabbccddeeffgghh|
                  stage 1 |.01234567......aabbccddeeffgghh..|
@@ -70,31 +71,29 @@ equal 2*m*b*s*h per boundary to the byte.
 from __future__ import annotations
 
 import argparse
-import time
-import weakref
-from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from picotron_like import comm
-from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, get_config
-from picotron_like.model import init_reference_parameters
+from picotron_like.data import StepBatch
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
+                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
+from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, init_reference_parameters
+from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
+                                          peak_live_micro_batches, render_timeline, simulate_pipeline)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
-                                    validate_parallel_config, world_size_from_env)
-from picotron_like.train import (Throughput, add_training_flags, autocast_dtype, build_batches, build_optimizer,
-                                 clip_grad_norm_, exit_with_error, learning_rate, log0, log_step, measured_memory,
-                                 memory_table, log_compute_report, predicted_activation_bytes, predicted_memory,
-                                 set_learning_rate)
+                                    validate_parallel_config)
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, clip_grad_norm_, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
 
-SCHEDULES = ("afab", "1f1b", "interleaved")
-
-# ----------------------------------------------------------------------------- 1. stages
+# ============================================================================ the technique: stages
 
 
 def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
@@ -143,9 +142,10 @@ class PipelineStage(nn.Module):
     ones it does not own set to None, and borrows GPT's own embed / rope / head_loss: the model is
     written once, and lesson 02's apply_tensor_parallel converts a stage like a whole GPT.
 
-    forward(x, targets, positions): x is the token ids on the first stage and the hidden states
-    [b, s, h] received from the previous stage otherwise; the result is the loss on the last stage
-    and the hidden states to send on otherwise.
+    forward(x, targets, positions, reduction): x is the token ids on the first stage and the hidden
+    states [b, s, h] received from the previous stage otherwise; the result is the loss on the last
+    stage (its mean, or with reduction="sum" its sum over the targets) and the hidden states to
+    send on otherwise.
     """
 
     embed = GPT.embed
@@ -164,12 +164,12 @@ class PipelineStage(nn.Module):
         # The names are the reference's, so these are the reference's values for this seed.
         init_reference_parameters(self, seed)
 
-    def forward(self, x, targets=None, positions=None):
+    def forward(self, x, targets=None, positions=None, reduction: str = "mean"):
         h = self.embed(x) if self.tok_embeddings is not None else x
         rope = self.rope(positions)
         for layer in self.layers:
             h = layer(h, rope)
-        return self.head_loss(h, targets) if self.lm_head is not None else h
+        return self.head_loss(h, targets, reduction) if self.lm_head is not None else h
 
 
 def build_stage_chunks(cfg, seed: int, pp: int, pp_rank: int, virtual_stages: int = 1) -> list[PipelineStage]:
@@ -184,7 +184,7 @@ def build_stage_chunks(cfg, seed: int, pp: int, pp_rank: int, virtual_stages: in
             for stage in range(pp_rank, n_stages, pp)]
 
 
-# ----------------------------------------------------------------------------- 2. schedules
+# ============================================================================ the technique: AFAB and 1F1B schedules
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,9 @@ class Action:
     micro_batch: int
 
 
-# A schedule is, for one rank, a list of compute units: one or two actions that run back to back
-# before the rank communicates again (section 3).
+# A schedule is, for one rank, a list of compute units: a unit is the actions that run back to
+# back before the rank communicates again. In AFAB and 1F1B every unit is one action; interleaved
+# 1F1B's steady state pairs a forward with a backward (why: see communication_program).
 
 
 def afab_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[Action, ...]]:
@@ -205,17 +206,25 @@ def afab_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) 
 
 
 def one_f_one_b_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[Action, ...]]:
-    """1F1B: warm up with p-1-r forwards, then alternate forward and backward, then cool down.
+    """1F1B: warm up with p-1-r forwards, then alternate one forward and one backward, then cool down.
 
     Stage r starts a backward as soon as the first gradient comes back, which frees that
     micro-batch's activations: at most p-r micro-batches are ever alive on stage r. The bubble
     is AFAB's: the pipe still fills and drains once.
     """
     warmup = min(pp - pp_rank - 1, n_micro)
-    units = [(Action("F", 0, i),) for i in range(warmup)]
-    for i in range(n_micro - warmup):
-        units += [(Action("F", 0, warmup + i),), (Action("B", 0, i),)]
-    return units + [(Action("B", 0, i),) for i in range(n_micro - warmup, n_micro)]
+    forwards = [Action("F", 0, i) for i in range(n_micro)]
+    backwards = [Action("B", 0, i) for i in range(n_micro)]
+    # warm-up: fill the pipe; the first gradient needs p-1-r more forwards downstream to come back
+    units = [(forward,) for forward in forwards[:warmup]]
+    # steady state: each backward frees a micro-batch, each forward admits the next one
+    for forward, backward in zip(forwards[warmup:], backwards):
+        units += [(forward,), (backward,)]
+    # cool-down: the last warm-up's worth of backwards drain the pipe
+    return units + [(backward,) for backward in backwards[n_micro - warmup:]]
+
+
+# ============================================================================ the technique: interleaved 1F1B
 
 
 def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int) -> list[tuple[Action, ...]]:
@@ -225,34 +234,28 @@ def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
     p micro-batches through chunk 0, the same p through chunk 1, ..., then the next p. Backwards
     take the chunks in reverse. The warm-up is longer than 1F1B's, (p-1-r)*2 + (v-1)*p forwards,
     so that the first backward's gradient has come all the way back; in the steady state a
-    forward and a backward form one unit, and the rank communicates only after both (the
-    communication rule that keeps this schedule free of deadlocks, see section 3).
+    forward and a backward form one unit, and the rank communicates only after both.
     Needs m to be a multiple of p.
     """
-    total = n_micro * virtual_stages
+    per_round = pp * virtual_stages     # a round: p micro-batches through each of the v chunks
 
     def forward(k):
-        return Action("F", (k % (pp * virtual_stages)) // pp, (k // (pp * virtual_stages)) * pp + k % pp)
+        return Action("F", (k % per_round) // pp, (k // per_round) * pp + k % pp)
 
     def backward(k):
-        return Action("B", virtual_stages - 1 - (k % (pp * virtual_stages)) // pp,
-                      (k // (pp * virtual_stages)) * pp + k % pp)
+        return Action("B", virtual_stages - 1 - (k % per_round) // pp, (k // per_round) * pp + k % pp)
 
+    total = n_micro * virtual_stages
     warmup = min((pp - pp_rank - 1) * 2 + (virtual_stages - 1) * pp, total)
-    units = [(forward(k),) for k in range(warmup)]
-    units += [(forward(warmup + k), backward(k)) for k in range(total - warmup)]
-    return units + [(backward(k),) for k in range(total - warmup, total)]
+    units = [(forward(k),) for k in range(warmup)]                                    # warm-up
+    units += [(forward(warmup + k), backward(k)) for k in range(total - warmup)]       # steady state
+    return units + [(backward(k),) for k in range(total - warmup, total)]              # cool-down
 
 
-SCHEDULE_BUILDERS = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule}
+SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule}
 
 
-def bubble_formula(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> float:
-    """Idle time / useful compute per stage, for stages that all take equally long."""
-    return (pp - 1) / (n_micro * (virtual_stages if schedule == "interleaved" else 1))
-
-
-# ----------------------------------------------------------------------------- 3. point-to-point
+# ============================================================================ the technique: point-to-point
 
 
 @dataclass(frozen=True)
@@ -280,8 +283,8 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     posted together (NCCL runs them as one group), so they complete together.
     What a unit is matters: in interleaved 1F1B's steady state a forward and a backward form one
     unit (Megatron-LM's order); communicating after each of them instead deadlocks.
-    Whether the rule is deadlock-free for a schedule is not assumed: simulate_pipeline checks
-    it, with the strictest semantics, for every rank of every configuration before training.
+    Whether the rule is deadlock-free for a schedule is not assumed: the configuration rules
+    simulate every rank's program, with the strictest semantics, before training.
     """
     n_stages = pp * virtual_stages
     program, sends = [], []
@@ -308,155 +311,7 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     return program
 
 
-def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> list[list]:
-    """Every rank's communication program (each rank builds all of them to simulate them)."""
-    build = SCHEDULE_BUILDERS[schedule]
-    return [communication_program(build(pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
-            for rank in range(pp)]
-
-
-class PipelineDeadlock(RuntimeError):
-    """The programs of a schedule would hang or exchange the wrong tensors."""
-
-
-def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float = 2.0,
-                      virtual_stages: int = 1) -> list[list[tuple[Action, float, float]]]:
-    """Run every rank's program on a model clock; return each rank's (action, start, end) events.
-
-    A batch of transfers completes only when each of its transfers has met its partner on the
-    peer (a send its receive, in the order they were posted): the strictest semantics a
-    backend can have (NCCL may make a large send wait for its receive; gloo is more forgiving).
-    Two failures are caught: no rank can move (a deadlock), and the k-th message from a to b is
-    not the one b expects as its k-th (it would silently receive the wrong tensor: NCCL has no
-    tags to tell them apart). A chunk's action takes 1/v of a whole stage's time.
-    """
-    n = len(programs)
-    position, clock = [0] * n, [0.0] * n
-    events = [[] for _ in range(n)]
-    posted = defaultdict(list)   # (src, dst, "send" or "recv") -> [(message, time posted)], in posting order
-    waiting = {}                 # rank -> (program position, [(partner's queue, index in it, message)])
-
-    def post(rank, transfers):
-        mine = []
-        for transfer in transfers:
-            link = (rank, transfer.peer) if transfer.direction == "send" else (transfer.peer, rank)
-            queue = posted[link + (transfer.direction,)]
-            queue.append((transfer.message, clock[rank]))
-            partner = "recv" if transfer.direction == "send" else "send"
-            mine.append((link + (partner,), len(queue) - 1, transfer.message))
-        return mine
-
-    def completion_time(rank):
-        """When the rank's posted batch completes, or None while a partner is missing."""
-        done_at = clock[rank]
-        for partner_queue, index, message in waiting[rank][1]:
-            if len(posted[partner_queue]) <= index:
-                return None
-            partner_message, partner_time = posted[partner_queue][index]
-            if partner_message != message:
-                raise PipelineDeadlock(f"rank {rank} expects {message} but message number {index} on that "
-                                       f"link is {partner_message}")
-            done_at = max(done_at, partner_time)
-        return done_at
-
-    while any(position[rank] < len(programs[rank]) for rank in range(n)):
-        moved = False
-        for rank in range(n):
-            while position[rank] < len(programs[rank]):
-                step = programs[rank][position[rank]]
-                if isinstance(step, Action):
-                    duration = (forward_time if step.kind == "F" else backward_time) / virtual_stages
-                    events[rank].append((step, clock[rank], clock[rank] + duration))
-                    clock[rank] += duration
-                else:
-                    if waiting.get(rank, (None,))[0] != position[rank]:
-                        waiting[rank] = (position[rank], post(rank, step))
-                        moved = True
-                    done_at = completion_time(rank)
-                    if done_at is None:
-                        break
-                    clock[rank] = done_at
-                position[rank] += 1
-                moved = True
-        if not moved:
-            stuck = {rank: programs[rank][position[rank]] for rank in range(n) if position[rank] < len(programs[rank])}
-            raise PipelineDeadlock(f"no rank can move; waiting at: {stuck}")
-    return events
-
-
-def peak_live_micro_batches(program, chunk_sizes=None) -> int:
-    """The most (chunk, micro-batch) pairs whose activations are kept between their F and B.
-
-    With chunk_sizes (e.g. each chunk's activation bytes for one micro-batch), the peak of their
-    sum instead of their count.
-    """
-    live = peak = 0
-    for step in program:
-        if isinstance(step, Action):
-            size = 1 if chunk_sizes is None else chunk_sizes[step.chunk]
-            live += size if step.kind == "F" else -size
-            peak = max(peak, live)
-    return peak
-
-
-# ----------------------------------------------------------------------------- 4. running a schedule on real ranks
-
-
-class SavedForBackward:
-    """What autograd stores in place of a saved tensor: it lives exactly as long as the graph does."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class LiveActivations:
-    """Bytes that autograd keeps alive for backward on this rank, now and at their peak.
-
-    Every tensor saved for backward is handed to autograd inside a small holder, and a weak
-    reference to the holder is kept: the holder dies when its micro-batch's backward frees the
-    graph. The live bytes are the storages of the holders still alive (each storage once;
-    parameters excluded, they are not activations). So this measures what the schedule keeps,
-    on any device, and not what something else happens to hold (the token ids of the batch).
-    """
-
-    def __init__(self, modules):
-        self.parameter_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-        self.saved = []
-        self.peak_bytes = 0
-
-    def _pack(self, tensor):
-        holder = SavedForBackward(tensor)
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.parameter_storages:
-            self.saved.append((weakref.ref(holder), storage.data_ptr(), storage.nbytes()))
-        return holder
-
-    def recording(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda holder: holder.tensor)
-
-    def update_peak(self) -> None:
-        self.saved = [entry for entry in self.saved if entry[0]() is not None]
-        live = sum(dict((ptr, nbytes) for _, ptr, nbytes in self.saved).values())
-        self.peak_bytes = max(self.peak_bytes, live)
-
-
-class Recorder:
-    """What this rank computed and when: (action, start, end) in seconds from a common start."""
-
-    def __init__(self, pp_group):
-        self.pp_group = pp_group
-        self.events = []
-
-    def start(self) -> None:
-        # Every stage starts its clock as the barrier releases it, so the rows line up across
-        # processes and machines without sharing a clock.
-        comm.call(dist.barrier, group=self.pp_group)
-        self.events, self.t0 = [], time.perf_counter()
-
-    def record(self, action: Action, start: float, end: float) -> None:
-        self.events.append((action, start - self.t0, end - self.t0))
+# ============================================================================ the technique: running a rank's program
 
 
 class Pipeline:
@@ -467,243 +322,122 @@ class Pipeline:
     require_backward_grad_sync is switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size.
+    The program alternates exchange (one batch of transfers) with forward_step / backward_step (one
+    action each); those two are also where a timeline recorder times the schedule from outside.
     """
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
-                 device, compute_dtype=torch.float32, activation_dtype=torch.float32):
-        self.chunks, self.schedule, self.n_micro, self.virtual_stages = chunks, schedule, n_micro, virtual_stages
+                 device, compute_dtype=torch.float32):
+        self.chunks, self.virtual_stages = chunks, virtual_stages
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
         self.peer_ranks = dist.get_process_group_ranks(grid.pp_group)  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
-        self.activation_shape, self.activation_dtype = tuple(activation_shape), activation_dtype
+        self.activation_shape = tuple(activation_shape)
         self.device, self.compute_dtype = device, compute_dtype
-        self.program = pipeline_programs(schedule, self.pp, n_micro, virtual_stages)[self.pp_rank]
-        self.last_backward = {}
-        for index, step in enumerate(self.program):
-            if isinstance(step, Action) and step.kind == "B":
-                self.last_backward[step.chunk] = index
-        self.activations = LiveActivations(chunks)
-        self.peak_live_micro_batches = 0
+        units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
+        self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
+        self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
+                              if isinstance(step, Action) and step.kind == "B"}
 
-    def stage_of(self, chunk: int) -> int:
-        return chunk * self.pp + self.pp_rank
+    def forward_backward(self, batch: StepBatch) -> torch.Tensor:
+        """Forward and backward of every micro-batch, in the schedule's order.
 
-    def forward_backward(self, micro_batches, recorder: Recorder | None = None) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the mean loss (last stage; 0 elsewhere).
-
-        Every rank reads the same micro-batches: the first stage uses the inputs, the last the
-        targets. A micro-batch is (inputs, targets) or (inputs, targets, positions).
+        Returns this rank's share of the loss: on the last stage its micro-batches' summed token
+        losses over batch.n_targets, 0 elsewhere. Every rank reads the same micro-batches: the first
+        stage uses the inputs, the last the targets. A micro-batch is (inputs, targets) or
+        (inputs, targets, positions).
         """
         inputs, outputs, grads = {}, {}, {}     # keyed by (virtual stage, micro-batch)
-        loss_sum = torch.zeros((), device=self.device)
-        if recorder is not None:
-            recorder.start()
+        loss = torch.zeros((), device=self.device)
         for index, step in enumerate(self.program):
-            if isinstance(step, Action):
-                started = time.perf_counter()
-                if step.kind == "F":
-                    loss_sum += self._forward(step, micro_batches[step.micro_batch], inputs, outputs)
-                else:
-                    self._backward(step, index, inputs, outputs, grads)
-                if recorder is not None:
-                    recorder.record(step, started, time.perf_counter())
+            if not isinstance(step, Action):
+                self.exchange(step, inputs, outputs, grads)
+            elif step.kind == "F":
+                loss += self.forward_step(step, batch, inputs, outputs)
             else:
-                self._exchange(step, inputs, outputs, grads)
-        return loss_sum / self.n_micro
+                self.backward_step(step, index, inputs, outputs, grads)
+        return loss
 
-    def _forward(self, action, batch, inputs, outputs) -> torch.Tensor:
-        stage = self.stage_of(action.chunk)
-        tokens, targets = batch[0].to(self.device), batch[1].to(self.device)
+    def forward_step(self, action: Action, batch: StepBatch, inputs, outputs):
+        stage = action.chunk * self.pp + self.pp_rank
+        micro_batch = batch.micro_batches[action.micro_batch]
+        tokens, targets = micro_batch[0].to(self.device), micro_batch[1].to(self.device)
         # Positions come from the data, not from x: under sequence parallelism x holds s/tp tokens
         # but the rotary tables cover the whole sequence.
-        positions = batch[2].to(self.device) if len(batch) > 2 else torch.arange(tokens.shape[1], device=self.device)
+        positions = (micro_batch[2].to(self.device) if len(micro_batch) > 2
+                     else torch.arange(tokens.shape[1], device=self.device))
         x = tokens if stage == 0 else inputs[(stage, action.micro_batch)].requires_grad_()
-        with self.activations.recording(), torch.autocast(self.device.type, dtype=self.compute_dtype,
-                                                          enabled=self.compute_dtype != torch.float32):
-            out = self.chunks[action.chunk](x, targets, positions)
-        self.activations.update_peak()
-        if stage == self.n_stages - 1:
-            # Divide by m, as lesson 01's train_step does: the accumulated gradient is then the
-            # gradient of the mean loss, as on one device. (Forgetting it, or dividing the
-            # received gradients again on the other stages, scales the gradient by m.)
-            outputs[(stage, action.micro_batch)] = out / self.n_micro
-            self.peak_live_micro_batches = max(self.peak_live_micro_batches, len(outputs))
-            return out.detach()
-        outputs[(stage, action.micro_batch)] = out
-        self.peak_live_micro_batches = max(self.peak_live_micro_batches, len(outputs))
-        return torch.zeros((), device=self.device)
+        with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            out = self.chunks[action.chunk](x, targets, positions, reduction="sum")
+        if stage < self.n_stages - 1:
+            outputs[(stage, action.micro_batch)] = out
+            return 0.0
+        # Token-weighted: the summed token losses over the global batch's target count. Summed over
+        # micro-batches (no division by m) and ranks, that is the reference's mean over the whole
+        # batch, however many targets each micro-batch ignores.
+        outputs[(stage, action.micro_batch)] = loss = out / batch.n_targets
+        return loss.detach()
 
-    def _backward(self, action, program_index, inputs, outputs, grads) -> None:
-        stage = self.stage_of(action.chunk)
+    def backward_step(self, action: Action, program_index: int, inputs, outputs, grads) -> None:
+        stage = action.chunk * self.pp + self.pp_rank
         key = (stage, action.micro_batch)
         # Gradients of a chunk are all-reduced over data parallelism only once, during its last
         # backward of the step; the earlier ones just accumulate into .grad.
         self.chunks[action.chunk].require_backward_grad_sync = self.last_backward[action.chunk] == program_index
-        out = outputs.pop(key)
-        torch.autograd.backward(out, grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
+        # The last stage starts from its loss, every other stage from the gradient its successor sent.
+        torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
 
-    def _exchange(self, transfers, inputs, outputs, grads) -> None:
+    def exchange(self, transfers, inputs, outputs, grads) -> None:
         operations = []
         for transfer in transfers:
-            message = transfer.message
-            peer = self.peer_ranks[transfer.peer]
-            if transfer.direction == "send":
-                if message.kind == "activation":
-                    tensor = outputs[(message.stage - 1, message.micro_batch)].detach()
-                else:
-                    tensor = inputs.pop((message.stage + 1, message.micro_batch)).grad
-                if tensor.shape != self.activation_shape or tensor.dtype != self.activation_dtype:
-                    # The receiver allocated its buffer from the configuration; a different size
-                    # would fail far away, or hang, on the other rank.
-                    raise RuntimeError(f"stage {self.pp_rank} would send a {message.kind} of {tuple(tensor.shape)} "
-                                       f"{tensor.dtype}, but its neighbour expects {self.activation_shape} "
-                                       f"{self.activation_dtype}: pass the boundary shape the chunks produce")
-                operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
-            else:
-                buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+            message, peer = transfer.message, self.peer_ranks[transfer.peer]
+            if transfer.direction == "recv":
+                # The residual stream stays float32 under autocast (only matmul inputs are lowered),
+                # so a boundary is float32 at any compute dtype.
+                buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
                 (inputs if message.kind == "activation" else grads)[(message.stage, message.micro_batch)] = buffer
                 operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))
+                continue
+            if message.kind == "activation":
+                tensor = outputs[(message.stage - 1, message.micro_batch)].detach()
+            else:
+                tensor = inputs.pop((message.stage + 1, message.micro_batch)).grad
+            if tensor.shape != self.activation_shape or tensor.dtype != torch.float32:
+                # The receiver allocated its buffer from the configuration; a different size would
+                # fail far away, or hang, on the other rank.
+                raise RuntimeError(f"stage {self.pp_rank} would send a {message.kind} of {tuple(tensor.shape)} "
+                                   f"{tensor.dtype}, but its neighbour expects {self.activation_shape} float32: "
+                                   f"pass the boundary shape the chunks produce")
+            operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
         for work in comm.call(dist.batch_isend_irecv, operations):
             work.wait()
 
 
-def train_step(pipeline: Pipeline, optimizer, micro_batches, max_grad_norm: float, dp_group,
-               norm_groups=(), counts_toward_norm=None, recorder: Recorder | None = None) -> float:
-    """One optimizer step of a pipeline-parallel rank; returns the mean loss, the same on every rank.
+def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """One optimizer step of a pipeline-parallel rank; the loss is that of the global batch.
 
     The shape of lesson 01's train_step: forward and backward of all micro-batches (here by the
     schedule), wait for the data-parallel gradient all-reduce, clip, step. The gradient norm is
-    summed over the pipeline group (each stage holds different parameters) and over `norm_groups`
-    (the tp group when stages are tensor-parallel).
+    summed over the pipeline group (each stage holds different parameters) and over
+    settings.norm_groups (the tp group when stages are tensor-parallel).
     """
-    loss = pipeline.forward_backward(micro_batches, recorder)
+    loss = pipeline.forward_backward(batch)
     for chunk in pipeline.chunks:
         chunk.finish_gradient_synchronization()
     params = [p for chunk in pipeline.chunks for p in chunk.parameters()]
-    clip_grad_norm_(params, max_grad_norm, (pipeline.pp_group,) + tuple(norm_groups), counts_toward_norm)
+    grad_norm = clip_grad_norm_(params, settings.max_grad_norm, (pipeline.pp_group, *settings.norm_groups),
+                                settings.counts_toward_norm)
     optimizer.step()
     for chunk in pipeline.chunks:
         chunk.zero_grad(set_to_none=False)
-    # Only the last stage computed the loss: a sum over the pipeline group hands it to every stage.
+    # Only the last stage computed the loss, each data-parallel rank its own tokens' share: sums
+    # over the pipeline and the chunks' gradient-reduction group give every rank the global loss.
     comm.call(dist.all_reduce, loss, group=pipeline.pp_group)
-    comm.call(dist.all_reduce, loss, group=dp_group)
-    return loss.item() / dist.get_world_size(dp_group)
+    comm.call(dist.all_reduce, loss, group=pipeline.chunks[0].dp_group)
+    return StepResult(loss.item(), grad_norm)
 
 
-# ----------------------------------------------------------------------------- 5. the timeline and the bubble
-
-
-def bubble_fraction(timelines) -> float:
-    """Measured idle / busy time, averaged over the stages.
-
-    The step lasts from the common start to the end of the last action on any stage; a stage is
-    idle whenever it is not computing (waiting for a neighbour, or done early).
-    """
-    span = max(end for events in timelines for _, _, end in events)
-    fractions = []
-    for events in timelines:
-        busy = sum(end - start for _, start, end in events)
-        fractions.append((span - busy) / busy)
-    return sum(fractions) / len(fractions)
-
-
-def render_timeline(timelines, width: int = 96) -> str:
-    """One row per stage; forward: the micro-batch's digit, backward: its letter (a = 0), '.': idle."""
-    span = max(end for events in timelines for _, _, end in events)
-    rows = []
-    for stage, events in enumerate(timelines):
-        cells = ["."] * width
-        for action, start, end in events:
-            symbol = str(action.micro_batch % 10) if action.kind == "F" else chr(ord("a") + action.micro_batch % 26)
-            first = round(start / span * width)
-            for column in range(first, min(max(round(end / span * width), first + 1), width)):
-                cells[column] = symbol
-        rows.append(f"stage {stage} |{''.join(cells)}|")
-    return "\n".join(rows)
-
-
-def gather_timelines(recorder: Recorder, pp_group) -> list[list[tuple[Action, float, float]]]:
-    """Every stage's events on every rank of the pipeline group (all stages have equally many)."""
-    rows = torch.tensor([[action.kind == "F", action.chunk, action.micro_batch, start, end]
-                         for action, start, end in recorder.events], dtype=torch.float64)
-    gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size(pp_group))]
-    comm.call(dist.all_gather, gathered, rows, group=pp_group)
-    return [[(Action("F" if forward else "B", int(chunk), int(micro)), start, end)
-             for forward, chunk, micro, start, end in rows.tolist()] for rows in gathered]
-
-
-# ----------------------------------------------------------------------------- 6. configuration
-
-
-def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: str, virtual_stages: int,
-                             n_micro: int) -> None:
-    """Raise one ConfigError for a pipeline that cannot run; no collective is used."""
-    validate_parallel_config(grid, world_size, cfg)
-    problems = []
-    if virtual_stages < 1:
-        problems.append(f"--virtual-stages {virtual_stages} must be at least 1")
-    if schedule != "interleaved" and virtual_stages != 1:
-        problems.append(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
-                        f"{schedule} runs one chunk per rank (use --virtual-stages 1)")
-    if schedule == "interleaved":
-        if grid.pp < 2:
-            problems.append(f"--schedule interleaved with --pp {grid.pp}: interleaving needs a pipeline; use --pp >= 2")
-        if grid.pp * virtual_stages > cfg.n_layers:
-            problems.append(f"--pp {grid.pp} x --virtual-stages {virtual_stages} = {grid.pp * virtual_stages} chunks "
-                            f"but n_layers={cfg.n_layers}: every chunk needs a layer; use fewer virtual stages "
-                            f"or more layers (--n-layers)")
-        if n_micro % grid.pp:
-            problems.append(f"--micro-batches {n_micro} is {'fewer than' if n_micro < grid.pp else 'not a multiple of'} "
-                            f"--pp {grid.pp}: the interleaved schedule sends micro-batches through each chunk in "
-                            f"groups of pp; use a multiple of {grid.pp}")
-    if problems:
-        raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
-    pipeline_programs_checked(schedule, grid.pp, n_micro, virtual_stages)
-
-
-def pipeline_programs_checked(schedule: str, pp: int, n_micro: int, virtual_stages: int) -> None:
-    """Refuse a schedule whose programs would deadlock: simulated before any rank waits on another."""
-    try:
-        simulate_pipeline(pipeline_programs(schedule, pp, n_micro, virtual_stages), virtual_stages=virtual_stages)
-    except PipelineDeadlock as error:
-        raise ConfigError(f"schedule {schedule} with pp={pp}, m={n_micro}, v={virtual_stages} would deadlock: {error}")
-
-
-# ----------------------------------------------------------------------------- main
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--pp", type=int, default=None, help="pipeline stages (default: world size / (dp * tp))")
-    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
-                        help="afab: all forwards then all backwards (GPipe); 1f1b: one forward one backward; "
-                             "interleaved: 1f1b over --virtual-stages chunks per rank")
-    parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="model chunks per rank for --schedule interleaved (default 2 there, else 1)")
-    parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
-                        help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
-    parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree inside each stage (lesson 02)")
-    parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: Megatron sequence parallelism")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (lesson 01's bucketed all-reduce)")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="data-parallel gradient bucket size in MB")
-    add_training_flags(parser, micro_batch_size=4, grad_accum=8, steps=30)
-    args = parser.parse_args(argv)
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    return args
-
-
-def configure(args, world_size: int):
-    """The model config and grid the flags describe, validated before any process group exists."""
-    cfg = get_config(args.preset, n_layers=args.n_layers)
-    pp = args.pp or max(1, world_size // (args.dp * args.tp))
-    grid = GridShape(dp=args.dp, pp=pp, tp=args.tp)
-    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, args.grad_accum)
-    if args.tp > 1:
-        tensor_parallel.validate_tensor_parallel(cfg, args.tp, args.seq_len, args.sequence_parallel)
-    return cfg, grid
+# ============================================================================ the technique: 3D, with dp and tp
 
 
 def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1, sequence_parallel: bool = False,
@@ -726,6 +460,69 @@ def norm_settings(grid):
     if grid.tp_size == 1:
         return (), None
     return (grid.tp_group,), tensor_parallel.tp_counts_toward_norm(grid.tp_group)
+
+
+# ============================================================================ configuration rules
+
+
+def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: str, virtual_stages: int,
+                             n_micro: int, n_micro_source: str = "--micro-batches") -> None:
+    """Raise one ConfigError for a pipeline that cannot run; no collective is used.
+
+    n_micro is the micro-batch count that will run; n_micro_source says which flags gave it.
+    """
+    validate_parallel_config(grid, world_size, cfg)
+    problems = []
+    if virtual_stages < 1:
+        problems.append(f"--virtual-stages {virtual_stages} must be at least 1")
+    if schedule != "interleaved" and virtual_stages != 1:
+        problems.append(f"--virtual-stages {virtual_stages} needs --schedule interleaved; "
+                        f"{schedule} runs one chunk per rank (use --virtual-stages 1)")
+    if schedule == "interleaved":
+        if grid.pp < 2:
+            problems.append(f"--schedule interleaved with --pp {grid.pp}: interleaving needs a pipeline; use --pp >= 2")
+        if grid.pp * virtual_stages > cfg.n_layers:
+            problems.append(f"--pp {grid.pp} x --virtual-stages {virtual_stages} = {grid.pp * virtual_stages} chunks "
+                            f"but n_layers={cfg.n_layers}: every chunk needs a layer; use fewer virtual stages "
+                            f"or more layers (--n-layers)")
+        if n_micro % grid.pp:
+            problems.append(f"m = {n_micro} micro-batches ({n_micro_source}) is "
+                            f"{'fewer than' if n_micro < grid.pp else 'not a multiple of'} --pp {grid.pp}: the "
+                            f"interleaved schedule sends micro-batches through each chunk in groups of pp; "
+                            f"use a multiple of {grid.pp}")
+    if problems:
+        raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
+    try:
+        simulate_pipeline(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages), virtual_stages=virtual_stages)
+    except PipelineDeadlock as error:
+        raise ConfigError(f"schedule {schedule} with pp={grid.pp}, m={n_micro}, v={virtual_stages} would "
+                          f"deadlock: {error}")
+
+
+def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> list[list]:
+    """Every rank's communication program, for the simulator (a rank runs only its own)."""
+    return [communication_program(SCHEDULES[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
+            for rank in range(pp)]
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """The pipeline's rules for the micro-batch count that will run (shape.grad_accum, which
+    --global-batch-tokens may have set), and lesson 02's when the stages are tensor-parallel."""
+    source = "--micro-batches"
+    if args.global_batch_tokens is not None:
+        source = (f"--global-batch-tokens {args.global_batch_tokens} / ({shape.micro_batch_size} sequences x "
+                  f"{shape.seq_len} tokens x dp {grid.dp})")
+    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum, source)
+    if grid.tp > 1:
+        tensor_parallel.validate_tensor_parallel(cfg, grid.tp, shape.seq_len, args.sequence_parallel)
+
+
+# ============================================================================ measuring the three challenges
+
+
+def bubble_formula(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> float:
+    """Idle time / useful compute per stage, for stages that all take equally long."""
+    return (pp - 1) / (n_micro * (virtual_stages if schedule == "interleaved" else 1))
 
 
 def predicted_p2p_bytes(n_micro: int, boundary_shape, element_bytes: int, pp: int, pp_rank: int,
@@ -759,51 +556,51 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
     return whole_model_ids - 8 * micro_batch * seq_len * ((not has_embedding) + (not has_head))
 
 
-def predicted_tp_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
+def predicted_stage_tp_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
     """Lesson 02's tp traffic per step, for the layers (and embedding, head) of this rank's chunks."""
     if tp == 1:
         return {}
-    total = defaultdict(int)
-    for chunk in pipeline.chunks:
-        stage = chunk.module
-        for key, value in tensor_parallel.predicted_tp_traffic(
-                cfg, shape.micro_batch_size, shape.seq_len, shape.grad_accum, tp, sequence_parallel,
-                pipeline.compute_dtype, n_layers=len(stage.layer_ids), with_embedding=stage.tok_embeddings is not None,
-                with_head=stage.lm_head is not None).items():
-            total[key] += value
-    total[("all_reduce", "tp")] += 4   # the gradient norm, summed over the tp shards
-    return dict(total)
+    return add_traffic(*(tensor_parallel.predicted_tp_traffic(
+        cfg, shape.micro_batch_size, shape.seq_len, shape.grad_accum, tp, sequence_parallel, pipeline.compute_dtype,
+        n_layers=len(chunk.module.layer_ids), with_embedding=chunk.module.tok_embeddings is not None,
+        with_head=chunk.module.lm_head is not None) for chunk in pipeline.chunks))
 
 
-def stage_report_rows(pipeline: Pipeline, cfg, shape, steps: int, tp: int, sequence_parallel: bool) -> torch.Tensor:
-    """This rank's numbers for the per-stage table: layers, live micro-batches, activation bytes, p2p."""
+def predicted_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
+    """Per step: this rank's p2p, its stage's gradients all-reduced over dp, lesson 02's tp traffic,
+    and the step's loss (over pp and dp) and squared gradient norm (over pp and tp)."""
+    p2p = predicted_p2p_bytes(shape.grad_accum, pipeline.activation_shape, 4, pipeline.pp, pipeline.pp_rank,
+                              pipeline.virtual_stages)
+    n_params = sum(p.numel() for chunk in pipeline.chunks for p in chunk.parameters())
+    return add_traffic({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "dp"): n_params * 4},
+                       predicted_stage_tp_traffic(pipeline, cfg, shape, tp, sequence_parallel),
+                       step_bookkeeping_traffic(loss_groups=("pp", "dp"),
+                                                norm_groups=("pp", "tp") if tp > 1 else ("pp",)))
+
+
+def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int, tp: int,
+                     sequence_parallel: bool) -> torch.Tensor:
+    """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
+    activation bytes measured and predicted at the schedule's peak, p2p bytes sent per step."""
     per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len,
                                                         tp, sequence_parallel) for chunk in pipeline.chunks]
-    sent = comm.meter.get("isend", "pp").payload_bytes / steps
     return torch.tensor([sum(len(chunk.module.layer_ids) for chunk in pipeline.chunks),
-                         pipeline.peak_live_micro_batches, peak_live_micro_batches(pipeline.program),
-                         pipeline.activations.peak_bytes, peak_live_micro_batches(pipeline.program, per_micro_batch),
-                         sent], dtype=torch.float64)
+                         peak_live_micro_batches(pipeline.program), activations.peak_bytes,
+                         peak_live_micro_batches(pipeline.program, per_micro_batch),
+                         comm.meter.get("isend", "pp").payload_bytes / steps], dtype=torch.float64)
 
 
-def report(pipeline, optimizer, cfg, shape, args, grid, throughput, recorder, device):
-    pp, m, v = grid.pp_size, shape.grad_accum, pipeline.virtual_stages
-    boundary = pipeline.activation_shape
-    boundary_bytes = 2 * m * torch.Size(boundary).numel() * 4
-    modules = nn.ModuleList(chunk.module for chunk in pipeline.chunks)
-    n_params = sum(p.numel() for p in modules.parameters())
-    # Per step: this rank's p2p; its stage's gradients all-reduced over dp (plus the 4-byte loss);
-    # over pp the 4-byte gradient norm and the 4-byte loss.
-    predicted = {("isend", "pp"): predicted_p2p_bytes(m, boundary, 4, pp, grid.pp_rank, v),
-                 ("irecv", "pp"): predicted_p2p_bytes(m, boundary, 4, pp, grid.pp_rank, v),
-                 ("all_reduce", "dp"): n_params * 4 + 4, ("all_reduce", "pp"): 8}
-    for key, value in predicted_tp_traffic(pipeline, cfg, shape, grid.tp_size, args.sequence_parallel).items():
-        predicted[key] = predicted.get(key, 0) + value
-    comm_table = comm.meter.table(predicted, per=args.steps)
-    mine = stage_report_rows(pipeline, cfg, shape, args.steps, grid.tp_size, args.sequence_parallel)
-    stages = [torch.empty_like(mine) for _ in range(pp)]
-    comm.call(dist.all_gather, stages, mine, group=grid.pp_group)
-    timelines = gather_timelines(recorder, grid.pp_group)
+def report(pipeline, optimizer, plan, args, grid, activations: ActivationMeter, timeline: TimelineRecorder,
+           throughput, device) -> None:
+    cfg, shape = plan.cfg, plan.shape
+    pp, m, v, boundary = grid.pp_size, shape.grad_accum, pipeline.virtual_stages, pipeline.activation_shape
+    comm_table = comm.meter.table(predicted_traffic(pipeline, cfg, shape, grid.tp_size, args.sequence_parallel),
+                                  per=args.steps)
+    row = stage_report_row(pipeline, cfg, shape, activations, args.steps, grid.tp_size, args.sequence_parallel)
+    stages = [torch.empty_like(row) for _ in range(pp)]
+    # CPU rows on purpose, after training: on CUDA the group's gloo backend carries them, not NCCL.
+    comm.call(dist.all_gather, stages, row, group=grid.pp_group)
+    timelines = gather_timelines(timeline.events, grid.pp_group)
 
     log0(f"\n== timeline of the last step ({args.schedule}, pp={pp}, m={m}" + (f", v={v}" if v > 1 else "") + ") ==")
     log0(render_timeline(timelines))
@@ -813,23 +610,23 @@ def report(pipeline, optimizer, cfg, shape, args, grid, throughput, recorder, de
     log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
          f"{bubble_formula(args.schedule, pp, m, v):.3f}   (the formula assumes equal stages, each on its own core)")
 
-    log0("\n== memory ==")
-    log0(f"{'stage':<7}{'layers':>7}{'live micro-batches':>20}{'schedule bound':>16}{'activations MB':>16}"
-         f"{'predicted MB':>14}")
-    for stage, row in enumerate(stages):
-        layers, live, bound, measured_bytes, predicted_bytes, _ = row.tolist()
-        log0(f"{stage:<7}{int(layers):>7}{int(live):>20}{int(bound):>16}{measured_bytes / 1e6:>16.3f}"
-             f"{predicted_bytes / 1e6:>14.3f}")
+    log0("\n== memory: activations at the schedule's peak ==")
+    log0(f"{'stage':<7}{'layers':>7}{'micro-batches kept':>20}{'measured MB':>13}{'predicted MB':>14}")
+    for stage, (layers, kept, measured_bytes, predicted_bytes, _) in enumerate(r.tolist() for r in stages):
+        log0(f"{stage:<7}{int(layers):>7}{int(kept):>20}{measured_bytes / 1e6:>13.3f}{predicted_bytes / 1e6:>14.3f}")
     if v > 1:
-        log0(f"(interleaved: live micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
+        log0(f"(interleaved: micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
              f"{stages[0][1].item() / v:.1f} stages' worth, where 1F1B keeps {pp})")
+    modules = nn.ModuleList(chunk.module for chunk in pipeline.chunks)
+    n_params = sum(p.numel() for p in modules.parameters())
     log0(f"stage 0's rank ({n_params:,} of {count_parameters(cfg)['total']:,} parameters):")
-    log0(memory_table(measured_memory(modules, optimizer, pipeline.activations.peak_bytes),
-                      predicted_memory(n_params, int(stages[0][4]))))
+    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
+                      predicted_memory(n_params, int(stages[0][3]))))
 
     log0("\n== communication per step (rank 0; p2p payload = what this rank sends / receives) ==")
     log0(comm_table)
-    total_sent = sum(row[5].item() for row in stages)
+    total_sent = sum(r[4].item() for r in stages)
+    boundary_bytes = 2 * m * torch.Size(boundary).numel() * 4
     log0(f"p2p over the whole pipeline: {pp * v - 1} boundaries x 2*m*b*s*h*4 bytes = {pp * v - 1} x "
          f"2*{m}*{'*'.join(map(str, boundary))}*4 = {(pp * v - 1) * boundary_bytes / 1e6:.4f} MB predicted, "
          f"{total_sent / 1e6:.4f} MB measured (sum of every stage's sends)")
@@ -837,38 +634,50 @@ def report(pipeline, optimizer, cfg, shape, args, grid, throughput, recorder, de
     log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
 
 
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp", "tp"), fill_axis="pp")
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                        help="afab: all forwards then all backwards (GPipe); 1f1b: one forward one backward; "
+                             "interleaved: 1f1b over --virtual-stages chunks per rank")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="model chunks per rank for --schedule interleaved (default 2 there, else 1)")
+    parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
+                        help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
+    add_training_flags(parser, micro_batch_size=4, grad_accum=8, steps=30)
+    args = parser.parse_args(argv)
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    return args
+
+
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        world_size = world_size_from_env()
-        cfg, grid_shape = configure(args, world_size)
-        batches, shape = build_batches(args, grid_shape.dp, cfg.vocab_size)
-    except (ConfigError, ValueError) as error:
-        exit_with_error(error)
-
+    plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(grid_shape)
+    grid = ProcessGrid(plan.grid)
+    cfg, shape = plan.cfg, plan.shape
     chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, args.sequence_parallel,
                                 int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(nn.ModuleList(chunk.module for chunk in chunks), args.lr)
+    compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                        activation_shape(cfg, shape, grid, args.sequence_parallel), device,
-                        autocast_dtype(args.dtype, device))
-    norm_groups, counts_toward_norm = norm_settings(grid)
-    log0(f"lesson 03: pipeline parallel, {args.schedule}, {grid_shape.picture().splitlines()[0]}, "
+                        activation_shape(cfg, shape, grid, args.sequence_parallel), device, compute_dtype)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm, *norm_settings(grid))
+    log0(f"lesson 03: pipeline parallel, {args.schedule}, {plan.grid.picture().splitlines()[0]}, "
          f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
-         f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid_shape.dp} dp)")
+         f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} dp)")
 
-    throughput, recorder = Throughput(), Recorder(grid.pp_group)
-    for step in range(args.steps):
-        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
-        throughput.start_step()
-        loss = train_step(pipeline, optimizer, batches.micro_batches(step, grid.dp_rank), args.max_grad_norm,
-                          grid.dp_group, norm_groups, counts_toward_norm,
-                          recorder if step == args.steps - 1 else None)
-        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
-
-    report(pipeline, optimizer, cfg, shape, args, grid, throughput, recorder, device)
+    # Both observe the last step from outside: the saved-tensor hooks and a wrapper around the
+    # pipeline's forward_step / backward_step.
+    activations, timeline = ActivationMeter(*chunks), TimelineRecorder(pipeline, grid.pp_group, device)
+    throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
+                       grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1)
+    report(pipeline, optimizer, plan, args, grid, activations, timeline, throughput, device)
     shutdown()
 
 

@@ -56,6 +56,11 @@ The price, per layer and micro-batch of b sequences of S tokens, n_kv kv-heads o
                 the rank: shrinks as 1/cp, but attention cannot start before it arrives.
     gradients   every rank holds every weight, so one all-reduce over the dp × cp ranks per step.
 
+The loss is token-weighted over the global batch: each rank sums the losses of its own tokens and
+divides by the number of valid targets in the whole global batch (known from the data), so the
+shares of all ranks add up to the one-device mean, and the gradients are simply summed over
+dp × cp, even when one rank's part of a sequence holds more ignored targets than another's.
+
 Run it:
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4                        # CPU, ~30 s
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4 --no-zigzag            # imbalance
@@ -68,7 +73,6 @@ What to look for: the loss falls as on one device (the tests prove equality to f
 activation memory per rank is that of S/cp tokens; the ring's bytes per step equal the formula;
 the per-rank attention work is cp:1 unbalanced with --no-zigzag and flat with the zigzag split.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -80,19 +84,21 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPT, Attention, causal_attention, count_parameters, get_config
+from picotron_like.data import StepBatch
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory,
+                                   memory_table, predicted_activation_bytes, predicted_memory,
+                                   step_bookkeeping_traffic)
+from picotron_like.model import GPT, Attention, causal_attention, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
-                                    validate_parallel_config, world_size_from_env)
-from picotron_like.train import (SavedActivations, Throughput, add_training_flags, autocast_dtype, build_batches,
-                                 build_optimizer, exit_with_error, learning_rate, log0, log_step,
-                                 measured_memory, memory_table, log_compute_report, predicted_activation_bytes,
-                                 predicted_memory, set_learning_rate)
+                                    validate_parallel_config)
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 
-# ----------------------------------------------------------------------------- 1. splitting the sequence
+# ============================================================================ the technique: splitting the sequence
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,9 @@ class SequenceSplit:
     """Which tokens of a sequence each cp rank holds: chunks of seq_len / n_chunks tokens.
 
     Contiguous: cp chunks, rank i holds chunk i. Zigzag: 2·cp chunks, rank i holds chunks i and
-    2·cp−1−i. A rank's tokens are its chunks side by side, in that order.
+    2·cp−1−i. A rank's tokens are its chunks side by side, in that order. At cp = 1 there is
+    nothing to balance and the one rank holds the whole sequence, zigzag or not: cutting it in two
+    chunks anyway would drop the last token of an odd-length sequence.
     """
 
     cp: int
@@ -108,10 +116,10 @@ class SequenceSplit:
 
     @property
     def n_chunks(self) -> int:
-        return 2 * self.cp if self.zigzag else self.cp
+        return 2 * self.cp if self.zigzag and self.cp > 1 else self.cp
 
     def chunk_ids(self, cp_rank: int) -> tuple[int, ...]:
-        return (cp_rank, 2 * self.cp - 1 - cp_rank) if self.zigzag else (cp_rank,)
+        return (cp_rank, self.n_chunks - 1 - cp_rank) if self.n_chunks > self.cp else (cp_rank,)
 
     def positions(self, cp_rank: int, seq_len: int) -> torch.Tensor:
         """The true positions of this rank's tokens: what RoPE must rotate them by."""
@@ -127,21 +135,24 @@ class SequenceSplit:
         return [c for rank in range(self.cp) for c in self.chunk_ids(rank)]
 
 
-def context_parallel_micro_batches(batches, step: int, dp_rank: int, split: SequenceSplit, cp_rank: int):
-    """This rank's micro-batches as (inputs, targets, positions): lesson 01's train_step passes
-    each tuple to model(*batch), and GPT.forward rotates each token by its true position.
+def context_parallel_batch(batch: StepBatch, split: SequenceSplit, cp_rank: int) -> StepBatch:
+    """This rank's share of a step's batch: each micro-batch becomes (inputs, targets, positions)
+    of this rank's tokens, which the step hands to the model as model(*micro_batch); GPT.forward
+    rotates each token by its true position.
 
-    Inputs and targets are cut from the same window, so every token keeps its own next token as
+    Inputs and targets are cut at the same positions, so every token keeps its own next token as
     target, even the last token of a chunk, whose target is the first token of the next chunk.
+    n_targets stays the count of the whole global batch: each rank's summed token losses divided
+    by it is exactly its share of the one-device mean, whatever its own tokens hold.
     """
-    return [(split.shard(inputs, cp_rank), split.shard(targets, cp_rank),
-             split.positions(cp_rank, inputs.shape[1]))
-            for inputs, targets in batches.micro_batches(step, dp_rank)]
+    return StepBatch([(split.shard(inputs, cp_rank), split.shard(targets, cp_rank),
+                       split.positions(cp_rank, inputs.shape[1])) for inputs, targets in batch.micro_batches],
+                     batch.n_targets)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContextParallel:
-    """What an attention core needs to talk to its cp peers; also counts the work it does."""
+    """What an attention core needs to talk to its cp peers."""
 
     group: object
     size: int
@@ -149,7 +160,6 @@ class ContextParallel:
     prev_rank: int            # global ranks, as torch.distributed's point-to-point calls want them
     next_rank: int
     split: SequenceSplit
-    attention_work: int = 0   # query-key scores computed by this rank's attention forward passes
 
     @classmethod
     def from_grid(cls, grid: ProcessGrid, zigzag: bool) -> "ContextParallel":
@@ -157,12 +167,18 @@ class ContextParallel:
                    SequenceSplit(grid.cp_size, zigzag))
 
 
-# ----------------------------------------------------------------------------- 2. attention of one block
+# ============================================================================ the technique: attention of one block
 #
 # Queries are viewed as [b, kv_heads, group, s, d] and K/V as [b, kv_heads, 1, s, d]: broadcasting
 # pairs every query head with its kv head, so grouped-query K/V are never repeated, neither in
 # memory nor on the wire. Scores and softmax statistics are float32 even when the matmuls run in
 # bf16: the lse is what merges blocks, and it must not carry bf16 rounding into every output.
+
+
+def grouped_by_kv_head(t: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """[b, heads, s, d] -> [b, kv_heads, heads / kv_heads, s, d]: each kv head's query heads together."""
+    b, n_heads, s, d = t.shape
+    return t.reshape(b, n_kv, n_heads // n_kv, s, d)
 
 
 def attention_block(q, k, v, causal: bool):
@@ -228,23 +244,40 @@ def visible_blocks(split: SequenceSplit, query_rank: int, key_rank: int, chunk: 
     return blocks
 
 
-# ----------------------------------------------------------------------------- 3. ring attention
+# ============================================================================ the technique: ring attention
 
 
-def ring_pass(send: torch.Tensor, recv: torch.Tensor, cp: ContextParallel):
-    """Send `send` to the next rank and receive the previous rank's into `recv`, asynchronously.
+def ring_pass(send: torch.Tensor, cp: ContextParallel):
+    """Start sending `send` to the next rank and receiving the previous rank's tensor of the same
+    shape; returns a function that waits for both and returns what arrived.
 
     Both go in one batch_isend_irecv: with NCCL, a send and a receive issued one by one between
     the same pair of ranks (cp = 2: next and previous are the same rank) can each wait for the
     other and deadlock; batched, they are posted together.
     """
-    return comm.call(dist.batch_isend_irecv, [dist.P2POp(dist.isend, send, cp.next_rank, cp.group),
-                                              dist.P2POp(dist.irecv, recv, cp.prev_rank, cp.group)])
+    received = torch.empty_like(send)
+    requests = comm.call(dist.batch_isend_irecv, [dist.P2POp(dist.isend, send, cp.next_rank, cp.group),
+                                                  dist.P2POp(dist.irecv, received, cp.prev_rank, cp.group)])
+
+    def wait() -> torch.Tensor:
+        for request in requests:
+            request.wait()
+        return received
+
+    return wait
 
 
-def wait_all(requests):
-    for request in requests:
-        request.wait()
+def kv_blocks_around_the_ring(kv: torch.Tensor, cp: ContextParallel):
+    """Yield (owner's cp rank, K/V block) for the cp blocks of the ring, this rank's own first.
+
+    The next block starts travelling before the caller computes on the current one, and is waited
+    for only after: the overlap that hides the ring's communication behind attention's math.
+    """
+    for step in range(cp.size):
+        arriving = ring_pass(kv, cp) if step < cp.size - 1 else None
+        yield (cp.rank - step) % cp.size, kv
+        if arriving is not None:
+            kv = arriving()
 
 
 class RingAttention(torch.autograd.Function):
@@ -256,29 +289,18 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
-        b, n_heads, s, d = q.shape
-        n_kv = k.shape[1]
-        chunk = s // len(cp.split.chunk_ids(cp.rank))
-        grouped_q = q.reshape(b, n_kv, n_heads // n_kv, s, d)
-        kv = torch.stack((k, v)).unsqueeze(3)                 # one message per step: [2, b, n_kv, 1, s, d]
+        grouped_q = grouped_by_kv_head(q, k.shape[1])
+        chunk = q.shape[2] // len(cp.split.chunk_ids(cp.rank))
         out = torch.zeros(grouped_q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(grouped_q.shape[:-1], float("-inf"), device=q.device)
-        for step in range(cp.size):
-            # The next block starts travelling before this one is computed: the overlap.
-            if step < cp.size - 1:
-                next_kv = torch.empty_like(kv)
-                in_flight = ring_pass(kv, next_kv, cp)
-            source = (cp.rank - step) % cp.size
+        kv = torch.stack((k, v)).unsqueeze(3)                 # one message per step: [2, b, n_kv, 1, s, d]
+        for source, block in kv_blocks_around_the_ring(kv, cp):
             for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
-                block_out, block_lse = attention_block(grouped_q[..., rows, :], kv[0][..., cols, :],
-                                                       kv[1][..., cols, :], causal)
+                block_out, block_lse = attention_block(grouped_q[..., rows, :], block[0][..., cols, :],
+                                                       block[1][..., cols, :], causal)
                 out[..., rows, :], lse[..., rows] = merge_blocks(out[..., rows, :], lse[..., rows],
                                                                  block_out, block_lse)
-                cp.attention_work += b * n_heads * (rows.stop - rows.start) * (cols.stop - cols.start)
-            if step < cp.size - 1:
-                wait_all(in_flight)
-                kv = next_kv
-        out = out.to(q.dtype).reshape(b, n_heads, s, d)
+        out = out.to(q.dtype).reshape(q.shape)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp = cp
         return out
@@ -286,44 +308,31 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        cp = ctx.cp
-        b, n_heads, s, d = q.shape
-        n_kv = k.shape[1]
-        chunk = s // len(cp.split.chunk_ids(cp.rank))
-        grouped = (b, n_kv, n_heads // n_kv, s, d)
-        grouped_q, d_out = q.reshape(grouped), d_out.to(q.dtype).reshape(grouped)
-        delta = (d_out.float() * out.reshape(grouped).float()).sum(dim=-1)
-        d_q = torch.zeros(grouped, dtype=torch.float32, device=q.device)
-        kv = torch.stack((k, v)).unsqueeze(3)
+        cp, n_kv = ctx.cp, k.shape[1]
+        chunk = q.shape[2] // len(cp.split.chunk_ids(cp.rank))
+        grouped_q, d_out = grouped_by_kv_head(q, n_kv), grouped_by_kv_head(d_out.to(q.dtype), n_kv)
+        delta = (d_out.float() * grouped_by_kv_head(out, n_kv).float()).sum(dim=-1)
+        d_q = torch.zeros(grouped_q.shape, dtype=torch.float32, device=q.device)
         # dK/dV of a block travel one step behind the block itself: each rank adds the gradient
-        # its queries give the block it holds, then passes the running sum on. After cp steps the
-        # sum has visited every rank and arrives, complete, at the block's owner. Float32 on the
-        # wire: cp partial gradients summed in bf16 would lose the small ones.
-        for step in range(cp.size):
-            if step < cp.size - 1:
-                next_kv = torch.empty_like(kv)
-                kv_in_flight = ring_pass(kv, next_kv, cp)
-            source = (cp.rank - step) % cp.size
-            d_kv = torch.zeros((2, b, n_kv, s, d), dtype=torch.float32, device=q.device)
+        # its queries give the block it holds to the running sum that arrived from the previous
+        # rank, and passes it on. After cp steps the sum has visited every rank and arrives,
+        # complete, at the block's owner. Float32 on the wire: cp partial gradients summed in
+        # bf16 would lose the small ones.
+        d_kv_arriving = None
+        for source, block in kv_blocks_around_the_ring(torch.stack((k, v)).unsqueeze(3), cp):
+            d_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
             for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
                 block_dq, block_dk, block_dv = attention_block_backward(
-                    grouped_q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], d_out[..., rows, :],
+                    grouped_q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :], d_out[..., rows, :],
                     lse[..., rows], delta[..., rows], causal)
                 d_q[..., rows, :] += block_dq
                 d_kv[0][..., cols, :] += block_dk
                 d_kv[1][..., cols, :] += block_dv
-            if step > 0:
-                wait_all(d_kv_in_flight)
-                d_kv += d_kv_received
-            if cp.size > 1:
-                d_kv_received = torch.empty_like(d_kv)
-                d_kv_in_flight = ring_pass(d_kv, d_kv_received, cp)
-            if step < cp.size - 1:
-                wait_all(kv_in_flight)
-                kv = next_kv
-        if cp.size > 1:
-            wait_all(d_kv_in_flight)
-            d_kv = d_kv_received
+            if d_kv_arriving is not None:
+                d_kv += d_kv_arriving()
+            d_kv_arriving = ring_pass(d_kv, cp) if cp.size > 1 else None
+        if d_kv_arriving is not None:
+            d_kv = d_kv_arriving()
         return d_q.reshape(q.shape).to(q.dtype), d_kv[0].to(k.dtype), d_kv[1].to(v.dtype), None
 
 
@@ -332,7 +341,7 @@ def ring_attention(q, k, v, cp: ContextParallel):
     return RingAttention.apply(q, k, v, cp)
 
 
-# ----------------------------------------------------------------------------- 4. Ulysses: all-to-all
+# ============================================================================ the technique: Ulysses all-to-all
 
 
 class AllToAll(torch.autograd.Function):
@@ -391,14 +400,12 @@ def ulysses_attention(q, k, v, cp: ContextParallel):
     whole = _reorder_chunks(whole, true_order, len(rank_order))
     heads, kv_heads = n_heads // cp.size, n_kv // cp.size
     q_heads, k_heads, v_heads = whole.split([heads, kv_heads, kv_heads], dim=1)
-    out = causal_attention(q_heads, k_heads, v_heads)
-    cp.attention_work += b * heads * (cp.size * s) ** 2
-    out = _reorder_chunks(out, rank_order, len(rank_order))
+    out = _reorder_chunks(causal_attention(q_heads, k_heads, v_heads), rank_order, len(rank_order))
     back = AllToAll.apply(out.reshape(b, heads, cp.size, s, d).movedim(2, 0), cp.group)
     return back.movedim(0, 1).reshape(b, n_heads, s, d)
 
 
-# ----------------------------------------------------------------------------- 5. plugging into the model
+# ============================================================================ the technique: plugging into the model
 
 
 CP_MODES = {"ring": ring_attention, "ulysses": ulysses_attention}
@@ -409,8 +416,8 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: st
     tensor-parallel model: whatever holds Attention modules) with the context-parallel one.
 
     Nothing else changes: every other layer is per token and runs on this rank's S/cp tokens as
-    it is. The gradients then need one more thing, done by the caller: an all-reduce over the
-    dp × cp ranks (wrap_gradient_reduction).
+    it is. The gradients then need one more thing, done by the caller: a sum over the dp × cp
+    ranks (wrap_gradient_reduction).
     """
     core = functools.partial(CP_MODES[mode], cp=cp)
     for module in model.modules():
@@ -424,11 +431,13 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
 
     Needed even at dp = 1. Each cp rank holds a full copy of the weights but computes only part
     of their gradient: the MLP weights' gradient from its own S/cp tokens, the K/V projections'
-    from the dK/dV its ring brought home. The gradient of the loss over the whole sequence is the
-    sum of these parts. Averaging over dp·cp ranks (sum, then divide by dp·cp) is right because
-    each rank's loss is the mean over its S/cp tokens, and the sequence's mean loss is the mean
-    of those cp equal-sized means. Skip it and the cp copies step with different partial
-    gradients and drift apart from the first step.
+    from the dK/dV its ring brought home. Each rank's loss is its share of the global batch's
+    mean (its summed token losses over the global target count, see context_parallel_batch), the
+    shares add up to that mean, and so the gradient is the plain sum of the ranks' gradients:
+    exactly what lesson 01's wrappers compute. Averaging instead (a mean of the cp ranks' means)
+    would be right only if every rank held as many valid targets as every other; with masked
+    targets one rank's part of a sequence may hold none at all. Skip the reduction and the cp
+    copies step with different partial gradients and drift apart from the first step.
     """
     return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
@@ -440,7 +449,7 @@ def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: st
         reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03)
         -> split by tensor parallelism with tp > 1 (lesson 02)
         -> context-parallel attention cores (this lesson)
-        -> gradients reduced over dp × cp (lesson 01)
+        -> gradients summed over dp × cp (lesson 01)
 
     Context parallelism composes by touching only the attention core, which receives this rank's
     heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves.
@@ -467,25 +476,25 @@ def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, 
         compute_dtype)
 
 
-def train_step(parts, pipeline, optimizer, micro_batches, max_grad_norm: float, grid: ProcessGrid, device,
-               compute_dtype, activation_meter=None) -> float:
-    """One optimizer step; returns the loss averaged over dp × cp, the mean over every token.
-
-    Lesson 01's step, or lesson 03's with a pipeline, as they are: they reduce gradients over the
-    group the parts were wrapped with (dp × cp) and average the loss over it. Each micro-batch is
-    (inputs, targets, positions); both hand it to the model as model(*batch).
-    """
-    # cp ranks hold identical gradients after the dp x cp reduction: clipping needs only lesson 03's
-    # rule for tensor-parallel shards.
+def step_settings(grid: ProcessGrid, device, compute_dtype, max_grad_norm: float) -> StepSettings:
+    """cp ranks hold identical gradients after the dp × cp sum, as dp replicas do: clipping needs
+    only lesson 03's rule for tensor-parallel shards (the pipeline's step adds the pp group)."""
     norm_groups, counts_toward_norm = pipeline_parallel.norm_settings(grid)
-    if pipeline is None:
-        return data_parallel.train_step(parts[0], optimizer, micro_batches, max_grad_norm, device, compute_dtype,
-                                        activation_meter, norm_groups, counts_toward_norm)
-    return pipeline_parallel.train_step(
-        pipeline, optimizer, micro_batches, max_grad_norm, grid.dp_cp_group, norm_groups, counts_toward_norm)
+    return StepSettings(device, compute_dtype, max_grad_norm, norm_groups, counts_toward_norm)
 
 
-# ----------------------------------------------------------------------------- 6. configuration rules
+def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """Lesson 01's step, or lesson 03's with a pipeline, as they are: context parallelism adds
+    nothing to the step. The batch holds this rank's tokens (context_parallel_batch) and the
+    global target count; the parts' wrappers sum gradients over dp × cp, and the step sums the
+    loss shares over the same group (and the pipeline's), which gives the global batch's mean.
+    """
+    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
+        return pipeline_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
+    return data_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
+
+
+# ============================================================================ configuration rules
 
 
 def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str,
@@ -504,17 +513,55 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
     if sequence_parallel and (seq_len // grid.cp) % grid.tp:
         problems.append(f"--seq-len {seq_len} leaves {seq_len // grid.cp} tokens per cp rank, not divisible by "
                         f"--tp {grid.tp}: sequence parallelism splits each cp rank's tokens over tp; use a "
-                        f"multiple of {math.lcm(2 * grid.cp if zigzag else grid.cp, grid.cp * grid.tp)}")
+                        f"multiple of {math.lcm(SequenceSplit(grid.cp, zigzag).n_chunks, grid.cp * grid.tp)}")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
     if grid.tp > 1:
-        tensor_parallel.validate_tensor_parallel(cfg, GridShape(tp=grid.tp))
+        tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     if grid.pp > 1:
-        pipeline_parallel.validate_pipeline_config(
-            grid, world_size, cfg, schedule, 1, n_micro)
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, 1, n_micro)
 
 
-# ----------------------------------------------------------------------------- 7. the formulas
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """plan_run's hook: this lesson's rules, on the batch shape that will really run (the
+    pipeline's micro-batch count derived from --global-batch-tokens included)."""
+    validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
+                              args.sequence_parallel, args.schedule, shape.grad_accum)
+
+
+# ============================================================================ measuring the three challenges
+
+
+class AttentionWork:
+    """Query-key scores this rank's attention forward passes compute, counted from outside.
+
+    While entered, the functions that compute scores, attention_block (the ring) and
+    causal_attention (Ulysses), are replaced in this module by counting wrappers: the technique
+    looks both names up here at call time, so it needs no counter of its own. A call over queries
+    [..., s_q, d] and keys [..., s_k, d] computes every query-key pair; a diagonal block is
+    computed whole and then masked, so it counts in full.
+    """
+
+    counted = ("attention_block", "causal_attention")
+
+    def __init__(self):
+        self.scores = 0
+
+    def _counting(self, function):
+        @functools.wraps(function)
+        def counted(q, k, *args, **kwargs):
+            self.scores += q.shape[:-1].numel() * k.shape[-2]
+            return function(q, k, *args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        self._originals = {name: globals()[name] for name in self.counted}
+        globals().update({name: self._counting(function) for name, function in self._originals.items()})
+        return self
+
+    def __exit__(self, *exc):
+        globals().update(self._originals)
+        return False
 
 
 def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, n_micro: int,
@@ -536,6 +583,33 @@ def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str
     return {("all_to_all_single", "cp"): per_step * 2 * tokens * (2 * n_heads + 2 * n_kv) * d * element_bytes}
 
 
+def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, mode: str, sequence_parallel: bool,
+                           compute_dtype) -> dict:
+    """Every collective of one step by (kind, group): the cp traffic, the gradients' sum over
+    dp × cp, the tp and pp traffic from lessons 02 and 03, and the loss and norm scalars."""
+    modules = [part.module for part in parts]
+    n_params = sum(p.numel() for module in modules for p in module.parameters())
+    n_layers = sum(len(module.layers) for module in modules)
+    micro, tokens, n_micro, tp = shape.micro_batch_size, shape.seq_len // grid.cp_size, shape.grad_accum, grid.tp_size
+    gradients = data_parallel.predicted_dp_traffic(n_params, 4)[("all_reduce", "dp")]
+    predicted = [predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, mode, n_micro,
+                                      torch.finfo(compute_dtype).bits // 8, tp, n_layers),
+                 {("all_reduce", "dp_cp"): gradients}]
+    if tp > 1:
+        predicted.append(tensor_parallel.predicted_tp_traffic(
+            cfg, micro, tokens, n_micro, tp, sequence_parallel, compute_dtype, n_layers,
+            with_embedding=any(module.tok_embeddings is not None for module in modules),
+            with_head=any(module.lm_head is not None for module in modules)))
+    pipelined = ("pp",) if pipeline is not None else ()
+    if pipelined:
+        p2p = pipeline_parallel.predicted_p2p_bytes(n_micro, pipeline.activation_shape, 4, grid.pp_size,
+                                                    grid.pp_rank, 1)
+        predicted.append({("isend", "pp"): p2p, ("irecv", "pp"): p2p})
+    predicted.append(step_bookkeeping_traffic(loss_groups=(*pipelined, "dp_cp"),
+                                              norm_groups=(*pipelined, *(("tp",) if tp > 1 else ()))))
+    return add_traffic(*predicted)
+
+
 def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigzag: bool, cp_rank: int,
                              n_micro: int, mode: str = "ring", tp: int = 1, n_layers: int | None = None) -> int:
     """Query-key scores one rank's attention forward computes per optimizer step.
@@ -549,7 +623,7 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     per_head = micro_batch * n_micro * layers * (cfg.n_heads // tp)
     if mode == "ulysses":
         return per_head * seq_len ** 2 // cp
-    if zigzag:
+    if zigzag and cp > 1:
         return per_head * (2 * cp + 1) * (seq_len // (2 * cp)) ** 2
     return per_head * (cp_rank + 1) * (seq_len // cp) ** 2
 
@@ -557,7 +631,7 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
 def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, element_bytes: int = 4,
                                   tp: int = 1, sequence_parallel: bool = False) -> int:
     """Activations of one micro-batch of the whole model on one rank: the reference model's for
-    S/cp tokens (train.predicted_activation_bytes, or lesson 02's formula when tp > 1), with one
+    S/cp tokens (metrics.predicted_activation_bytes, or lesson 02's formula when tp > 1), with one
     difference per mode in what attention keeps, per token and layer:
       ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d (per tp rank: /tp);
       Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
@@ -566,146 +640,126 @@ def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, 
     if tp == 1:
         local = predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
     else:
-        local = tensor_parallel.predicted_tp_activation_bytes(
-            cfg, micro_batch, tokens, tp, sequence_parallel)
+        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel)
     kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
     per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
     return local + element_bytes * cfg.n_layers * micro_batch * tokens * per_token // tp
 
 
-# ----------------------------------------------------------------------------- 8. training and the report
-
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--cp", type=int, default=None,
-                        help="context-parallel degree (default: world size / (dp * tp * pp))")
-    parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
-                        help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
-    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
-                        help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
-                             "--no-zigzag: contiguous split")
-    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (lesson 01)")
-    parser.add_argument("--bucket-mb", type=float, default=1.0, help="gradient bucket size in MB (lesson 01)")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (lesson 02)")
-    parser.add_argument("--sequence-parallel", action="store_true", help="with --tp: Megatron sequence parallelism")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (lesson 03)")
-    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
-    add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
-    return parser.parse_args(argv)
-
-
-def configure(args, world_size: int):
-    """The model config and grid the flags describe, validated before any process group exists."""
-    cfg = get_config(args.preset)
-    cp = args.cp or max(1, world_size // (args.dp * args.tp * args.pp))
-    grid = GridShape(dp=args.dp, pp=args.pp, cp=cp, tp=args.tp)
-    validate_context_parallel(grid, world_size, cfg, args.seq_len, args.zigzag, args.cp_mode,
-                              args.sequence_parallel, args.schedule, args.grad_accum)
-    return cfg, grid
-
-
-def gather_attention_work(cp: ContextParallel) -> list[int]:
-    work = torch.tensor([cp.attention_work], dtype=torch.float64)
+def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
+    """Every cp rank's count, on every rank. A CPU tensor: report bookkeeping, which the default
+    group hands to gloo on a GPU node."""
+    work = torch.tensor([scores], dtype=torch.float64)
     everyone = torch.empty(cp.size, dtype=torch.float64)
     comm.call(comm.all_gather_single, everyone, work, group=cp.group)
     return [int(w) for w in everyone.tolist()]
 
 
-def report(parts, pipeline, optimizer, cfg, args, shape, grid, cp: ContextParallel, throughput, activations,
-           device, compute_dtype):
-    modules = torch.nn.ModuleList(part.module for part in parts)
-    n_params = sum(p.numel() for p in modules.parameters())
-    n_layers = sum(len(part.module.layers) for part in parts)
-    kv_bytes = torch.finfo(compute_dtype).bits // 8
-    seq, micro, n_micro, steps, tp = shape.seq_len, shape.micro_batch_size, shape.grad_accum, args.steps, grid.tp_size
-    split = "zigzag" if args.zigzag else "contiguous"
-
-    log0(f"\n== memory (one rank; a micro-batch here is {micro} x {seq // cp.size} tokens) ==")
+def log_memory(modules, pipeline, optimizer, cfg, shape, cp_size: int, mode: str, tp: int, sequence_parallel: bool,
+               activations: ActivationMeter) -> None:
+    seq, micro, tokens = shape.seq_len, shape.micro_batch_size, shape.seq_len // cp_size
+    log0(f"\n== memory (one rank; a micro-batch here is {micro} x {tokens} tokens) ==")
     if pipeline is None:
-        log0("activations: those of the first micro-batch")
-        predicted_activations = predicted_cp_activation_bytes(cfg, micro, seq, cp.size, args.cp_mode, tp=tp,
-                                                              sequence_parallel=args.sequence_parallel)
-        log0(memory_table(measured_memory(modules, optimizer, activations.nbytes),
-                          predicted_memory(n_params, predicted_activations)))
+        predicted = predicted_cp_activation_bytes(cfg, micro, seq, cp_size, mode, tp=tp,
+                                                  sequence_parallel=sequence_parallel)
+        log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
+                          predicted_memory(sum(p.numel() for p in modules.parameters()), predicted)))
     else:
-        log0(f"activations at the schedule's peak on this stage: {pipeline.activations.peak_bytes / 1e6:.3f} MB "
-             f"({pipeline.peak_live_micro_batches} live micro-batches of S/cp tokens; lesson 03 explains the peak)")
-    log0(f"the same micro-batch on one device (seq {seq}): "
-         f"{predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} MB predicted; per cp rank, that of "
-         f"seq/cp = {seq // cp.size} tokens")
+        log0(f"activations at the schedule's peak on this stage: {activations.peak_bytes / 1e6:.3f} MB "
+             f"(micro-batches of S/cp tokens; lesson 03 explains the peak)")
+    log0(f"the same micro-batch on one device (seq {seq}): {predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} "
+         f"MB predicted; per cp rank, that of seq/cp = {tokens} tokens")
 
-    log0(f"\n== communication per step (cp={cp.size} {args.cp_mode}; gradients over dp x cp = "
-         f"{grid.dp_size} x {cp.size}) ==")
-    predicted = predicted_cp_traffic(cfg, micro, seq, cp.size, args.cp_mode, n_micro, kv_bytes, tp, n_layers)
-    predicted[("all_reduce", "dp_cp")] = n_params * 4 + 4
-    # The other axes' rows, from their lessons' formulas where they cover this configuration.
-    if tp > 1 and pipeline is None:
-        predicted.update(tensor_parallel.predicted_tp_traffic(cfg, micro, seq // cp.size, n_micro, tp,
-                                                              args.sequence_parallel, compute_dtype))
-        predicted[("all_reduce", "tp")] += 4      # gradient clipping's squared norm
-    if pipeline is not None:
-        p2p = pipeline_parallel.predicted_p2p_bytes(
-            n_micro, pipeline.activation_shape, 4, grid.pp_size, grid.pp_rank, 1)
-        predicted.update({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "pp"): 8})
-    log0(comm.meter.table(predicted, per=steps))
-    kv_block = 2 * micro * (seq // cp.size) * (cfg.n_kv_heads // tp) * cfg.head_dim
-    if args.cp_mode == "ring":
-        log0(f"ring, per layer and micro-batch: cp-1 = {cp.size - 1} K/V blocks of {kv_block * kv_bytes / 1e3:.1f} kB "
-             f"forward, {cp.size - 1} again backward, and cp = {cp.size} float32 dK/dV blocks of "
+
+def log_communication(parts, pipeline, cfg, shape, grid: ProcessGrid, mode: str, sequence_parallel: bool,
+                      compute_dtype, steps: int) -> None:
+    cp, tp, n_micro = grid.cp_size, grid.tp_size, shape.grad_accum
+    log0(f"\n== communication per step (cp={cp} {mode}; gradients over dp x cp = {grid.dp_size} x {cp}) ==")
+    log0(comm.meter.table(predicted_step_traffic(parts, pipeline, cfg, shape, grid, mode, sequence_parallel,
+                                                 compute_dtype), per=steps))
+    kv_bytes, n_layers = torch.finfo(compute_dtype).bits // 8, sum(len(part.module.layers) for part in parts)
+    kv_block = 2 * shape.micro_batch_size * (shape.seq_len // cp) * (cfg.n_kv_heads // tp) * cfg.head_dim
+    if mode == "ring":
+        log0(f"ring, per layer and micro-batch: cp-1 = {cp - 1} K/V blocks of {kv_block * kv_bytes / 1e3:.1f} kB "
+             f"forward, {cp - 1} again backward, and cp = {cp} float32 dK/dV blocks of "
              f"{kv_block * 4 / 1e3:.1f} kB; x {n_layers} layers x {n_micro} micro-batches")
-    other = "ulysses" if args.cp_mode == "ring" else "ring"
-    other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, micro, seq, cp.size, other, n_micro, kv_bytes,
-                                                                 tp, n_layers).items() if kind != "irecv")
+    other = "ulysses" if mode == "ring" else "ring"
+    other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, shape.micro_batch_size, shape.seq_len, cp, other,
+                                                                 n_micro, kv_bytes, tp, n_layers).items()
+                      if kind != "irecv")
     log0(f"the {other} mode would move {other_bytes / 1e6:.4f} MB payload per step here (formula; Ulysses "
          f"needs heads and kv-heads per tp rank divisible by cp)")
 
-    work = gather_attention_work(cp)
-    predicted_work = [predicted_attention_work(cfg, micro, seq, cp.size, args.zigzag, r, n_micro, args.cp_mode,
-                                               tp, n_layers) for r in range(cp.size)]
-    log0(f"\n== attention work per cp rank (query-key scores computed per step, {args.cp_mode}, {split}) ==")
+
+def log_attention_work(attention_work: AttentionWork, cp: ContextParallel, cfg, shape, mode: str, zigzag: bool,
+                       tp: int, n_layers: int) -> None:
+    """Measured on one step (the meter is entered for one), next to the formula."""
+    work = gather_attention_work(attention_work.scores, cp)
+    predicted = [predicted_attention_work(cfg, shape.micro_batch_size, shape.seq_len, cp.size, zigzag, r,
+                                          shape.grad_accum, mode, tp, n_layers) for r in range(cp.size)]
+    log0(f"\n== attention work per cp rank (query-key scores computed per step, {mode}, "
+         f"{'zigzag' if zigzag else 'contiguous'}) ==")
     log0("cp rank   " + "".join(f"{r:>12}" for r in range(cp.size)))
-    log0("measured  " + "".join(f"{w / steps:>12.4g}" for w in work))
-    log0("predicted " + "".join(f"{w:>12.4g}" for w in predicted_work))
+    log0("measured  " + "".join(f"{w:>12.4g}" for w in work))
+    log0("predicted " + "".join(f"{w:>12.4g}" for w in predicted))
     log0(f"max/min = {max(work) / max(min(work), 1):.2f} (every step waits for the busiest rank)")
 
-    log_compute_report(throughput, grid.shape.world_size, cfg, seq, device)
+
+def report(parts, pipeline, optimizer, plan, args, grid: ProcessGrid, cp: ContextParallel,
+           activations: ActivationMeter, attention_work: AttentionWork, throughput, device, compute_dtype) -> None:
+    modules = torch.nn.ModuleList(part.module for part in parts)
+    log_memory(modules, pipeline, optimizer, plan.cfg, plan.shape, cp.size, args.cp_mode, grid.tp_size,
+               args.sequence_parallel, activations)
+    log_communication(parts, pipeline, plan.cfg, plan.shape, grid, args.cp_mode, args.sequence_parallel,
+                      compute_dtype, args.steps)
+    log_attention_work(attention_work, cp, plan.cfg, plan.shape, args.cp_mode, args.zigzag, grid.tp_size,
+                       sum(len(module.layers) for module in modules))
+    log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
+
+
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="cp")
+    parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
+                        help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
+    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
+                        help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
+                             "--no-zigzag: contiguous split")
+    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
+    add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
-        world_size = world_size_from_env()
-        cfg, grid_shape = configure(args, world_size)
-        batches, shape = build_batches(args, grid_shape.dp, cfg.vocab_size)
-    except (ConfigError, ValueError) as error:
-        exit_with_error(error)
-
+    plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(grid_shape)
+    grid = ProcessGrid(plan.grid)
     cp = ContextParallel.from_grid(grid, args.zigzag)
-    torch.manual_seed(args.seed)
     compute_dtype = autocast_dtype(args.dtype, device)
-    parts = build_model(cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
+    parts = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
                         int(args.bucket_mb * 2**20))
-    pipeline = build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype, args.sequence_parallel)
+    pipeline = build_pipeline(parts, grid, args.schedule, plan.shape, plan.cfg, device, compute_dtype,
+                              args.sequence_parallel)
     optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), args.lr)
+    settings = step_settings(grid, device, compute_dtype, args.max_grad_norm)
+    shape = plan.shape
     log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'} "
-         f"split), {count_parameters(cfg)['total']:,} parameters, seq {shape.seq_len} = {shape.seq_len // cp.size} "
-         f"tokens per rank, {shape.tokens_per_step:,} tokens per step")
+         f"split), {count_parameters(plan.cfg)['total']:,} parameters, seq {shape.seq_len} = "
+         f"{shape.seq_len // cp.size} tokens per rank, {shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    throughput, activations = Throughput(), SavedActivations(parts[0], device)
-    for step in range(args.steps):
-        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
-        throughput.start_step()
-        micro_batches = context_parallel_micro_batches(batches, step, grid.dp_rank, cp.split, cp.rank)
-        loss = train_step(parts, pipeline, optimizer, micro_batches, args.max_grad_norm, grid, device, compute_dtype,
-                          activations if step == 0 and pipeline is None else None)
-        log_step(step, loss, shape.tokens_per_step, throughput.end_step(shape.tokens_per_step, device))
-
-    report(parts, pipeline, optimizer, cfg, args, shape, grid, cp, throughput, activations, device, compute_dtype)
+    activations, attention_work = ActivationMeter(*parts), AttentionWork()
+    step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings)
+    cut_for_this_rank = functools.partial(context_parallel_batch, split=cp.split, cp_rank=cp.rank)
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
+                       meters=(activations, attention_work))
+    report(parts, pipeline, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device,
+           compute_dtype)
     shutdown()
 
 

@@ -14,6 +14,9 @@ Processes come from a forkserver that has already imported torch: forking from i
 milliseconds, where starting a fresh interpreter costs seconds of `import torch` per rank on a
 two-core machine. Forking the pytest process itself would be faster still but unsafe, because
 its OpenMP thread pool does not survive a fork.
+
+The other side of every equality test is here too: ``train_reference`` trains one GPT on one
+device; ``ignore_targets`` and ``masked_step_batch`` give both sides the same masked targets.
 """
 
 from __future__ import annotations
@@ -123,14 +126,16 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, **kwargs) ->
 
 
 def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_norm: float = 1.0,
-                    adam_eps: float | None = None) -> dict:
+                    adam_eps: float | None = None, mask_targets=None) -> dict:
     """The ground truth of the equality tests: one GPT on one device, each step's whole global batch
-    in one piece.
+    in one piece, its loss the mean over every target of that batch that is not IGNORE_INDEX.
 
-    Returns the loss of every step, the gradients of step 0 (before clipping), the parameters after
-    the last step, and the gradient norm of every step (so a test can check that clipping acted).
-    `adam_eps` overrides AdamW's eps for tests that must damp rounding noise (see their docstrings);
-    the distributed run under test must then use the same.
+    Returns the loss of every step, the gradients of step 0 before clipping ("grads") and after it
+    ("clipped_grads"), the parameters after the last step, and the gradient norm of every step (so a
+    test can check that clipping acted). `adam_eps` overrides AdamW's eps for tests that must damp
+    rounding noise (see their docstrings); the distributed run under test must then use the same.
+    `mask_targets(step, targets)` returns a step's global targets with some set to IGNORE_INDEX
+    (e.g. ``ignore_targets``); the distributed run then trains on ``masked_step_batch``.
     """
     from picotron_like.model import GPT
     from picotron_like.train import build_optimizer, clip_grad_norm_
@@ -140,16 +145,52 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     if adam_eps is not None:
         for group in optimizer.param_groups:
             group["eps"] = adam_eps
-    losses, norms, grads = [], [], {}
+    losses, norms, grads, clipped_grads = [], [], {}, {}
     for step in range(steps):
         window = batches.global_batch(step)
-        loss = model(window[:, :-1], window[:, 1:])
+        targets = window[:, 1:] if mask_targets is None else mask_targets(step, window[:, 1:].clone())
+        loss = model(window[:, :-1], targets)
         loss.backward()
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         norms.append(clip_grad_norm_(model.parameters(), max_grad_norm))
+        if step == 0:
+            clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "params": params, "norms": norms}
+    return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "params": params, "norms": norms}
+
+
+def ignore_targets(step: int, targets, ignored_rows=()):
+    """Mask a step's global targets [sequences, seq_len] the way fine-tuning data does.
+
+    Row r ignores its first (3 r + 5 step) % seq_len targets, as if they were a prompt: every rank and
+    every micro-batch then holds a different number of targets, and the numbers change each step.
+    The rows in `ignored_rows` ignore every target (a micro-batch of padding). Returns `targets`,
+    masked in place. Bind `ignored_rows` with functools.partial to pass it as `mask_targets`.
+    """
+    from picotron_like.model import IGNORE_INDEX
+
+    seq_len = targets.shape[1]
+    for row in range(targets.shape[0]):
+        targets[row, : (3 * row + 5 * step) % seq_len] = IGNORE_INDEX
+    targets[list(ignored_rows)] = IGNORE_INDEX
+    return targets
+
+
+def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
+    """``batches.step_batch(step, dp_rank)`` cut from the global batch whose targets
+    `mask_targets(step, targets)` masked: the same rows and micro-batches, and n_targets counted
+    over the whole masked global batch, as the reference (train_reference) sees it."""
+    from picotron_like.data import StepBatch
+    from picotron_like.model import IGNORE_INDEX
+
+    window = batches.global_batch(step)
+    targets = mask_targets(step, window[:, 1:].clone())
+    M, A = batches.shape.micro_batch_size, batches.shape.grad_accum
+    first = dp_rank * M * A
+    rows = [slice(first + a * M, first + (a + 1) * M) for a in range(A)]
+    micro_batches = [(window[r, :-1].contiguous(), targets[r].contiguous()) for r in rows]
+    return StepBatch(micro_batches, int((targets != IGNORE_INDEX).sum()))

@@ -4,7 +4,7 @@ The training skeleton every lesson shares: nothing here is a parallelism techniq
 A lesson's ``main()`` reads as its table of contents because everything else lives here:
 
     args = parse_args(argv)                        # add_training_flags + add_parallel_flags + its own
-    plan = plan_run(args, fill_axis, validate)     # every flag checked before any process group
+    plan = plan_run(args, validate)                # every flag checked before any process group
     device = init_distributed(); grid = ProcessGrid(plan.grid)
     model, optimizer = <the lesson's technique>
     throughput = train(args, optimizer, step_fn, plan.batches, grid.dp_rank, device)
@@ -274,14 +274,15 @@ def exit_with_error(error: Exception) -> None:
     """Print a configuration error once (rank 0) and stop every rank with exit code 2.
 
     Every rank found the same error from the same flags before any collective, so no rank waits
-    for another: each can simply leave. The other ranks leave a moment later than rank 0:
-    torchrun stops all ranks as soon as the first one exits, and it must not stop rank 0 before
-    the message is out.
+    for another: each can simply leave. But torchrun stops all ranks as soon as the first one
+    exits, and it must not stop rank 0 before the message is out: on a loaded machine rank 0 may
+    still be importing torch when rank 1 has found the error. So the other ranks wait for rank 0
+    (torchrun ends them the moment rank 0 leaves) and, should it never leave, give up after a minute.
     """
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:
-        time.sleep(2.0)
+        time.sleep(60.0)
     sys.stdout.flush()
     os._exit(2)
 

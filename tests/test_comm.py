@@ -28,14 +28,19 @@ def every_kind_of_call():
     ops = [dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, torch.empty(10), (rank - 1) % n)]
     for work in comm.call(dist.batch_isend_irecv, ops):
         work.wait()
-    return {key: (t.calls, t.payload_bytes, t.sent_bytes) for key, t in comm.meter.traffic.items()}
+    counted = {key: (t.calls, t.payload_bytes, t.sent_bytes) for key, t in comm.meter.traffic.items()}
+    return counted, comm.meter.first_operation, dict(comm.meter.devices)
 
 
 def test_meter_sizes_match_the_ring_model():
     n = 4
     results = run_ranks(n, every_kind_of_call)
     ring = (n - 1) / n
-    for rank, counted in enumerate(results):
+    for rank, (counted, first_operation, devices) in enumerate(results):
+        # The two facts a GPU run depends on: the group's first operation, and where each kind of
+        # call found its tensors (NCCL takes only tensors on the rank's GPU).
+        assert first_operation == {"world": "all_reduce"}
+        assert devices == {key: {"cpu"} for key in counted}
         assert counted[("all_reduce", "world")] == (1, 40, pytest.approx(2 * ring * 40))
         assert counted[("broadcast", "world")] == (1, 40, 40)
         assert counted[("all_gather_single", "world")] == (1, 40 * n, pytest.approx(ring * 40 * n))

@@ -9,11 +9,11 @@ inputs) that moves float32 results by a few ulp per block merged; with up to 8 b
 errors stay near 1e-6. 1e-5 absolute is ten times that and still far below any real bug: a
 missing block, a wrong mask or a K/V block from the wrong rank changes outputs by 0.1 or more.
 
-Training. As in lesson 01's tests: gradients after one accumulation cycle to 1e-6 absolute (float32
-sums in another order: per-rank means then an average; the ring's reordered softmax adds a few
-ulp more), losses to 1e-5, parameters after AdamW to 1e-2 * lr, because Adam's normalised step
-turns the rounding noise of a ~0 gradient into a step of that order; a real error moves a
-parameter by order lr.
+Training. As in lesson 01's tests: gradients after one accumulation cycle, before and after
+clipping, to 1e-6 absolute (float32 sums in another order: per-rank token sums, then a sum over
+dp x cp; the ring's reordered softmax adds a few ulp more), losses and gradient norms to 1e-5,
+parameters after AdamW to 1e-2 * lr, because Adam's normalised step turns the rounding noise of a
+~0 gradient into a step of that order; a real error moves a parameter by order lr.
 """
 
 from __future__ import annotations
@@ -22,33 +22,50 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import replace
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from picotron_like import comm
-from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import get_config
-from picotron_like.testing import run_ranks, train_reference
+from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
+from picotron_like.metrics import ActivationMeter
+from picotron_like.model import IGNORE_INDEX, get_config
+from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
-from picotron_like.train import SavedActivations, build_optimizer
+from picotron_like.train import build_optimizer
 
 lesson = load_lesson("04_context_parallel")
 
 # 8 heads over 4 kv-heads: grouped-query attention, and both counts divisible by cp = 4 for Ulysses.
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=8, n_kv_heads=4, ffn_hidden=128)
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED = 32, 2, 8, 3, 3e-3, 7
+ODD_SEQ = 33                # cp = 1 must train on every token of an odd-length sequence
+MAX_GRAD_NORM = 1.0         # under every step's reference norm (asserted): clipping acts on every step
 TOLERANCE = dict(rtol=0, atol=1e-6)
 PARAM_TOLERANCE = dict(rtol=0, atol=1e-2 * LR)
 ATTENTION_TOLERANCE = 1e-5
+CPU = torch.device("cpu")
 # The attention test's shapes, as a config so the lesson's formulas apply to them.
 ATTN = replace(get_config("tiny"), n_layers=1, hidden=8 * 16, n_heads=8, n_kv_heads=4)
 ATTN_BATCH, ATTN_SEQ = 2, 32
 
 ATTENTION_VARIANTS = [(mode, zigzag) for mode in ("ring", "ulysses") for zigzag in (False, True)]
 ATTENTION_GRIDS = [GridShape(cp=4), GridShape(dp=2, cp=2)]
+
+
+def mask_targets(step: int, targets: torch.Tensor) -> torch.Tensor:
+    """The masked global batch (8 sequences; with dp = 2, dp rank 0 holds rows 0-3 as two
+    micro-batches of two, dp rank 1 rows 4-7): a prompt of a different length in every row
+    (testing.ignore_targets), dp rank 1's second micro-batch all padding, and in dp rank 0's first
+    micro-batch every target of cp rank 1's half of each sequence (zigzag, cp = 2) ignored, so that
+    cp rank holds no valid target at all there: a mean over its own tokens would be NaN."""
+    ignore_targets(step, targets, ignored_rows=(6, 7))
+    targets[0:2, lesson.SequenceSplit(2, zigzag=True).positions(1, targets.shape[1])] = IGNORE_INDEX
+    return targets
 
 
 # ----------------------------------------------------------------------------- the split, on one process
@@ -66,6 +83,19 @@ def test_zigzag_split_holds_chunks_i_and_2cp_minus_1_minus_i():
     # Every token on exactly one rank.
     for s in (split, contiguous):
         assert sorted(torch.cat([s.positions(r, 16) for r in range(4)]).tolist()) == list(range(16))
+
+
+def test_cp_1_keeps_every_token_of_an_odd_sequence():
+    """At cp = 1 the zigzag split has nothing to balance: the one rank holds the whole sequence
+    (cut in two chunks, an odd sequence would lose its last token)."""
+    inputs = torch.arange(2 * ODD_SEQ).view(2, ODD_SEQ)
+    for zigzag in (True, False):
+        split = lesson.SequenceSplit(cp=1, zigzag=zigzag)
+        assert split.positions(0, ODD_SEQ).tolist() == list(range(ODD_SEQ))
+        cut = lesson.context_parallel_batch(StepBatch([(inputs, inputs + 1)], 2 * ODD_SEQ), split, cp_rank=0)
+        (mine, targets, positions), = cut.micro_batches
+        assert torch.equal(mine, inputs) and torch.equal(targets, inputs + 1)
+        assert positions.tolist() == list(range(ODD_SEQ)) and cut.n_targets == 2 * ODD_SEQ
 
 
 @pytest.mark.parametrize("grid, cfg, seq_len, zigzag, mode, sequence_parallel, message", [
@@ -122,13 +152,14 @@ def check_attention():
             mine = cp.split.positions(cp.rank, s)
             local = [t.index_select(2, mine).clone().requires_grad_() for t in (q, k, v)]
             comm.meter.reset()
-            out = lesson.CP_MODES[mode](*local, cp)
-            out.backward(d_out.index_select(2, mine))
+            with lesson.AttentionWork() as work:
+                out = lesson.CP_MODES[mode](*local, cp)
+                out.backward(d_out.index_select(2, mine))
             errors = {"out": (out - reference.index_select(2, mine)).abs().max().item()}
             for name, ours, theirs in zip(("dq", "dk", "dv"), local, full):
                 errors[name] = (ours.grad - theirs.grad.index_select(2, mine)).abs().max().item()
             results[(shape.cp, mode, zigzag)] = {
-                "errors": errors, "work": cp.attention_work, "cp_rank": cp.rank,
+                "errors": errors, "work": work.scores, "cp_rank": cp.rank,
                 "traffic": {key: value for key, value in comm.meter.traffic.items()}}
     return results
 
@@ -176,147 +207,186 @@ def test_cp_traffic_equals_the_formula(attention_results):
 # ----------------------------------------------------------------------------- training on real ranks
 
 
-def batches(dp: int) -> TokenBatches:
-    shape = BatchShape(MICRO, SEQ, GLOBAL_SEQUENCES // (MICRO * dp), dp)
+@dataclass(frozen=True)
+class Variant:
+    shape: GridShape
+    mode: str
+    zigzag: bool
+    sequence_parallel: bool = False
+    seq_len: int = SEQ
+    masked: bool = False      # train on the global batch mask_targets masks
+
+
+def batches(dp: int, seq_len: int = SEQ) -> TokenBatches:
+    shape = BatchShape(MICRO, seq_len, GLOBAL_SEQUENCES // (MICRO * dp), dp)
     return TokenBatches(builtin_corpus_paths()[0], shape, seed=SEED, vocab_size=CFG.vocab_size)
 
 
-def reference_run():
-    """One device, the whole global batch in one piece: losses, step-0 gradients, final parameters."""
-    reference = train_reference(CFG, SEED, batches(1), STEPS, LR)
-    # Clipping must act at every step, or the tensor-parallel variants' norm (summed over tp
-    # shards, norm gains counted once) would go untested.
-    assert min(reference["norms"]) > 1.0
-    return reference["losses"], reference["grads"], reference["params"]
+def gradients(module) -> dict:
+    return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
-def gradients_of_one_cycle(parts, pipeline, micro_batches):
-    """Gradients after one accumulation cycle and the dp x cp reduction, as train_step computes
-    them before clipping; and the saved activations of the first micro-batch (pp = 1 only)."""
-    if pipeline is None:
-        model, activations = parts[0], SavedActivations(parts[0], torch.device("cpu"))
-        for index, batch in enumerate(micro_batches):
-            model.require_backward_grad_sync = index == len(micro_batches) - 1
-            with activations if index == 0 else torch.enable_grad():
-                loss = model(*batch)
-            (loss / len(micro_batches)).backward()
-        activation_bytes = activations.nbytes
-    else:
-        pipeline.forward_backward(micro_batches)
-        activation_bytes = None
-    for part in parts:
-        part.finish_gradient_synchronization()
-    grads = {name: p.grad.clone() for part in parts for name, p in part.module.named_parameters()}
-    for part in parts:
-        part.zero_grad(set_to_none=False)
-    return grads, activation_bytes
+def observe_gradients(part, optimizer) -> dict:
+    """Snapshot step 0's gradients from outside train_step: once summed over dp x cp (before
+    clipping), by wrapping the part's finish_gradient_synchronization, and as the optimizer steps
+    (after clipping), by a step pre-hook."""
+    seen = {}
+    finish = part.finish_gradient_synchronization
+
+    def finish_then_snapshot():
+        finish()
+        seen.setdefault("before", gradients(part.module))
+
+    def snapshot_before_step(*_):       # a step pre-hook must return None
+        seen.setdefault("after", gradients(part.module))
+
+    part.finish_gradient_synchronization = finish_then_snapshot
+    optimizer.register_step_pre_hook(snapshot_before_step)
+    return seen
 
 
-def context_parallel_run(shape: GridShape, mode: str, zigzag: bool, sequence_parallel: bool = False):
-    """On every rank, with the lesson's own builder and step: step-0 gradients, activations of one
-    micro-batch, per-step losses, the run's traffic, final parameters (as this rank holds them)."""
-    cpu = torch.device("cpu")
-    grid = ProcessGrid(shape)
-    cp = lesson.ContextParallel.from_grid(grid, zigzag)
-    parts = lesson.build_model(CFG, SEED, grid, cp, mode, cpu, sequence_parallel, bucket_bytes=64 * 1024)
-    data = batches(shape.dp)
-    pipeline = lesson.build_pipeline(parts, grid, "1f1b", data.shape, CFG, cpu, torch.float32, sequence_parallel)
-    modules = torch.nn.ModuleList(part.module for part in parts)
-    optimizer = build_optimizer(modules, LR)
+def context_parallel_run(variant: Variant):
+    """On every rank, with the lesson's own builders and step: step-0 gradients before and after
+    clipping, per-step losses and norms, the activations of step 0, the traffic and the devices of
+    every collective during training, the predicted traffic, final parameters (as this rank holds them)."""
+    grid = ProcessGrid(variant.shape)
+    cp = lesson.ContextParallel.from_grid(grid, variant.zigzag)
+    parts = lesson.build_model(CFG, SEED, grid, cp, variant.mode, CPU, variant.sequence_parallel,
+                               bucket_bytes=64 * 1024)
+    (part,) = parts           # without virtual stages, one part per rank, pipeline or not
+    data = batches(variant.shape.dp, variant.seq_len)
+    pipeline = lesson.build_pipeline(parts, grid, "1f1b", data.shape, CFG, CPU, torch.float32,
+                                     variant.sequence_parallel)
+    optimizer = build_optimizer(part.module, LR)
+    settings = lesson.step_settings(grid, CPU, torch.float32, MAX_GRAD_NORM)
+    seen = observe_gradients(part, optimizer)
+    step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked else data.step_batch
 
-    def micro_batches(step):
-        return lesson.context_parallel_micro_batches(data, step, grid.dp_rank, cp.split, cp.rank)
-
-    grads, activation_bytes = gradients_of_one_cycle(parts, pipeline, micro_batches(0))
-    comm.meter.reset()
-    losses = [lesson.train_step(parts, pipeline, optimizer, micro_batches(step), 1.0, grid, cpu, torch.float32)
-              for step in range(STEPS)]
-    # A pipeline stage names its parameters as the whole GPT does (layers.2.attn...), so the
-    # parts' names, without the list's index, are the reference's names.
-    named = {name: p for part in parts for name, p in part.module.named_parameters()}
-    return {"grads": grads, "losses": losses, "activations": activation_bytes, "n_micro": data.shape.grad_accum,
-            "tp_rank": grid.tp_rank, "n_layers": sum(len(part.module.layers) for part in parts),
-            "n_params": sum(p.numel() for p in named.values()),
-            "traffic": {key: traffic.payload_bytes for key, traffic in comm.meter.traffic.items()},
+    activations, results = ActivationMeter(part), []
+    for step in range(STEPS):
+        batch = lesson.context_parallel_batch(step_batch(step, grid.dp_rank), cp.split, cp.rank)
+        with activations if step == 0 else nullcontext():
+            results.append(lesson.train_step(part if pipeline is None else pipeline, optimizer, batch, settings))
+    predicted = lesson.predicted_step_traffic(parts, pipeline, CFG, data.shape, grid, variant.mode,
+                                              variant.sequence_parallel, torch.float32)
+    # A pipeline stage names its parameters as the whole GPT does (layers.2.attn...), so they are
+    # the reference's names.
+    named = dict(part.module.named_parameters())
+    return {"grads": seen["before"], "clipped_grads": seen["after"], "activations": activations.peak_bytes,
+            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "tp_rank": grid.tp_rank, "traffic": {key: t.payload_bytes for key, t in comm.meter.traffic.items()},
+            "predicted": {key: STEPS * value for key, value in predicted.items()},
+            "devices": dict(comm.meter.devices),
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in named.items()},
             "params": {name: p.detach().clone() for name, p in named.items()}}
 
 
-CP_VARIANTS = [(GridShape(cp=4), "ring", True), (GridShape(cp=4), "ulysses", False),
-               (GridShape(dp=2, cp=2), "ring", False), (GridShape(dp=2, cp=2), "ulysses", True)]
-PP_CP_VARIANTS = [(GridShape(pp=2, cp=2), "ring", True)]
+CP_VARIANTS = [Variant(GridShape(cp=4), "ring", True), Variant(GridShape(cp=4), "ulysses", False),
+               Variant(GridShape(dp=2, cp=2), "ring", False), Variant(GridShape(dp=2, cp=2), "ulysses", True)]
+# cp rank 1 of dp rank 0 holds no valid target in its first micro-batch (mask_targets).
+MASKED_VARIANTS = [Variant(GridShape(dp=2, cp=2), "ring", True, masked=True)]
+PP_CP_VARIANTS = [Variant(GridShape(pp=2, cp=2), "ring", True)]
+# cp = 1 with the default zigzag split on an odd sequence, through a pipeline (this crashed on a
+# shape mismatch when the split dropped the last token).
+ODD_SEQ_VARIANTS = [Variant(GridShape(dp=2, pp=2), "ring", True, seq_len=ODD_SEQ)]
 # 8 ranks: one spawn for both; Ulysses with sequence parallelism needs heads/tp = 4 and kv/tp = 2
-# divisible by cp = 2.
-DP_CP_TP_VARIANTS = [(GridShape(dp=2, cp=2, tp=2), "ring", True, False),
-                     (GridShape(dp=2, cp=2, tp=2), "ulysses", False, True)]
+# divisible by cp = 2. Clipping acts at every step, so the norm summed over tp shards, with the
+# tp-replicated norm gains counted once, is proven by the clipped gradients; the ring variant
+# trains on the masked batch, through the vocab-parallel loss.
+DP_CP_TP_VARIANTS = [Variant(GridShape(dp=2, cp=2, tp=2), "ring", True, masked=True),
+                     Variant(GridShape(dp=2, cp=2, tp=2), "ulysses", False, sequence_parallel=True)]
 
 
 def several_training_variants(variants):
     """One spawn, every variant, each from the same initial weights."""
-    return {variant: context_parallel_run(*variant) for variant in variants}
+    return {variant: context_parallel_run(variant) for variant in variants}
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return reference_run()
+def references():
+    """One device, the whole global batch in one piece, for each data the variants train on."""
+    runs = {(SEQ, False): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM),
+            (SEQ, True): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM, mask_targets=mask_targets),
+            (ODD_SEQ, False): train_reference(CFG, SEED, batches(1, ODD_SEQ), STEPS, LR, MAX_GRAD_NORM)}
+    for run in runs.values():
+        # Clipping must act at every step, or the clipping rule would go untested.
+        assert min(run["norms"]) > MAX_GRAD_NORM
+    return runs
 
 
 @pytest.fixture(scope="module")
 def four_rank_training():
-    """cp alone, dp x cp and pp x cp: one spawn of 4 ranks."""
-    return run_ranks(4, several_training_variants, CP_VARIANTS + PP_CP_VARIANTS, timeout_s=240)
+    """cp alone, dp x cp (also masked), pp x cp and pp at cp = 1: one spawn of 4 ranks."""
+    variants = CP_VARIANTS + MASKED_VARIANTS + PP_CP_VARIANTS + ODD_SEQ_VARIANTS
+    return run_ranks(4, several_training_variants, variants, timeout_s=300)
 
 
 def assert_equals_reference(result, reference, shape: GridShape, where: str):
-    """Losses, step-0 gradients and final parameters against one device; a tensor-parallel rank
-    holds a slice of some parameters (tp_split_dim), compared with that slice of the reference."""
-    ref_losses, ref_grads, ref_params = reference
-
+    """Losses, gradient norms, step-0 gradients before and after clipping, and final parameters
+    against one device; a tensor-parallel rank holds a slice of some parameters (tp_split_dim),
+    compared with that slice of the reference."""
     def local(full, name):
         split_dim = result["split_dims"][name]
         return full if split_dim is None else full.chunk(shape.tp, dim=split_dim)[result["tp_rank"]]
 
-    for name, grad in result["grads"].items():
-        torch.testing.assert_close(grad, local(ref_grads[name], name), **TOLERANCE, msg=f"{where} grad {name}")
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(ref_losses), rtol=0, atol=1e-5,
-                               msg=f"{where} losses")
+    for key in ("grads", "clipped_grads"):
+        for name, grad in result[key].items():
+            torch.testing.assert_close(grad, local(reference[key][name], name), **TOLERANCE,
+                                       msg=f"{where} {key} {name}")
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5,
+                                   msg=f"{where} {key}")
     for name, param in result["params"].items():
-        torch.testing.assert_close(param, local(ref_params[name], name), **PARAM_TOLERANCE,
+        torch.testing.assert_close(param, local(reference["params"][name], name), **PARAM_TOLERANCE,
                                    msg=f"{where} param {name}")
 
 
-def check_variants(per_rank, variants, reference):
+def check_variants(per_rank, variants, references):
     for rank, results in enumerate(per_rank):
         for variant in variants:
-            shape, mode, zigzag, *sequence_parallel = variant
-            sequence_parallel = bool(sequence_parallel and sequence_parallel[0])
-            result = results[variant]
-            where = f"rank {rank} {shape} {mode} zigzag={zigzag} sp={sequence_parallel}"
-            assert_equals_reference(result, reference, shape, where)
-            if shape.pp == 1:
+            result, where = results[variant], f"rank {rank} {variant}"
+            assert_equals_reference(result, references[(variant.seq_len, variant.masked)], variant.shape, where)
+            if variant.shape.pp == 1:
                 # Activation memory per rank is that of seq/cp tokens, to the byte.
                 assert result["activations"] == lesson.predicted_cp_activation_bytes(
-                    CFG, MICRO, SEQ, shape.cp, mode, tp=shape.tp, sequence_parallel=sequence_parallel), where
-            # The cp traffic of the run equals the formula for this rank's layers and heads; the
-            # gradients are reduced over dp x cp once per step, with the 4-byte loss average.
-            predicted = lesson.predicted_cp_traffic(CFG, MICRO, SEQ, shape.cp, mode, result["n_micro"],
-                                                    tp=shape.tp, n_layers=result["n_layers"])
-            predicted[("all_reduce", "dp_cp")] = 4 * result["n_params"] + 4
-            measured = {key: value for key, value in result["traffic"].items() if key in predicted}
-            assert measured == {key: STEPS * value for key, value in predicted.items()}, where
+                    CFG, MICRO, variant.seq_len, variant.shape.cp, variant.mode, tp=variant.shape.tp,
+                    sequence_parallel=variant.sequence_parallel), where
+            # Every collective of the run equals the formulas (cp, the dp x cp gradient sum, tp,
+            # pp, the loss and norm scalars), and moved tensors on the rank's device.
+            assert result["traffic"] == result["predicted"], where
+            assert all(devices == {"cpu"} for devices in result["devices"].values()), (where, result["devices"])
 
 
-def test_training_equals_one_device(reference, four_rank_training):
-    check_variants(four_rank_training, CP_VARIANTS, reference)
+def test_training_equals_one_device(references, four_rank_training):
+    check_variants(four_rank_training, CP_VARIANTS, references)
 
 
-def test_pipeline_x_context_parallel_equals_one_device(reference, four_rank_training):
-    check_variants(four_rank_training, PP_CP_VARIANTS, reference)
+def test_masked_targets_weigh_every_token_once(references, four_rank_training):
+    """Token-weighted loss: ranks and micro-batches holding different numbers of valid targets,
+    one cp rank none at all in a micro-batch, equal one device on the same masked batch."""
+    (variant,) = MASKED_VARIANTS
+    data, split = batches(variant.shape.dp), lesson.SequenceSplit(variant.shape.cp, variant.zigzag)
+    valid = {(dp_rank, cp_rank, index): int((targets != IGNORE_INDEX).sum())
+             for dp_rank in range(variant.shape.dp) for cp_rank in range(variant.shape.cp)
+             for index, (_, targets, _) in enumerate(lesson.context_parallel_batch(
+                 masked_step_batch(data, 0, dp_rank, mask_targets), split, cp_rank).micro_batches)}
+    assert valid[(0, 1, 0)] == 0 and valid[(0, 0, 0)] > 0, valid
+    assert len(set(valid.values())) >= 4, valid
+    check_variants(four_rank_training, MASKED_VARIANTS, references)
 
 
-def test_dp_x_cp_x_tp_equals_one_device(reference):
+def test_pipeline_x_context_parallel_equals_one_device(references, four_rank_training):
+    check_variants(four_rank_training, PP_CP_VARIANTS, references)
+
+
+def test_cp_1_trains_on_every_token_of_an_odd_sequence(references, four_rank_training):
+    """Equal to one device on the 33-token sequences: a dropped token would change every loss."""
+    check_variants(four_rank_training, ODD_SEQ_VARIANTS, references)
+
+
+def test_dp_x_cp_x_tp_equals_one_device(references):
     per_rank = run_ranks(8, several_training_variants, DP_CP_TP_VARIANTS, timeout_s=300)
-    check_variants(per_rank, DP_CP_TP_VARIANTS, reference)
+    check_variants(per_rank, DP_CP_TP_VARIANTS, references)
 
 
 # ----------------------------------------------------------------------------- the script

@@ -190,6 +190,22 @@ def test_windows_span_several_shards_in_glob_order(tmp_path):
     torch.testing.assert_close(windows, windows[:, :1] + torch.arange(9), rtol=0, atol=0)
 
 
+def test_step_batch_counts_the_targets_of_the_global_batch(tmp_path):
+    """n_targets is the whole step's count (every rank, every micro-batch), the same on every rank:
+    each rank divides its summed loss by it, so the shares add up to the global mean."""
+    path = counting_shard(tmp_path, "shard.bin", 2000)
+    batches = TokenBatches(path, BatchShape(micro_batch_size=2, seq_len=8, grad_accum=3, dp=3), seed=0)
+    for step in (0, 4):
+        global_targets = batches.global_batch(step)[:, 1:]
+        step_batches = [batches.step_batch(step, rank) for rank in range(3)]
+        assert [b.n_targets for b in step_batches] == [global_targets.numel()] * 3 == [18 * 8] * 3
+        for rank, batch in enumerate(step_batches):
+            expected = batches.micro_batches(step, rank)
+            assert len(batch.micro_batches) == len(expected) == 3
+            for got, want in zip(batch.micro_batches, expected):
+                assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_batch_shape_from_global_batch_tokens():
     shape = BatchShape.from_global_batch_tokens(256, micro_batch_size=2, seq_len=8, dp=2)
     assert shape == BatchShape(micro_batch_size=2, seq_len=8, grad_accum=8, dp=2)

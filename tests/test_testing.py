@@ -1,4 +1,5 @@
-"""The multi-rank test helper itself: results come back, failures surface, hangs end."""
+"""The test helpers themselves: results come back, failures surface, hangs end; masked batches
+are cut as the data loader cuts them."""
 
 import time
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like.testing import RankFailure, run_ranks
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.model import IGNORE_INDEX
+from picotron_like.testing import RankFailure, ignore_targets, masked_step_batch, run_ranks
 
 
 def sum_of_ranks():
@@ -50,3 +53,24 @@ def test_hung_rank_fails_with_timeout_and_its_stack():
     assert "ranks [0] did not finish within 8 s" in message
     assert "rank_zero_hangs" in message  # where rank 0 was stuck, from faulthandler
     assert time.monotonic() - start < 20
+
+
+def test_masked_step_batch_is_the_step_batch_with_masked_targets():
+    batches = TokenBatches(builtin_corpus_paths()[0], BatchShape(2, 16, 2, 3), seed=0)
+    step, rows = 1, range(4, 6)
+
+    def mask(step, targets):
+        return ignore_targets(step, targets, ignored_rows=rows)
+
+    masked_global = mask(step, batches.global_batch(step)[:, 1:].clone())
+    for rank in range(3):
+        plain, masked = batches.step_batch(step, rank), masked_step_batch(batches, step, rank, mask)
+        assert masked.n_targets == int((masked_global != IGNORE_INDEX).sum()) < plain.n_targets
+        for (inputs, targets), (plain_inputs, plain_targets) in zip(masked.micro_batches, plain.micro_batches):
+            assert torch.equal(inputs, plain_inputs)
+            kept = targets != IGNORE_INDEX
+            assert torch.equal(targets[kept], plain_targets[kept])
+    # Row r ignores its first (3 r + 5 step) % seq_len targets; rows 4 and 5 (rank 1's first
+    # micro-batch) ignore all of them.
+    ignored = (masked_global == IGNORE_INDEX).sum(dim=1).tolist()
+    assert ignored == [5, 8, 11, 14, 16, 16, 7, 10, 13, 0, 3, 6]

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson, validate_parallel_config
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, backend_for, load_lesson,
+                                    validate_parallel_config)
 
 LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
 
@@ -65,6 +66,35 @@ def test_process_groups_on_real_ranks():
     # pp=2 tp=4: rank 5 = (pp 1, tp 1): previous stage is rank 1.
     assert results[5][str(LAYOUTS[1])] == (1, None, 5, 5, False, True)
     assert results[0][str(LAYOUTS[1])] == (None, 4, 0, 0, True, False)
+
+
+def first_operations_of_a_pipeline_grid():
+    """On 3 ranks, pp = 3: start the grid, then the first pipeline send, stage 0 to stage 1 only."""
+    grid = ProcessGrid(GridShape(pp=3))
+    if grid.pp_rank < 2:
+        peer = grid.pp_next_rank if grid.is_first_stage else grid.pp_prev_rank
+        op = dist.isend if grid.is_first_stage else dist.irecv
+        for work in comm.call(dist.batch_isend_irecv, [dist.P2POp(op, torch.ones(4), peer, group=grid.pp_group)]):
+            work.wait()
+    return dict(comm.meter.first_operation), sorted(comm.meter.traffic)
+
+
+def test_every_group_starts_with_an_operation_of_all_its_ranks():
+    """A group's first operation must include all of its ranks (NCCL builds its communicator then):
+    with pp = 3 the first pipeline send leaves stage 2 out, so the grid must have used each group
+    before, with a barrier."""
+    results = run_ranks(3, first_operations_of_a_pipeline_grid, timeout_s=60)
+    for rank, (first_operation, traffic) in enumerate(results):
+        assert first_operation == {group: "barrier" for group in ("tp", "cp", "pp", "dp", "dp_cp")}, rank
+        # The start-up barriers are not training traffic: the meter forgets them.
+        assert traffic == {0: [("isend", "pp")], 1: [("irecv", "pp")], 2: []}[rank]
+
+
+def test_backend_for_a_device():
+    """NCCL for the GPU's tensors with gloo beside it for CPU tensors; gloo alone on a CPU."""
+    assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
 
 
 TINY = get_config("tiny")  # 4 heads, 2 kv heads, hidden 128, ffn 384, vocab 256, 4 layers
