@@ -89,6 +89,7 @@ from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compu
                                    memory_table, predicted_activation_bytes, predicted_memory,
                                    step_bookkeeping_traffic)
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
+from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
@@ -629,21 +630,39 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
 
 
 def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, element_bytes: int = 4,
-                                  tp: int = 1, sequence_parallel: bool = False) -> int:
-    """Activations of one micro-batch of the whole model on one rank: the reference model's for
-    S/cp tokens (metrics.predicted_activation_bytes, or lesson 02's formula when tp > 1), with one
-    difference per mode in what attention keeps, per token and layer:
+                                  tp: int = 1, sequence_parallel: bool = False, stage=None) -> int:
+    """Activations of one micro-batch on one rank: the reference formula for S/cp tokens, of the
+    whole model (metrics.predicted_activation_bytes, or lesson 02's when tp > 1) or of one pipeline
+    stage's layers, embedding and head (lesson 03's), with one difference per mode in what
+    attention keeps, per token and layer:
       ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d (per tp rank: /tp);
       Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
                all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more (/tp)."""
     tokens = seq_len // cp
-    if tp == 1:
+    if stage is not None:
+        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens, tp,
+                                                                   sequence_parallel)
+    elif tp == 1:
         local = predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
     else:
         local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel)
+    n_layers = cfg.n_layers if stage is None else len(stage.layer_ids)
     kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
     per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
-    return local + element_bytes * cfg.n_layers * micro_batch * tokens * per_token // tp
+    return local + element_bytes * n_layers * micro_batch * tokens * per_token // tp
+
+
+def predicted_peak_activation_bytes(pipeline, cfg, shape, cp: int, mode: str, tp: int = 1,
+                                    sequence_parallel: bool = False) -> int:
+    """This rank's activations at their peak in a step. Without a pipeline the micro-batches run
+    one after another: one micro-batch of the whole model. With one, lesson 03's program decides
+    which micro-batches of which chunk it keeps alive at once (peak_live_micro_batches), each
+    one micro-batch of that chunk, over S/cp tokens."""
+    one_micro_batch = functools.partial(predicted_cp_activation_bytes, cfg, shape.micro_batch_size, shape.seq_len,
+                                        cp, mode, tp=tp, sequence_parallel=sequence_parallel)
+    if pipeline is None:
+        return one_micro_batch()
+    return peak_live_micro_batches(pipeline.program, [one_micro_batch(stage=chunk.module) for chunk in pipeline.chunks])
 
 
 def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
@@ -659,14 +678,12 @@ def log_memory(modules, pipeline, optimizer, cfg, shape, cp_size: int, mode: str
                activations: ActivationMeter) -> None:
     seq, micro, tokens = shape.seq_len, shape.micro_batch_size, shape.seq_len // cp_size
     log0(f"\n== memory (one rank; a micro-batch here is {micro} x {tokens} tokens) ==")
-    if pipeline is None:
-        predicted = predicted_cp_activation_bytes(cfg, micro, seq, cp_size, mode, tp=tp,
-                                                  sequence_parallel=sequence_parallel)
-        log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
-                          predicted_memory(sum(p.numel() for p in modules.parameters()), predicted)))
-    else:
-        log0(f"activations at the schedule's peak on this stage: {activations.peak_bytes / 1e6:.3f} MB "
-             f"(micro-batches of S/cp tokens; lesson 03 explains the peak)")
+    if pipeline is not None:
+        log0(f"stage 0's rank: activations at the schedule's peak, {peak_live_micro_batches(pipeline.program)} "
+             f"micro-batches of this stage kept (lesson 03 explains the peak)")
+    predicted = predicted_peak_activation_bytes(pipeline, cfg, shape, cp_size, mode, tp, sequence_parallel)
+    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
+                      predicted_memory(sum(p.numel() for p in modules.parameters()), predicted)))
     log0(f"the same micro-batch on one device (seq {seq}): {predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} "
          f"MB predicted; per cp rank, that of seq/cp = {tokens} tokens")
 

@@ -247,8 +247,9 @@ def observe_gradients(part, optimizer) -> dict:
 
 def context_parallel_run(variant: Variant):
     """On every rank, with the lesson's own builders and step: step-0 gradients before and after
-    clipping, per-step losses and norms, the activations of step 0, the traffic and the devices of
-    every collective during training, the predicted traffic, final parameters (as this rank holds them)."""
+    clipping, per-step losses and norms, the activations of step 0 and their prediction, the traffic
+    and the devices of every collective during training, the predicted traffic, final parameters (as
+    this rank holds them)."""
     grid = ProcessGrid(variant.shape)
     cp = lesson.ContextParallel.from_grid(grid, variant.zigzag)
     parts = lesson.build_model(CFG, SEED, grid, cp, variant.mode, CPU, variant.sequence_parallel,
@@ -273,6 +274,8 @@ def context_parallel_run(variant: Variant):
     # the reference's names.
     named = dict(part.module.named_parameters())
     return {"grads": seen["before"], "clipped_grads": seen["after"], "activations": activations.peak_bytes,
+            "predicted_activations": lesson.predicted_peak_activation_bytes(
+                pipeline, CFG, data.shape, grid.cp_size, variant.mode, grid.tp_size, variant.sequence_parallel),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "tp_rank": grid.tp_rank, "traffic": {key: t.payload_bytes for key, t in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()},
@@ -346,11 +349,9 @@ def check_variants(per_rank, variants, references):
         for variant in variants:
             result, where = results[variant], f"rank {rank} {variant}"
             assert_equals_reference(result, references[(variant.seq_len, variant.masked)], variant.shape, where)
-            if variant.shape.pp == 1:
-                # Activation memory per rank is that of seq/cp tokens, to the byte.
-                assert result["activations"] == lesson.predicted_cp_activation_bytes(
-                    CFG, MICRO, variant.seq_len, variant.shape.cp, variant.mode, tp=variant.shape.tp,
-                    sequence_parallel=variant.sequence_parallel), where
+            # Activation memory per rank is that of seq/cp tokens, to the byte: one micro-batch of
+            # the whole model, or with pp > 1 the micro-batches of its stage that the schedule keeps.
+            assert result["activations"] == result["predicted_activations"], where
             # Every collective of the run equals the formulas (cp, the dp x cp gradient sum, tp,
             # pp, the loss and norm scalars), and moved tensors on the rank's device.
             assert result["traffic"] == result["predicted"], where
