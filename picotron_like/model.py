@@ -8,7 +8,7 @@ A Llama-style decoder, small enough to read in one sitting:
                                                       residual                       residual
            ─► RMSNorm ─► lm_head ─► logits ─► cross-entropy
 
-Three seams let later lessons parallelise this model without editing this file:
+Four seams let later lessons parallelise this model without editing this file:
 
 - every weight matrix is its own ``nn.Linear`` attribute (``q_proj``, ``gate_proj``, ...), so
   tensor parallelism (lesson 02) swaps them for column- and row-parallel layers;
@@ -17,12 +17,18 @@ Three seams let later lessons parallelise this model without editing this file:
 - the attention core is a replaceable function (``Attention.attention_core``) that receives
   K/V *before* they are repeated for grouped-query attention, so context parallelism (lesson 04) can
   pass fewer bytes around its ring; the loss is a replaceable function too (``GPT.cross_entropy``),
-  so lesson 02 can plug in a vocab-parallel loss.
+  so lesson 02 can plug in a vocab-parallel loss;
+- a mixture-of-experts layer routes its tokens (``MixtureOfExperts.route``) and hands them to a
+  replaceable dispatch (``MixtureOfExperts.expert_compute``) over experts stacked in 3-D
+  parameters, so expert parallelism (lesson 05) can send tokens to the ranks that hold their
+  experts. The MoE section below explains routing, capacity and load balancing.
 
 Initialisation is a pure function of (seed, parameter name): ``reference_init`` draws every tensor
 from its own generator. A sharded layer that owns rows 64..127 of ``layers.3.attn.q_proj.weight``
 draws the full tensor the same way and keeps its slice, so a distributed run starts from exactly
-the reference parameters, whatever the construction order or the number of ranks.
+the reference parameters, whatever the construction order or the number of ranks. Stacked expert
+weights ``[n_experts, ...]`` are drawn whole in the same way; an expert-parallel rank keeps its
+experts' slice of dim 0.
 
 The two formulas used for MFU and memory predictions live here too: ``count_parameters`` and
 ``flops_per_token`` (6 FLOPs per matmul parameter per token, plus the attention term).
@@ -50,6 +56,12 @@ class GPTConfig:
     ffn_hidden: int = 384       # SwiGLU inner width
     n_experts: int = 0          # 0: dense MLP; > 0: mixture-of-experts FFN in every layer
     experts_per_token: int = 2  # top-k routing
+    # The mixture-of-experts options (see MixtureOfExperts); a dense model must leave them alone.
+    router: str = "softmax"                 # "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
+    n_shared_experts: int = 0               # width, in experts, of a dense SwiGLU every token passes through
+    capacity_factor: float | None = None    # None: dropless; F: each expert takes ceil(F k T / E) per sequence
+    aux_loss_coef: float = 0.0              # sequence-wise auxiliary balance loss (0: off)
+    z_loss_coef: float = 0.0                # router z-loss, softmax router only (0: off)
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -57,6 +69,34 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.n_heads
+
+    def _moe_problems(self) -> list[str]:
+        if self.n_experts < 0:
+            return [f"n_experts={self.n_experts} must be 0 (dense) or more"]
+        if not self.n_experts:
+            moe_only = {"router": self.router != "softmax", "n_shared_experts": self.n_shared_experts != 0,
+                        "capacity_factor": self.capacity_factor is not None,
+                        "aux_loss_coef": self.aux_loss_coef != 0, "z_loss_coef": self.z_loss_coef != 0}
+            return [f"{name}={getattr(self, name)!r} needs a mixture-of-experts model (n_experts > 0): "
+                    "pick a preset with experts (e.g. tiny-moe) or drop the option"
+                    for name, is_set in moe_only.items() if is_set]
+        problems = []
+        if not 0 < self.experts_per_token <= self.n_experts:
+            problems.append(f"experts_per_token={self.experts_per_token} must be in 1..n_experts={self.n_experts}")
+        if self.router not in ("softmax", "sigmoid"):
+            problems.append(f"router={self.router!r} must be 'softmax' or 'sigmoid'")
+        if self.n_shared_experts < 0:
+            problems.append(f"n_shared_experts={self.n_shared_experts} must be 0 or more")
+        if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
+            problems.append(f"capacity_factor={self.capacity_factor} must be a positive number (or None: dropless)")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                problems.append(f"{name}={value} must be 0 (off) or a positive number")
+        if self.z_loss_coef and self.router == "sigmoid":
+            problems.append(f"z_loss_coef={self.z_loss_coef} applies to the softmax router: the sigmoid "
+                            "router scores each expert on its own and has no logsumexp to keep small")
+        return problems
 
     def __post_init__(self):
         problems = []
@@ -66,8 +106,7 @@ class GPTConfig:
             problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if self.n_experts and not 0 < self.experts_per_token <= self.n_experts:
-            problems.append(f"experts_per_token={self.experts_per_token} must be in 1..n_experts={self.n_experts}")
+        problems += self._moe_problems()
         if problems:
             raise ValueError("invalid GPTConfig: " + "; ".join(problems))
 
@@ -80,6 +119,10 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny-moe": GPTConfig(n_experts=4, experts_per_token=2, ffn_hidden=192),
     "125m": GPTConfig(vocab_size=50304, seq_len=1024, n_layers=12, hidden=768, n_heads=12,
                       n_kv_heads=12, ffn_hidden=2048),
+    # Mixtral-8x7B's shape: published as 46.7e9 parameters, 12.9e9 active per token.
+    "mixtral-8x7b": GPTConfig(vocab_size=32000, seq_len=4096, n_layers=32, hidden=4096, n_heads=32,
+                              n_kv_heads=8, ffn_hidden=14336, n_experts=8, experts_per_token=2,
+                              rope_theta=1e6),
     "1b": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, hidden=2048, n_heads=32,
                     n_kv_heads=8, ffn_hidden=8192, rope_theta=500000.0),
     "8b": GPTConfig(vocab_size=128256, seq_len=8192, n_layers=32, hidden=4096, n_heads=32,
@@ -172,36 +215,338 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class MixtureOfExperts(nn.Module):
-    """Top-k routed SwiGLU experts, dropless: every token reaches its k experts.
+# ----------------------------------------------------------------------------- mixture of experts
+#
+# A mixture-of-experts (MoE) FFN replaces a layer's one SwiGLU MLP by E of them, the "experts", and
+# sends each token through only k. Parameters grow E-fold, the work per token only k-fold:
+# Mixtral-8x7B holds 46.7e9 parameters and multiplies each token through 12.9e9 of them. Four parts:
+#
+#   routing    a linear router scores every expert for every token; the k best are chosen, and
+#              their outputs are mixed with weights that sum to one (MixtureOfExperts.route);
+#   dispatch   each expert runs on the tokens that chose it (MixtureOfExperts.expert_compute, a
+#              plain loop here; lesson 05 plugs in grouped matmuls and expert parallelism);
+#   capacity   optionally, an expert takes at most C tokens of a sequence, so that its work is
+#              bounded and known in advance; the overflow is dropped (capacity_mask);
+#   balancing  nothing in the language-model loss stops the router from sending most tokens to a
+#              few experts, which then learn everything while the rest starve. Three remedies, each
+#              usable on its own: an auxiliary loss that penalises imbalance (sequence_aux_loss), a
+#              z-loss that keeps the router's logits small (router_z_loss), and a per-expert bias on
+#              the choice, nudged after every step (MixtureOfExperts.update_router_bias).
 
-    The gate weights are the softmax over all experts, renormalised over the chosen k.
-    Every expert runs even on zero tokens, so every parameter always receives a gradient (zeros
-    when unused) and data-parallel gradient buckets never wait for a gradient that never comes.
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts held as three stacked 3-D parameters instead of E modules:
+
+        gate_proj, up_proj: [E, ffn_hidden, hidden]        down_proj: [E, hidden, ffn_hidden]
+
+    Expert e is slice [e] of each, laid out like nn.Linear's weight, so it computes exactly what a
+    SwiGLU module with those three weights computes. The stacking is for the faster and the
+    distributed forms: a grouped matmul takes every expert in one tensor, and expert parallelism
+    gives each rank a slice of dim 0 (then E here is the rank's share of the experts).
+    """
+
+    def __init__(self, n_experts: int, hidden: int, ffn_hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, ffn_hidden, hidden))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, ffn_hidden, hidden))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, ffn_hidden))
+        # A usable start for a layer built on its own; GPT replaces it by reference_init.
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, std=0.02)
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Expert `index` applied to tokens x [n, hidden]."""
+        hidden = F.silu(F.linear(x, self.gate_proj[index])) * F.linear(x, self.up_proj[index])
+        return F.linear(hidden, self.down_proj[index])
+
+
+@dataclass
+class Routing:
+    """Where each of n tokens goes (k = experts per token, E = experts), as MixtureOfExperts.route decides.
+
+    expert_ids     [n, k] int64    the chosen experts, best first (column 0 holds the top-1 choice)
+    weights        [n, k] float32  how much each choice's output counts: they sum to 1 over a
+                                   token's k choices, except that a dropped choice weighs exactly 0
+    kept           [n, k] bool     False where capacity dropped the choice (all True when dropless)
+    scores         [n, E] float32  every expert's normalised score (each row sums to 1): the P of
+                                   the auxiliary loss
+    router_logits  [n, E] float32  the router's raw output: what the z-loss keeps small
+    """
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    scores: torch.Tensor
+    router_logits: torch.Tensor
+
+
+def top_k_experts(selection: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of each row's k largest entries, largest first; of equal entries the lower index wins.
+
+    torch.topk promises no order among ties, and a tie broken one way on one device and another way
+    on a second (or in a second layout of the same batch) sends a token to a different expert. A
+    stable descending sort makes the choice a function of the values alone.
+    """
+    return selection.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def expert_capacity(capacity_factor: float, experts_per_token: int, seq_len: int, n_experts: int) -> int:
+    """Slots per expert per sequence: ceil(F * k * T / E).
+
+    A sequence of T tokens makes k * T choices; spread evenly, each expert receives k * T / E of
+    them. F = 1 allows exactly that much, F = 1.25 a quarter more for imbalance.
+    """
+    return math.ceil(capacity_factor * experts_per_token * seq_len / n_experts)
+
+
+def capacity_mask(expert_ids: torch.Tensor, seq_len: int, n_experts: int, capacity: int) -> torch.Tensor:
+    """kept [n, k]: which choices find a slot when each expert takes at most `capacity` of a sequence.
+
+    expert_ids [n, k] holds whole sequences of seq_len tokens, one after another. Within a sequence,
+    slots go first come, first served in this order (GShard, Switch Transformer):
+
+        the top-1 choices of tokens 0, 1, ..., T-1, then their top-2 choices, then their top-3 ...
+
+    so that no token's first choice is pushed out by another token's second one. Each sequence
+    starts with empty experts: what one sequence routes never drops a token of another.
+    """
+    n, k = expert_ids.shape
+    # Every sequence's choices as one row, in the order the slots are handed out: [sequences, k * T].
+    queue = expert_ids.view(-1, seq_len, k).transpose(1, 2).reshape(-1, k * seq_len)
+    # arrivals[s, j, e]: how many of the first j + 1 choices of sequence s went to expert e; read at
+    # j's own expert, it is j's place (1-based) in that expert's queue.
+    arrivals = F.one_hot(queue, n_experts).cumsum(dim=1)
+    place = arrivals.gather(-1, queue[..., None]).squeeze(-1)
+    return (place <= capacity).view(-1, k, seq_len).transpose(1, 2).reshape(n, k)
+
+
+def looped_expert_compute(tokens: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
+    """Every token's combined expert output [n, hidden]: the sum over its kept choices of
+    weight * expert(token). The reference form of MixtureOfExperts.expert_compute.
+
+    One expert at a time: gather the tokens that chose it, run it, scale each output by its weight,
+    add it back at the token's row. Every expert runs, on zero tokens if none chose it, so every
+    expert weight receives a gradient (zeros when unused) and a data-parallel gradient bucket never
+    waits for a gradient that never comes.
+    """
+    out = torch.zeros_like(tokens)
+    chosen = routing.expert_ids.masked_fill(~routing.kept, -1)  # a dropped choice matches no expert
+    for index in range(experts.n_experts):
+        rows, slot = (chosen == index).nonzero(as_tuple=True)
+        expert_out = experts(tokens[rows], index) * routing.weights[rows, slot, None].type_as(tokens)
+        out = out.index_add(0, rows, expert_out)
+    return out
+
+
+def choice_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """[sequences, E]: how many tokens of each sequence chose each expert (dropped or not).
+    expert_ids: [sequences, tokens, k]."""
+    return F.one_hot(expert_ids, n_experts).sum(dim=(1, 2))
+
+
+def sequence_aux_loss(scores: torch.Tensor, counts: torch.Tensor, seq_len: int, experts_per_token: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of each sequence, before its coefficient: [sequences].
+
+        f_i = E / (k T) * (the sequence's tokens that chose expert i)
+        P_i = the mean over the sequence's T tokens of expert i's normalised score
+        loss = sum_i f_i * P_i
+
+    Perfectly balanced choices give every f_i = 1 and a loss of sum_i P_i = 1; an expert chosen
+    more often than its share weighs its own score more. The counts f are piecewise constant, so
+    the gradient flows through P alone: it lowers the scores of the experts f finds overloaded.
+    Per sequence, so the loss does not depend on how a batch is cut into micro-batches or ranks.
+
+    scores: [sequences, t, E]; counts: [sequences, E] over the whole sequence. t = T on one device;
+    a rank that holds a chunk of every sequence passes its t < T tokens with the whole sequence's
+    counts, and the ranks' results add up to the sequence's loss.
+    """
+    n_experts = scores.shape[-1]
+    f = counts.to(scores.dtype) * (n_experts / (experts_per_token * seq_len))
+    p = scores.sum(dim=1) / seq_len
+    return (f * p).sum(dim=-1)
+
+
+def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss of each token, before its coefficient: logsumexp(logits)^2, [n].
+
+    Large router logits saturate the softmax and round badly (worse in bf16); this penalises their
+    size without favouring any expert.
+    """
+    return router_logits.logsumexp(dim=-1).square()
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, loss):
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+def attach_balancing_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """y, unchanged, carrying `loss` [scalar] into the backward pass of whatever y's gradient comes from.
+
+    A balancing loss is born inside a layer deep in the model, but a training step sees only what
+    GPT.forward returns: the cross-entropy, which is also what the log should print. Instead of
+    threading the loss out through every return value and every pipeline stage boundary, tie it to
+    the layer's output: forward returns y as it is; backward passes y's gradient through and gives
+    `loss` the gradient 1, exactly what it would receive had it been added to the final objective:
+
+        d(objective + loss) / d(loss) = 1
+
+    So the loss is optimised wherever y's gradient flows, including on a pipeline stage whose
+    backward starts from a gradient received from the next stage. The objective's own scaling (its
+    mean over tokens, a division by the global target count) does not reach it: the loss must
+    arrive already normalised (see MixtureOfExperts.sequences_per_step).
+    """
+    return _AttachLoss.apply(y, loss)
+
+
+class MixtureOfExperts(nn.Module):
+    """Top-k routed SwiGLU experts, an optional shared expert, and three ways to balance the load.
+
+        tokens ─► route ─► expert_compute (each token through its kept choices, weighted) ─► + ─► out
+                   │                                         shared expert (every token) ─┘
+                   └─► aux loss + z-loss, attached to out (attach_balancing_loss)
+
+    Set by whoever trains with the layer:
+      expert_compute      the dispatch, called as expert_compute(tokens [n, h], routing, experts)
+                          -> [n, h]; default looped_expert_compute
+      sequences_per_step  None: the batch this layer sees is the step's whole batch (the
+                          reference). A run that shows the layer part of the batch (a micro-batch,
+                          one data-parallel rank's rows) sets the number of sequences in the whole
+                          step: each part's balancing loss is then its share of the step's mean,
+                          and the shares add up over micro-batches and ranks.
+    State outside the optimizer's reach:
+      router_bias         [E], moved only by update_router_bias (auxiliary-loss-free balancing)
+      expert_load         [E], tokens that chose each expert since the last update_router_bias;
+                          every forward adds to it (a forward recomputed by activation
+                          checkpointing adds twice)
+    Read-outs for the log, not part of the computation:
+      last_aux_loss, last_z_loss   the detached balancing losses of the last forward, as they were
+                                   added to the objective (0 when disabled); a step's value is their
+                                   sum over layers and micro-batches
     """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
+        self.n_experts = cfg.n_experts
         self.experts_per_token = cfg.experts_per_token
+        self.router_kind = cfg.router
+        self.capacity_factor = cfg.capacity_factor
+        self.aux_loss_coef = cfg.aux_loss_coef
+        self.z_loss_coef = cfg.z_loss_coef
         self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden, cfg.ffn_hidden) for _ in range(cfg.n_experts))
+        self.experts = GroupedExperts(cfg.n_experts, cfg.hidden, cfg.ffn_hidden)
+        # DeepSeek's shared expert: a dense SwiGLU every token passes through, for what all tokens
+        # need, so that the routed experts can specialise.
+        self.shared_expert = (SwiGLU(cfg.hidden, cfg.n_shared_experts * cfg.ffn_hidden)
+                              if cfg.n_shared_experts else None)
+        self.expert_compute = looped_expert_compute
+        self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
+        self.register_buffer("expert_load", torch.zeros(cfg.n_experts), persistent=False)
+        self.sequences_per_step: int | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
 
-    def route(self, tokens):
-        """(gate weights [n, k], expert ids [n, k]) for tokens [n, hidden]."""
-        probs = self.router(tokens).float().softmax(dim=-1)
-        weights, expert_ids = probs.topk(self.experts_per_token, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), expert_ids
+    def route(self, tokens: torch.Tensor, seq_len: int) -> Routing:
+        """The Routing of tokens [n, hidden]: n / seq_len whole sequences (capacity is per sequence).
+
+        softmax router (Mixtral): p = softmax(logits) over the E experts; choose the k largest of
+            p + router_bias; weights = the chosen p, renormalised to sum 1; scores = p.
+        sigmoid router (DeepSeek-V3): s = sigmoid(logits), each expert scored on its own; choose
+            the k largest of s + router_bias; weights = the chosen s, normalised to sum 1;
+            scores = s / sum_j s_j.
+        The bias changes which experts are chosen, never how much a chosen one counts: balancing
+        moves tokens between experts without distorting what the experts compute.
+        """
+        # The router runs in float32 even under autocast (Switch Transformer's "selective
+        # precision"): a choice between experts can turn on a difference of logits that bf16
+        # rounds away.
+        with torch.autocast(tokens.device.type, enabled=False):
+            logits = self.router(tokens.to(self.router.weight.dtype)).float()
+        if self.router_kind == "softmax":
+            affinity = scores = logits.softmax(dim=-1)
+        else:
+            affinity = logits.sigmoid()
+            scores = affinity / affinity.sum(dim=-1, keepdim=True)
+        expert_ids = top_k_experts(affinity + self.router_bias, self.experts_per_token)
+        chosen = affinity.gather(-1, expert_ids)
+        # With k = 1 and the softmax router this weight is always 1, and the router learns nothing
+        # from the language-model loss (Switch Transformer keeps the raw probability for that case).
+        weights = chosen / chosen.sum(dim=-1, keepdim=True)
+        kept = torch.ones_like(expert_ids, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(self.capacity_factor, self.experts_per_token, seq_len, self.n_experts)
+            kept = capacity_mask(expert_ids, seq_len, self.n_experts, capacity)
+            # Not renormalised: a kept choice counts what it would have counted anyway, and the
+            # share of a dropped one is simply missing (the residual connection carries the token).
+            weights = weights * kept
+        return Routing(expert_ids, weights, kept, scores, logits)
+
+    def balancing_losses(self, routing: Routing, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(auxiliary loss, z-loss) of the batch routed, each already multiplied by its coefficient
+        (0 when the coefficient is 0) and divided by the step's count: the auxiliary loss is a mean
+        over the step's sequences, the z-loss a mean over its tokens. Both count every token routed,
+        whether or not its target is masked: the router sees them all. The layer is taken to see
+        whole sequences; a layer that sees chunks of them (context parallelism) needs each whole
+        sequence's choice counts and length, which sequence_aux_loss accepts."""
+        sequences = routing.router_logits.shape[0] // seq_len
+        step_sequences = sequences if self.sequences_per_step is None else self.sequences_per_step
+        aux = z = routing.router_logits.new_zeros(())
+        if self.aux_loss_coef:
+            counts = choice_counts(routing.expert_ids.view(sequences, seq_len, -1), self.n_experts)
+            per_sequence = sequence_aux_loss(routing.scores.view(sequences, seq_len, -1), counts, seq_len,
+                                             self.experts_per_token)
+            aux = self.aux_loss_coef * per_sequence.sum() / step_sequences
+        if self.z_loss_coef:
+            z = self.z_loss_coef * router_z_loss(routing.router_logits).sum() / (step_sequences * seq_len)
+        return aux, z
 
     def forward(self, x):
         tokens = x.reshape(-1, x.shape[-1])
-        weights, expert_ids = self.route(tokens)
-        out = torch.zeros_like(tokens)
-        for index, expert in enumerate(self.experts):
-            token_rows, slot = (expert_ids == index).nonzero(as_tuple=True)
-            expert_out = expert(tokens[token_rows]) * weights[token_rows, slot, None].type_as(tokens)
-            out = out.index_add(0, token_rows, expert_out)
+        seq_len = x.shape[1]
+        routing = self.route(tokens, seq_len)
+        with torch.no_grad():
+            self.expert_load += torch.bincount(routing.expert_ids.flatten(), minlength=self.n_experts)
+        out = self.expert_compute(tokens, routing, self.experts)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        aux, z = self.balancing_losses(routing, seq_len)
+        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
+        if self.aux_loss_coef or self.z_loss_coef:
+            out = attach_balancing_loss(out, aux + z)
         return out.view_as(x)
 
+    @torch.no_grad()
+    def update_router_bias(self, rate: float, load: torch.Tensor) -> None:
+        """Auxiliary-loss-free balancing (DeepSeek-V3): after an optimizer step, raise the bias of
+        every expert that received fewer tokens than the mean and lower it for those that got more,
+
+            router_bias += rate * sign(mean(load) - load)
+
+        then count afresh (expert_load = 0). `load` [E] is the step's tokens per expert: this
+        layer's expert_load on one device; in a distributed run, the sum over every rank that
+        routed different tokens, or each replica would move its bias its own way.
+        """
+        load = load.float()
+        self.router_bias += rate * torch.sign(load.mean() - load)
+        self.expert_load.zero_()
+
+
+def moe_layers(model: nn.Module) -> list[MixtureOfExperts]:
+    """The model's mixture-of-experts layers, first layer first."""
+    return [module for module in model.modules() if isinstance(module, MixtureOfExperts)]
+
+
+# ----------------------------------------------------------------------------- the model
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -268,14 +613,15 @@ def reference_init(name: str, shape, cfg: GPTConfig, seed: int) -> torch.Tensor:
     """The reference value of parameter `name` (as named in GPT.named_parameters()), in float32.
 
     Norm weights start at one. Every other tensor is normal(0, init_std) drawn from a generator
-    seeded by (seed, name); the two projections that write into the residual stream (o_proj,
-    down_proj) are scaled down by sqrt(2 * n_layers) so the residual's variance does not grow
-    with depth (the GPT-2 recipe).
+    seeded by (seed, name); the projections that write into the residual stream (o_proj, and
+    down_proj: the dense MLP's, the shared expert's and the stacked experts' ``experts.down_proj``)
+    are scaled down by sqrt(2 * n_layers) so the residual's variance does not grow with depth
+    (the GPT-2 recipe).
     """
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     std = cfg.init_std
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):
         std /= math.sqrt(2 * cfg.n_layers)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.empty(shape).normal_(0.0, std, generator=generator)
@@ -290,14 +636,20 @@ def init_reference_parameters(model: nn.Module, seed: int) -> None:
 # ----------------------------------------------------------------------------- formulas
 
 def count_parameters(cfg: GPTConfig) -> dict[str, int]:
-    """Parameter counts by kind. 'matmul_active' is what a token multiplies through (top-k experts
-    only); it is the N of the 6N FLOPs rule, which leaves out embeddings (a lookup) and norms."""
+    """Parameter counts by kind.
+
+    'matmul_active' is what one token multiplies through: attention, the router, its k routed
+    experts, the shared expert and the LM head. It is the N of the 6N FLOPs rule, which leaves out
+    embeddings (a lookup) and norms; a model's published "active parameters" add the embedding.
+    'experts' is the routed experts' stacked weights over all layers: what expert parallelism splits.
+    """
     h, hd = cfg.hidden, cfg.head_dim
     attention = h * cfg.n_heads * hd * 2 + h * cfg.n_kv_heads * hd * 2
     expert = 3 * h * cfg.ffn_hidden
     if cfg.n_experts:
-        ffn_total = cfg.n_experts * expert + h * cfg.n_experts
-        ffn_active = cfg.experts_per_token * expert + h * cfg.n_experts
+        always = h * cfg.n_experts + cfg.n_shared_experts * expert   # router, shared expert
+        ffn_total = cfg.n_experts * expert + always
+        ffn_active = cfg.experts_per_token * expert + always
     else:
         ffn_total = ffn_active = expert
     norms = (2 * cfg.n_layers + 1) * h
@@ -308,6 +660,7 @@ def count_parameters(cfg: GPTConfig) -> dict[str, int]:
         "total": total,
         "embedding": embedding,
         "matmul_active": cfg.n_layers * (attention + ffn_active) + head,
+        "experts": cfg.n_layers * cfg.n_experts * expert,
     }
 
 
@@ -316,7 +669,9 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
 
     6 * N for the weight matmuls, plus 12 * n_layers * seq_len * (n_heads * head_dim) for the two
     attention matmuls (q k^T and p v). The attention term counts the full s x s score matrix, the
-    usual convention for MFU, although a causal kernel can skip the masked half.
+    usual convention for MFU, although a causal kernel can skip the masked half. With experts it
+    counts k experts per token, the dropless work: in capacity mode every dropped choice saves
+    6 * 3 * hidden * ffn_hidden FLOPs of it.
     """
     attention_term = 12 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
     return 6 * count_parameters(cfg)["matmul_active"] + attention_term

@@ -126,7 +126,7 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, **kwargs) ->
 
 
 def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_norm: float = 1.0,
-                    adam_eps: float | None = None, mask_targets=None) -> dict:
+                    adam_eps: float | None = None, mask_targets=None, bias_update_rate: float = 0.0) -> dict:
     """The ground truth of the equality tests: one GPT on one device, each step's whole global batch
     in one piece, its loss the mean over every target of that batch that is not IGNORE_INDEX.
 
@@ -136,8 +136,13 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     rounding noise (see their docstrings); the distributed run under test must then use the same.
     `mask_targets(step, targets)` returns a step's global targets with some set to IGNORE_INDEX
     (e.g. ``ignore_targets``); the distributed run then trains on ``masked_step_batch``.
+
+    With experts, the balancing losses are optimised with the cross-entropy (attached inside the
+    model) and returned per step, summed over layers ("aux_losses", "z_losses"); after each
+    optimizer step every MoE layer moves its router bias by `bias_update_rate` (0: never) from its
+    own load, and "router_biases" holds each step's biases after that move ({buffer name: tensor}).
     """
-    from picotron_like.model import GPT
+    from picotron_like.model import GPT, moe_layers
     from picotron_like.train import build_optimizer, clip_grad_norm_
 
     model = GPT(cfg, seed=seed)
@@ -145,7 +150,9 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     if adam_eps is not None:
         for group in optimizer.param_groups:
             group["eps"] = adam_eps
+    moe = moe_layers(model)
     losses, norms, grads, clipped_grads = [], [], {}, {}
+    aux_losses, z_losses, router_biases = [], [], []
     for step in range(steps):
         window = batches.global_batch(step)
         targets = window[:, 1:] if mask_targets is None else mask_targets(step, window[:, 1:].clone())
@@ -159,8 +166,15 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        aux_losses.append(sum((layer.last_aux_loss.item() for layer in moe), 0.0))
+        z_losses.append(sum((layer.last_z_loss.item() for layer in moe), 0.0))
+        if bias_update_rate:
+            for layer in moe:
+                layer.update_router_bias(bias_update_rate, layer.expert_load)
+        router_biases.append({name: b.clone() for name, b in model.named_buffers() if name.endswith("router_bias")})
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "params": params, "norms": norms}
+    return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "params": params, "norms": norms,
+            "aux_losses": aux_losses, "z_losses": z_losses, "router_biases": router_biases}
 
 
 def ignore_targets(step: int, targets, ignored_rows=()):
