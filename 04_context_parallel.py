@@ -348,25 +348,31 @@ def ring_attention(q, k, v, cp: ContextParallel):
 class AllToAll(torch.autograd.Function):
     """Slice j of dim 0 goes to rank j; the slice from rank j lands at index j of dim 0.
 
-    The exchange is its own inverse, so backward is the same all-to-all on the gradient.
+    Even by default (dim 0 cut into group-size equal slices). With split sizes, slice j of the
+    input holds input_splits[j] rows and the output receives output_splits[j] rows from rank j
+    (lesson 05 sends each rank the tokens routed to its experts, a different number each time).
+    The exchange is its own inverse with the split sizes swapped, so backward is the same
+    all-to-all on the gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        # Contiguous first: all_to_all_single cuts dim 0 of the raw memory, and empty_like of a
-        # permuted view would inherit its permuted strides.
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        comm.call(dist.all_to_all_single, out, x, group=group)
-        return out
+    def forward(ctx, x, group, output_splits=None, input_splits=None):
+        ctx.group, ctx.splits = group, (input_splits, output_splits)
+        return _all_to_all(x, group, output_splits, input_splits)
 
     @staticmethod
     def backward(ctx, d_out):
-        d_out = d_out.contiguous()
-        d_x = torch.empty_like(d_out)
-        comm.call(dist.all_to_all_single, d_x, d_out, group=ctx.group)
-        return d_x, None
+        return _all_to_all(d_out, ctx.group, *ctx.splits), None, None, None
+
+
+def _all_to_all(x, group, output_splits, input_splits):
+    # Contiguous first: all_to_all_single cuts dim 0 of the raw memory, and empty_like of a
+    # permuted view would inherit its permuted strides.
+    x = x.contiguous()
+    out = torch.empty_like(x) if output_splits is None else x.new_empty((sum(output_splits), *x.shape[1:]))
+    comm.call(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+              group=group)
+    return out
 
 
 def _reorder_chunks(x, order: list[int], n_chunks: int):

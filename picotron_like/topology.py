@@ -15,7 +15,14 @@ axis. One more group joins dp and cp: context-parallel ranks hold replicas of th
 so their gradients are reduced together with the data-parallel ones.
 
 Expert parallelism (lesson 05) reuses the dp x cp ranks for its experts instead of adding ranks, so
-the grid itself stays four-dimensional.
+the grid itself stays four-dimensional. The dp x cp ranks hold different tokens and the same dense
+weights; cut them (in rank order) into consecutive groups of ep, and each such expert-parallel
+group shares one copy of the experts, each member holding E/ep of them. The members at the same
+place of every ep group hold the same experts: that complement is the expert-data-parallel group,
+over which expert gradients are summed. With dp x cp = 4 ranks a b c d and ep = 2:
+
+    ep groups  [a b] [c d]        a and c hold experts 0..E/2-1, b and d the others
+    edp groups [a c] [b d]
 
 Bad degrees are caught by ``validate_parallel_config`` before any process group exists: every
 rank reads the same arguments and the same environment, so every rank raises the same error and
@@ -91,6 +98,26 @@ class GridShape:
             key = tuple(coords[a] for a in AXES if a not in axes)
             groups.setdefault(key, []).append(rank)
         return list(groups.values())
+
+    def ep_group_ranks(self, ep: int) -> list[list[int]]:
+        """The expert-parallel groups: every dp x cp group, in rank order, cut into consecutive
+        runs of `ep` ranks. Consecutive, because neighbouring ranks share a node: the all-to-all
+        that carries tokens to their experts then stays on the fastest links when it can."""
+        self._check_ep(ep)
+        return [members[i: i + ep] for members in self.group_ranks(("dp", "cp"))
+                for i in range(0, len(members), ep)]
+
+    def edp_group_ranks(self, ep: int) -> list[list[int]]:
+        """The expert-data-parallel groups: the members at the same place of every ep group of one
+        dp x cp group; they hold the same experts and see different tokens."""
+        self._check_ep(ep)
+        return [members[i::ep] for members in self.group_ranks(("dp", "cp")) for i in range(ep)]
+
+    def _check_ep(self, ep: int) -> None:
+        if ep < 1 or (self.dp * self.cp) % ep:
+            raise ConfigError(f"--ep {ep} does not divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp}: "
+                              f"expert parallelism splits the dp x cp ranks into groups of ep; "
+                              f"pick an ep that divides {self.dp * self.cp}")
 
     def picture(self) -> str:
         """The grid as text: one line per (dp, pp) pair, ranks laid out as cp rows of tp columns."""
@@ -180,11 +207,12 @@ def world_size_from_env() -> int:
 class ProcessGrid:
     """This rank's coordinates, its neighbours and the process group of every axis."""
 
-    def __init__(self, shape: GridShape):
+    def __init__(self, shape: GridShape, ep: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs an initialised default process group (init_distributed)")
         if shape.world_size != dist.get_world_size():
             raise ConfigError(f"grid {shape} needs {shape.world_size} ranks, world size is {dist.get_world_size()}")
+        shape._check_ep(ep)
         self.shape = shape
         self.rank = dist.get_rank()
         coords = shape.coords_of(self.rank)
@@ -196,6 +224,10 @@ class ProcessGrid:
         self.pp_group = self._create_groups(("pp",), "pp")
         self.dp_group = self._create_groups(("dp",), "dp")
         self.dp_cp_group = self._create_groups(("dp", "cp"), "dp_cp")
+        self.ep_group = self._create_group_of(shape.ep_group_ranks(ep), "ep")
+        self.edp_group = self._create_group_of(shape.edp_group_ranks(ep), "edp")
+        self.ep_size = ep
+        self.ep_rank = next(ranks for ranks in shape.ep_group_ranks(ep) if self.rank in ranks).index(self.rank)
         # The start-up barriers (see _create_groups) are not training traffic.
         comm.meter.reset()
 
@@ -210,8 +242,11 @@ class ProcessGrid:
         self.is_last_stage = self.pp_rank == shape.pp - 1
 
     def _create_groups(self, axes, name):
+        return self._create_group_of(self.shape.group_ranks(axes), name)
+
+    def _create_group_of(self, all_ranks: list[list[int]], name: str):
         mine = None
-        for ranks in self.shape.group_ranks(axes):
+        for ranks in all_ranks:
             # Every rank calls new_group for every group, in the same order: it is collective.
             group = dist.new_group(ranks)
             if self.rank in ranks:
@@ -226,7 +261,7 @@ class ProcessGrid:
 
     def __repr__(self):
         return (f"rank {self.rank}: dp={self.dp_rank} pp={self.pp_rank} cp={self.cp_rank} "
-                f"tp={self.tp_rank}")
+                f"tp={self.tp_rank} ep={self.ep_rank}")
 
 
 def shutdown(exit_code: int = 0) -> None:

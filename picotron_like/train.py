@@ -29,7 +29,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,7 @@ class StepSettings:
 class StepResult:
     loss: float         # the global batch's mean loss over its targets, the same on every rank
     grad_norm: float    # the whole model's gradient norm, before clipping
+    extra: dict = field(default_factory=dict)   # more values for the log line, e.g. {"aux": 0.01}
 
 
 # ----------------------------------------------------------------------------- the flags every lesson shares
@@ -291,7 +292,8 @@ def exit_with_error(error: Exception) -> None:
 
 
 def log_step(step: int, result: StepResult, tokens: int, seconds: float) -> None:
-    log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | "
+    extra = "".join(f"{name} {value:.4g} | " for name, value in result.extra.items())
+    log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | {extra}"
          f"{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
 
 

@@ -39,18 +39,51 @@ def test_groups_of_known_layouts():
     assert "dp=0 pp=1:  [  4   5   6   7 ]" in picture
 
 
+def test_expert_groups_cut_each_dp_x_cp_group_into_consecutive_runs():
+    """ep groups: consecutive members of a dp x cp group in rank order; edp groups: the members at
+    the same place of each ep group. Together they tile every dp x cp group exactly once."""
+    shape = GridShape(dp=2, pp=2, cp=2, tp=1)       # dp x cp groups [0 1 4 5] and [2 3 6 7]
+    assert shape.ep_group_ranks(2) == [[0, 1], [4, 5], [2, 3], [6, 7]]
+    assert shape.edp_group_ranks(2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.ep_group_ranks(4) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert shape.edp_group_ranks(4) == [[0], [1], [4], [5], [2], [3], [6], [7]]
+    assert shape.ep_group_ranks(1) == [[r] for r in (0, 1, 4, 5, 2, 3, 6, 7)]
+    assert shape.edp_group_ranks(1) == shape.group_ranks(("dp", "cp"))
+    with_tp = GridShape(dp=2, cp=2, tp=2)           # dp x cp groups [0 2 4 6] and [1 3 5 7]
+    assert with_tp.ep_group_ranks(2) == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert with_tp.edp_group_ranks(2) == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    for ep in (1, 2, 4):
+        for members in shape.group_ranks(("dp", "cp")):
+            ep_groups = [g for g in shape.ep_group_ranks(ep) if g[0] in members]
+            edp_groups = [g for g in shape.edp_group_ranks(ep) if g[0] in members]
+            assert sorted(sum(ep_groups, [])) == sorted(members) == sorted(sum(edp_groups, []))
+            # every ep group meets every edp group of its dp x cp group in exactly one rank
+            assert all(len(set(a) & set(b)) == 1 for a in ep_groups for b in edp_groups)
+
+
+@pytest.mark.parametrize("ep", [3, 8, 0])
+def test_ep_must_divide_dp_x_cp(ep):
+    with pytest.raises(ConfigError, match=f"--ep {ep} does not divide dp\\*cp = 2\\*2 = 4"):
+        GridShape(dp=2, cp=2, pp=2).ep_group_ranks(ep)
+
+
 def check_process_groups():
     """On 8 real ranks: each axis group holds exactly the ranks the arithmetic says."""
     report = {}
-    for shape in LAYOUTS:
-        grid = ProcessGrid(shape)
-        for axes, group in ((("tp",), grid.tp_group), (("cp",), grid.cp_group), (("pp",), grid.pp_group),
-                            (("dp",), grid.dp_group), (("dp", "cp"), grid.dp_cp_group)):
+    for shape, ep in zip(LAYOUTS, (4, 1, 2)):
+        grid = ProcessGrid(shape, ep=ep)
+        expected = [(shape.group_ranks(axes), group) for axes, group in (
+            (("tp",), grid.tp_group), (("cp",), grid.cp_group), (("pp",), grid.pp_group),
+            (("dp",), grid.dp_group), (("dp", "cp"), grid.dp_cp_group))]
+        expected += [(shape.ep_group_ranks(ep), grid.ep_group), (shape.edp_group_ranks(ep), grid.edp_group)]
+        for all_ranks, group in expected:
             members = torch.zeros(shape.world_size)
             members[dist.get_rank()] = 1
             comm.call(dist.all_reduce, members, group=group)
-            mine = [ranks for ranks in shape.group_ranks(axes) if dist.get_rank() in ranks][0]
-            assert members.nonzero().flatten().tolist() == mine, (shape, axes)
+            mine = [ranks for ranks in all_ranks if dist.get_rank() in ranks][0]
+            assert members.nonzero().flatten().tolist() == mine, (shape, all_ranks)
+            if group is grid.ep_group:
+                assert mine.index(dist.get_rank()) == grid.ep_rank
         report[str(shape)] = (grid.pp_prev_rank, grid.pp_next_rank, grid.cp_prev_rank, grid.cp_next_rank,
                               grid.is_first_stage, grid.is_last_stage)
     # Every call above went through the meter under its axis name.
@@ -60,7 +93,7 @@ def check_process_groups():
 
 def test_process_groups_on_real_ranks():
     results = run_ranks(8, check_process_groups, timeout_s=120)
-    assert results[0]["groups"] == ["cp", "dp", "dp_cp", "pp", "tp"]
+    assert results[0]["groups"] == ["cp", "dp", "dp_cp", "edp", "ep", "pp", "tp"]
     # dp=2 pp=2 cp=2: rank 3 = (dp 0, pp 1, cp 1): previous stage rank 1, last stage, cp ring 3 -> 2 -> 3.
     assert results[3][str(LAYOUTS[0])] == (1, None, 2, 2, False, True)
     # pp=2 tp=4: rank 5 = (pp 1, tp 1): previous stage is rank 1.
@@ -85,7 +118,7 @@ def test_every_group_starts_with_an_operation_of_all_its_ranks():
     before, with a barrier."""
     results = run_ranks(3, first_operations_of_a_pipeline_grid, timeout_s=60)
     for rank, (first_operation, traffic) in enumerate(results):
-        assert first_operation == {group: "barrier" for group in ("tp", "cp", "pp", "dp", "dp_cp")}, rank
+        assert first_operation == {group: "barrier" for group in ("tp", "cp", "pp", "dp", "dp_cp", "ep", "edp")}, rank
         # The start-up barriers are not training traffic: the meter forgets them.
         assert traffic == {0: [("isend", "pp")], 1: [("irecv", "pp")], 2: []}[rank]
 

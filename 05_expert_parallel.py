@@ -1,0 +1,606 @@
+"""
+Lesson 05 — expert parallelism in one file: mixture-of-experts with all-to-all token dispatch.
+
+The problem. A mixture-of-experts (MoE) layer holds E feed-forward "experts" and sends each token
+through only k of them: Mixtral-8x7B holds 46.7e9 parameters but multiplies each token through
+12.9e9. The work per token stays small, the weights do not: in float32 with AdamW the experts of
+Mixtral alone take 16 bytes x 45e9 = 720 GB, and data parallelism puts all of it on every rank.
+
+The idea. The experts need not live together. Give each of ep ranks E/ep experts (a slice of dim 0
+of the stacked expert weights) and send every token to the rank that holds its expert, then back:
+
+      rank 0 (experts 0,1)                                          rank 1 (experts 2,3)
+    tokens ─► router ─► sort by expert ─┬─ for experts 0,1 ──────────► stays
+                                        └─ for experts 2,3 ── all-to-all ──► rank 1 runs them
+    out ◄── weight, add per token ◄─────── results come back ── all-to-all ◄──┘
+
+The ranks that share their experts this way are ranks that already hold different tokens and the
+same dense weights: the dp x cp ranks (picotron_like/topology.py). Cut each dp x cp group into
+consecutive ep groups; the ranks at the same place of every ep group hold the same experts and
+form the expert-data-parallel (edp) group, over which expert gradients are summed, while dense
+gradients are still summed over all of dp x cp.
+
+Four steps, in the order this file builds them:
+1. Local dispatch on one rank: sort the token-expert assignments by expert, run each expert on
+   its contiguous run of rows (a loop, or one grouped matmul), multiply by the routing weight and
+   add each result back at its token's row.
+2. Expert parallelism: exchange the per-expert token counts, then the tokens, with an uneven
+   all-to-all (lesson 04's, with split sizes); run the local experts; send results back. Backward
+   is the same exchange reversed.
+3. Gradients: expert gradients summed over edp, dense over dp x cp, both normalised as usual by
+   the global target count and nothing else. The classic bug divides expert gradients by ep (or
+   edp): they would be ep times too small. The gradient norm counts every parameter once.
+4. Balancing across ranks: the auxiliary and z losses ride on the layer's output (model.py);
+   the auxiliary-loss-free router bias moves with the load summed over every rank routing tokens.
+
+The price, per MoE layer and micro-batch on a rank that routes n tokens with k choices each (m =
+k n assignments when dropless), h hidden, e bytes per element:
+    memory      expert weights, gradients and AdamW states / ep: 16 x 3 h f E / ep bytes
+    all-to-all  forward m rows out and r rows back (r: the rows that arrived for this rank's
+                experts), backward the same again: 2 (m + r) h e bytes per rank, plus E int64
+                counts; (ep - 1) / ep of it leaves the rank when the routing is balanced
+    compute     unchanged per token; the slowest rank is the one whose experts got most tokens
+
+Run it:
+    torchrun --nproc_per_node=4 05_expert_parallel.py                       # tiny-moe, ep = 4, CPU ~30 s
+    torchrun --nproc_per_node=4 05_expert_parallel.py --ep 2 --router sigmoid --bias-update-rate 1e-3
+    torchrun --nproc_per_node=4 05_expert_parallel.py --cp 2 --ep 4 --aux-loss-coef 1e-2
+    torchrun --nproc_per_node=4 05_expert_parallel.py --pp 2 --ep 2 --capacity-factor 1.25
+
+What to look for: the loss falls as on one device (the tests prove it, gradients and parameters
+included); the all-to-all bytes equal the formula evaluated on the step's real routing counts; the
+tokens-per-expert table shows how unbalanced the router is, and the expert memory per rank is 1/ep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from picotron_like import comm
+from picotron_like.data import StepBatch
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
+                                   predicted_activation_bytes, predicted_memory)
+from picotron_like.model import (GPT, GroupedExperts, Routing, choice_counts, count_parameters, moe_layers, router_z_loss,
+                                 sequence_aux_loss)
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+                                    validate_parallel_config)
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, plan_run, train)
+
+data_parallel = load_lesson("01_data_parallel")
+pipeline_parallel = load_lesson("03_pipeline_parallel")
+context_parallel = load_lesson("04_context_parallel")
+
+# ============================================================================ the technique: local dispatch
+
+
+@dataclass
+class Dispatch:
+    """A batch's kept token-expert assignments, sorted by expert (expert 0's rows first).
+
+    token_rows [m]  the token each assignment belongs to (within an expert: in token order)
+    weights    [m]  its combine weight
+    counts     [E]  assignments per expert: the lengths of the runs in the sorted order
+    """
+
+    token_rows: torch.Tensor
+    weights: torch.Tensor
+    counts: torch.Tensor
+
+
+def sort_by_expert(routing: Routing, n_experts: int) -> Dispatch:
+    """Flatten the kept [n, k] choices and sort them by expert, stably: an expert then sees its
+    tokens in token order, as the reference loop does. A dropped choice is not dispatched at all."""
+    rows, slots = routing.kept.nonzero(as_tuple=True)
+    expert_ids = routing.expert_ids[rows, slots]
+    order = expert_ids.argsort(stable=True)
+    return Dispatch(rows[order], routing.weights[rows, slots][order], torch.bincount(expert_ids, minlength=n_experts))
+
+
+def looped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts) -> torch.Tensor:
+    """Rows x [m, h] sorted by expert, counts[e] rows for expert e: each expert on its run of rows."""
+    return torch.cat([experts(rows, e) for e, rows in enumerate(x.split(counts))])
+
+
+def grouped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts) -> torch.Tensor:
+    """The same, each of the three matmuls one grouped matmul over every expert at once.
+
+    torch._grouped_mm(x, w, offs) multiplies rows offs[e-1]:offs[e] of x by w[e]; offsets are
+    int32 and cumulative. It ignores autocast (cast by hand to the compute dtype); it wants row
+    strides that are multiples of 16 bytes (hidden and ffn_hidden multiples of 4 in float32, of 8
+    in bf16: grouped_mm_fits); its backward wants a dense incoming gradient, which it gets here
+    (the weighted combine and SwiGLU's product are dense).
+    """
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+
+    def matmul(rows, weight):
+        return torch._grouped_mm(rows.to(dtype), weight.to(dtype).transpose(-2, -1), offs=offsets)
+
+    hidden = F.silu(matmul(x, experts.gate_proj)) * matmul(x, experts.up_proj)
+    return matmul(hidden, experts.down_proj)
+
+
+def grouped_mm_fits(cfg, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm exists here and accepts this model's row strides."""
+    element = torch.finfo(dtype).bits // 8
+    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden))
+
+
+def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
+    """Each token's output: the sum of its assignments' expert outputs times their weights."""
+    weighted = expert_out * dispatch.weights[:, None].type_as(tokens)
+    return torch.zeros_like(tokens).index_add(0, dispatch.token_rows, weighted.type_as(tokens))
+
+
+def local_expert_compute(tokens: torch.Tensor, routing: Routing, experts: GroupedExperts,
+                         run_experts=looped_experts) -> torch.Tensor:
+    """MixtureOfExperts.expert_compute on one rank: permute, run, un-permute and weight."""
+    dispatch = sort_by_expert(routing, experts.n_experts)
+    expert_out = run_experts(tokens[dispatch.token_rows], dispatch.counts.tolist(), experts)
+    return combine(tokens, dispatch, expert_out)
+
+
+# ============================================================================ the technique: expert parallelism
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's place among the ep ranks that share one copy of the experts."""
+
+    group: object
+    size: int
+    rank: int
+
+    @classmethod
+    def from_grid(cls, grid: ProcessGrid) -> "ExpertParallel":
+        return cls(grid.ep_group, grid.ep_size, grid.ep_rank)
+
+
+def is_expert_parameter(name: str) -> bool:
+    """The stacked expert weights (layers.N.mlp.experts.*): split over ep, reduced over edp."""
+    return ".experts." in name
+
+
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
+    """Keep this rank's E/ep experts: rows [rank E/ep, (rank + 1) E/ep) of dim 0 of every stacked
+    expert weight, cut from the reference tensor, so the run starts from the reference's values."""
+    for layer in moe_layers(model):
+        local = layer.experts.n_experts // ep.size
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            full = getattr(layer.experts, name)
+            setattr(layer.experts, name, nn.Parameter(full.detach()[ep.rank * local:(ep.rank + 1) * local].clone()))
+    return model
+
+
+def exchange_counts(counts: torch.Tensor, ep: ExpertParallel) -> torch.Tensor:
+    """counts [E]: this rank's assignments per expert (expert e lives on rank e // (E/ep)).
+    Returns [ep, E/ep]: row s holds how many rows rank s will send for each of this rank's experts.
+    The split sizes of the token all-to-all must be known before it starts, hence this first,
+    small all-to-all (and, on a GPU, a wait for it: the sizes become Python integers)."""
+    received = torch.empty_like(counts)
+    comm.call(dist.all_to_all_single, received, counts, group=ep.group)
+    return received.view(ep.size, -1)
+
+
+def expert_parallel_compute(tokens: torch.Tensor, routing: Routing, experts: GroupedExperts, ep: ExpertParallel,
+                            run_experts=looped_experts) -> torch.Tensor:
+    """MixtureOfExperts.expert_compute across the ep group; `experts` holds this rank's E/ep.
+
+    Sorted by global expert id, the assignments are already grouped by destination rank (rank j
+    holds a contiguous block of experts). What arrives is grouped by source rank, then by expert;
+    the local experts want it grouped by expert: one permutation there, its inverse on the way back.
+    """
+    n_local = experts.n_experts
+    dispatch = sort_by_expert(routing, n_local * ep.size)
+    arriving = exchange_counts(dispatch.counts, ep)                          # [source, local expert]
+    send_splits = dispatch.counts.view(ep.size, n_local).sum(dim=1).tolist()
+    receive_splits = arriving.sum(dim=1).tolist()
+    received = context_parallel.AllToAll.apply(tokens[dispatch.token_rows], ep.group, receive_splits, send_splits)
+    # Number each arrived row's (source, expert) block expert-major; a stable sort by that number
+    # regroups the rows by expert and keeps each block's rows in order.
+    block_key = torch.arange(n_local, device=tokens.device) * ep.size + torch.arange(ep.size, device=tokens.device)[:, None]
+    by_expert = block_key.flatten().repeat_interleave(arriving.flatten()).argsort(stable=True)
+    expert_out = run_experts(received[by_expert], arriving.sum(dim=0).tolist(), experts)
+    returned = context_parallel.AllToAll.apply(expert_out[by_expert.argsort()], ep.group, send_splits,
+                                               receive_splits)
+    return combine(tokens, dispatch, returned)
+
+
+def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, grouped: bool) -> nn.Module:
+    """Shard the experts and plug the dispatch into every MoE layer's expert_compute seam. At ep = 1
+    the local dispatch runs: no all-to-all over a group of one."""
+    run_experts = grouped_experts if grouped else looped_experts
+    compute = (functools.partial(local_expert_compute, run_experts=run_experts) if ep.size == 1 else
+               functools.partial(expert_parallel_compute, ep=ep, run_experts=run_experts))
+    for layer in moe_layers(shard_experts(model, ep)):
+        layer.expert_compute = compute
+    return model
+
+
+# ============================================================================ the technique: gradients and balancing
+
+
+class ExpertDataParallel(nn.Module):
+    """Lesson 01's bucketed gradient sum, twice: dense parameters over dp x cp, experts over edp.
+
+    A dense weight is replicated on every dp x cp rank and each computed its gradient from its own
+    tokens: sum over dp x cp, as lesson 04 does. An expert weight lives on one rank of each ep
+    group, and its gradient there already holds the contribution of every token the ep group
+    routed to it; the other ep groups routed other tokens to their copy: sum over edp. Every
+    rank's loss share is already divided by the global target count (the batch's n_targets), so
+    both sums are plain sums. Dividing the expert sum by anything (ep, edp, the tokens the expert
+    saw) is the classic expert-parallel bug: the gradient is then ep times off the reference.
+    """
+
+    def __init__(self, module: nn.Module, grid: ProcessGrid, bucket_bytes: int):
+        super().__init__()
+        self.module = module
+        self.dp_group = grid.dp_cp_group       # the step sums the loss over every rank holding other tokens
+        named = list(module.named_parameters())
+        dense = [p for name, p in named if not is_expert_parameter(name)]
+        expert = [p for name, p in named if is_expert_parameter(name)]
+        # A tuple, not submodules: the parameters belong to `module`; the wrappers only reduce them.
+        self.reducers = tuple(data_parallel.BucketedDataParallel(nn.ParameterList(params), group, bucket_bytes)
+                              for params, group in ((dense, grid.dp_cp_group), (expert, grid.edp_group)) if params)
+        self.expert_parameters = set(expert)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.reducers[0].require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        for reducer in self.reducers:
+            reducer.require_backward_grad_sync = value
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        for reducer in self.reducers:
+            reducer.finish_gradient_synchronization()
+
+    def zero_grad(self, set_to_none: bool = False):
+        for reducer in self.reducers:
+            reducer.zero_grad()
+
+
+def step_settings(parts, grid: ProcessGrid, device, compute_dtype, max_grad_norm: float) -> StepSettings:
+    """The gradient norm counts every parameter once: each ep rank adds the squares of its own
+    experts, the dense parameters (identical on every rank after the dp x cp sum) count on ep rank
+    0 only, and the sum runs over the ep group (a pipeline's step adds the pp group itself)."""
+    if grid.ep_size == 1:
+        return StepSettings(device, compute_dtype, max_grad_norm)
+    experts = set().union(*(part.expert_parameters for part in parts))
+    ep_rank = grid.ep_rank
+    return StepSettings(device, compute_dtype, max_grad_norm, (grid.ep_group,),
+                        lambda p: ep_rank == 0 or p in experts)
+
+
+def context_parallel_balancing(layer, cp_group, cp_size: int):
+    """The layer's balancing losses when each rank holds a 1/cp chunk of every sequence.
+
+    The auxiliary loss of a sequence needs the choice counts of the whole sequence: summed over
+    the cp ranks (a constant, so no autograd through the collective); each rank adds the scores of
+    its own tokens (sequence_aux_loss takes chunks), and the ranks' shares add up to the
+    sequence's loss. Both losses divide by the whole sequence's length, not the chunk's.
+    """
+    def balancing_losses(routing: Routing, chunk_len: int):
+        seq_len, sequences = chunk_len * cp_size, routing.router_logits.shape[0] // chunk_len
+        step_sequences = layer.sequences_per_step
+        aux = z = routing.router_logits.new_zeros(())
+        if layer.aux_loss_coef:
+            counts = choice_counts(routing.expert_ids.view(sequences, chunk_len, -1), layer.n_experts)
+            comm.call(dist.all_reduce, counts, group=cp_group)
+            per_sequence = sequence_aux_loss(routing.scores.view(sequences, chunk_len, -1), counts, seq_len,
+                                             layer.experts_per_token)
+            aux = layer.aux_loss_coef * per_sequence.sum() / step_sequences
+        if layer.z_loss_coef:
+            z = layer.z_loss_coef * router_z_loss(routing.router_logits).sum() / (step_sequences * seq_len)
+        return aux, z
+
+    return balancing_losses
+
+
+def prepare_balancing(model: nn.Module, grid: ProcessGrid, sequences_per_step: int) -> nn.Module:
+    """Every MoE layer sees part of the step's batch: its balancing losses become shares of the
+    step's means (sequences_per_step), and with cp > 1 the per-sequence counts span the cp ranks."""
+    for layer in moe_layers(model):
+        layer.sequences_per_step = sequences_per_step
+        if grid.cp_size > 1:
+            layer.balancing_losses = context_parallel_balancing(layer, grid.cp_group, grid.cp_size)
+    return model
+
+
+@torch.no_grad()
+def update_router_biases(parts, group, rate: float) -> None:
+    """Auxiliary-loss-free balancing after the optimizer step: every rank that routed different
+    tokens must move the bias by the same total load, or the replicas of the router drift apart."""
+    for layer in (layer for part in parts for layer in moe_layers(part)):
+        load = layer.expert_load.clone()
+        comm.call(dist.all_reduce, load, group=group)
+        layer.update_router_bias(rate, load)
+
+
+def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings,
+               bias_update_rate: float = 0.0, balancing_log=None) -> StepResult:
+    """Lesson 04's step (lesson 01's, or 03's with a pipeline): the dispatch lives inside the
+    layers and the gradient sums inside the wrappers. After the optimizer step, the router biases
+    move (auxiliary-loss-free balancing); the aux and z losses of the step go to the log."""
+    result = context_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
+    parts = getattr(model_or_pipeline, "chunks", [model_or_pipeline])
+    if bias_update_rate:
+        update_router_biases([part.module for part in parts], parts[0].dp_group, bias_update_rate)
+    if balancing_log is None:
+        return result
+    return replace(result, extra=balancing_log.step_values())
+
+
+# ============================================================================ the technique: composing with lessons 01-04
+
+
+def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
+                bucket_bytes: int = 2**20) -> list[nn.Module]:
+    """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> context-parallel
+    attention (lesson 04) -> experts sharded and dispatched over ep -> balancing made global ->
+    gradients summed over dp x cp and edp."""
+    ep = ExpertParallel.from_grid(grid)
+    cp = context_parallel.ContextParallel.from_grid(grid, zigzag=True)
+    if grid.pp_size > 1:
+        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
+    else:
+        parts = [GPT(cfg, seed=seed)]
+    parts = [part.to(device) for part in parts]
+    if grid.cp_size > 1:
+        parts = [context_parallel.apply_context_parallel(part, cp) for part in parts]
+    parts = [apply_expert_parallel(part, ep, grouped) for part in parts]
+    return [ExpertDataParallel(prepare_balancing(part, grid, sequences_per_step), grid, bucket_bytes)
+            for part in parts]
+
+
+# ============================================================================ configuration rules
+
+
+def moe_config(cfg, args):
+    """The preset with the MoE flags applied (GPTConfig checks their ranges and their meaning on
+    a dense preset: a ValueError, which plan_run prints as one error line)."""
+    return replace(cfg, router=args.router, n_shared_experts=args.shared_experts, capacity_factor=args.capacity_factor,
+                   aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
+
+
+def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, ep: int, schedule: str = "1f1b",
+                             n_micro: int = 1, bias_update_rate: float = 0.0) -> None:
+    """Every rule before any process group: the grid's, ep's, and what is not composed yet."""
+    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag=True)
+    problems = []
+    if not cfg.n_experts:
+        problems.append("the model has no experts: lesson 05 needs a mixture-of-experts preset; use --preset tiny-moe")
+    elif cfg.n_experts % ep:
+        problems.append(f"n_experts={cfg.n_experts} is not divisible by --ep {ep}: each ep rank holds "
+                        f"n_experts/ep whole experts; pick an ep that divides {cfg.n_experts}")
+    if ep < 1 or (grid.dp * grid.cp) % ep:
+        problems.append(f"--ep {ep} does not divide dp*cp = {grid.dp}*{grid.cp} = {grid.dp * grid.cp}: the ep "
+                        f"ranks are drawn from the dp x cp ranks; pick an ep that divides {grid.dp * grid.cp}")
+    if grid.tp > 1:
+        problems.append(f"--tp {grid.tp} > 1 with experts is not composed yet: run experts with --dp/--cp/--pp")
+    if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
+        problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
+                        f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
+                        f"or drop --capacity-factor")
+    if not bias_update_rate >= 0:
+        problems.append(f"--bias-update-rate {bias_update_rate} must be 0 (off) or positive")
+    if problems:
+        raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+    if grid.pp > 1:
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, 1, n_micro)
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    ep = args.ep if args.ep is not None else grid.dp * grid.cp
+    validate_expert_parallel(grid, world_size, moe_config(cfg, args), shape.seq_len, ep, args.schedule,
+                             shape.grad_accum, args.bias_update_rate)
+
+
+# ============================================================================ measuring the three challenges
+
+
+class BalancingLog:
+    """The step's auxiliary and z losses, summed over layers, micro-batches and ranks, for the log.
+
+    A forward hook reads each MoE layer's read-outs (last_aux_loss, last_z_loss) after every
+    forward; step_values sums them over the ranks that hold other tokens (and other layers)."""
+
+    def __init__(self, parts, groups):
+        self.groups, self.totals = groups, torch.zeros(2)
+        for layer in (layer for part in parts for layer in moe_layers(part)):
+            layer.register_forward_hook(self._read)
+
+    def _read(self, layer, inputs, output):
+        self.totals += torch.stack((layer.last_aux_loss, layer.last_z_loss)).detach().cpu()
+
+    def step_values(self) -> dict:
+        totals, self.totals = self.totals, torch.zeros(2)
+        for group in self.groups:
+            comm.call(dist.all_reduce, totals, group=group)
+        return {"aux": totals[0].item(), "z": totals[1].item()}
+
+
+class RoutingMeter:
+    """Tokens per expert and dropped assignments, seen through the expert_compute seam, and the
+    ep all-to-all bytes of the same step (read from comm.meter before and after)."""
+
+    def __init__(self, parts):
+        self.layers = [layer for part in parts for layer in moe_layers(part)]
+        self.calls = []             # (layer index, counts per global expert [E], dropped)
+
+    def _recording(self, index, compute):
+        def recorded(tokens, routing, experts):
+            kept = routing.expert_ids[routing.kept]
+            self.calls.append((index, torch.bincount(kept, minlength=self.layers[index].n_experts).cpu(),
+                               int((~routing.kept).sum())))
+            return compute(tokens, routing, experts)
+        return recorded
+
+    def __enter__(self):
+        self._computes = [layer.expert_compute for layer in self.layers]
+        for index, layer in enumerate(self.layers):
+            layer.expert_compute = self._recording(index, layer.expert_compute)
+        self._before = comm.meter.get("all_to_all_single", "ep").payload_bytes
+        return self
+
+    def __exit__(self, *exc):
+        for layer, compute in zip(self.layers, self._computes):
+            layer.expert_compute = compute
+        self.all_to_all_bytes = comm.meter.get("all_to_all_single", "ep").payload_bytes - self._before
+        return False
+
+
+def predicted_all_to_all_bytes(calls, ep: ExpertParallel, hidden: int, element_bytes: int) -> int:
+    """2 (m + r) h e + 8 E per MoE call: m rows sent, r received (from the counts of every ep rank)."""
+    if ep.size == 1:
+        return 0
+    counts = torch.stack([c for _, c, _ in calls]).to(torch.int64)
+    everyone = torch.empty(ep.size, *counts.shape, dtype=torch.int64)
+    comm.call(comm.all_gather_single, everyone.view(-1, counts.shape[-1]), counts, group=ep.group)
+    received = everyone.sum(dim=0).view(len(calls), ep.size, -1)[:, ep.rank].sum()
+    return int(2 * (counts.sum() + received) * hidden * element_bytes + 8 * counts.numel())
+
+
+def expert_memory_bytes(cfg, ep: int, n_layers: int) -> int:
+    """Weights of this rank's experts: n_layers x 3 h f E / ep float32 parameters."""
+    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // ep
+
+
+def log_routing(meter: RoutingMeter, group) -> None:
+    n_layers = len(meter.layers)
+    counts = torch.zeros(n_layers, meter.layers[0].n_experts, dtype=torch.int64)
+    dropped = torch.zeros(1, dtype=torch.int64)
+    for index, layer_counts, layer_dropped in meter.calls:
+        counts[index] += layer_counts
+        dropped += layer_dropped
+    comm.call(dist.all_reduce, counts, group=group)
+    comm.call(dist.all_reduce, dropped, group=group)
+    log0("\n== routing of one step (assignments per expert, summed over every rank routing other tokens) ==")
+    log0(f"{'layer':<8}{'min':>8}{'mean':>9}{'max':>8}{'max/mean':>10}")
+    for index, row in enumerate(counts.float()):
+        log0(f"{index:<8}{row.min():>8.0f}{row.mean():>9.1f}{row.max():>8.0f}{row.max() / row.mean():>10.2f}")
+    log0(f"assignments dropped by capacity: {int(dropped)}")
+
+
+def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compute_dtype, bias_update_rate: float,
+                           log_values: int = 2) -> dict:
+    """Every collective of a step but the routing-dependent all-to-all (predicted_all_to_all_bytes):
+    lesson 04's prediction (cp ring, pp, the gradient sum, loss and norm scalars) with the expert
+    gradients moved from dp x cp to edp, the ep norm scalar, the aux and z log values, the cp sum of
+    the auxiliary loss's int64 counts per sequence, and the router loads of auxiliary-loss-free balancing."""
+    predicted = context_parallel.predicted_step_traffic(parts, pipeline, cfg, shape, grid, "ring", False,
+                                                        compute_dtype)
+    expert_bytes = 4 * sum(p.numel() for part in parts for p in part.expert_parameters)
+    n_layers = sum(len(part.module.layers) for part in parts)
+    extra = [{("all_reduce", "dp_cp"): -expert_bytes + 4 * log_values, ("all_reduce", "edp"): expert_bytes}]
+    if pipeline is not None:
+        extra.append({("all_reduce", "pp"): 4 * log_values})
+    if grid.ep_size > 1:
+        extra.append({("all_reduce", "ep"): 4})
+    if grid.cp_size > 1 and cfg.aux_loss_coef:
+        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
+    if bias_update_rate:
+        extra.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
+    return add_traffic(predicted, *extra)
+
+
+def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, meter: RoutingMeter, throughput,
+           device, compute_dtype, args) -> None:
+    cfg, shape, ep = plan.cfg, plan.shape, ExpertParallel.from_grid(grid)
+    modules = nn.ModuleList(part.module for part in parts)
+    n_params = sum(p.numel() for p in modules.parameters())
+    n_layers = sum(len(module.layers) for module in modules)
+    expert_params = sum(p.numel() for part in parts for p in part.expert_parameters)
+    dense_shape = predicted_activation_bytes(cfg, shape.micro_batch_size,
+                                             shape.seq_len // grid.cp_size, n_layers)
+    log0("\n== memory (one rank; activations measured on one micro-batch) ==")
+    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
+                      predicted_memory(n_params, dense_shape)))
+    log0("predicted activations: those of the same model with a dense MLP; the MoE layer saves per-assignment "
+         "copies instead, which the formula does not cover")
+    log0(f"experts on this rank: {expert_params * 4 / 1e6:.3f} MB of weights measured, "
+         f"{expert_memory_bytes(cfg, ep.size, n_layers) / 1e6:.3f} MB predicted (3 h f E / ep per layer); "
+         f"gradients the same, AdamW states twice that")
+    element_bytes = torch.finfo(compute_dtype).bits // 8
+    log0(f"\n== communication per step (ep={ep.size} drawn from dp x cp = {grid.dp_size} x {grid.cp_size}) ==")
+    log0(comm.meter.table(predicted_step_traffic(parts, pipeline, cfg, shape, grid, compute_dtype,
+                                                 args.bias_update_rate), per=args.steps))
+    log0(f"ep all-to-all on the measured step: {meter.all_to_all_bytes / 1e6:.4f} MB measured, "
+         f"{predicted_all_to_all_bytes(meter.calls, ep, cfg.hidden, element_bytes) / 1e6:.4f} MB predicted "
+         f"from its routing counts (2 (sent + received) h e + 8 E per layer and micro-batch)")
+    log_routing(meter, grid.dp_cp_group)
+    log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
+
+
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 05: expert parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
+    parser.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax",
+                        help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3)")
+    parser.add_argument("--shared-experts", type=int, default=0, help="width, in experts, of a shared expert")
+    parser.add_argument("--aux-loss-coef", type=float, default=0.0, help="sequence-wise auxiliary loss (0: off)")
+    parser.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss, softmax router (0: off)")
+    parser.add_argument("--bias-update-rate", type=float, default=0.0,
+                        help="auxiliary-loss-free balancing: router bias step per optimizer step (0: off)")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="tokens per expert per sequence: ceil(F k T / E); default: dropless")
+    parser.add_argument("--grouped-mm", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the experts as grouped matmuls (torch._grouped_mm) where available")
+    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
+    add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)
+    parser.set_defaults(preset="tiny-moe")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    plan = plan_run(args, validate)
+    plan = replace(plan, cfg=moe_config(plan.cfg, args))
+    cfg, shape = plan.cfg, plan.shape
+    device = init_distributed()
+    grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)
+    compute_dtype = autocast_dtype(args.dtype, device)
+    grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype)
+    parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20))
+    pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)
+    optimizer = build_optimizer(nn.ModuleList(part.module for part in parts), args.lr)
+    settings = step_settings(parts, grid, device, compute_dtype, args.max_grad_norm)
+    log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp x cp = {grid.dp_size} x {grid.cp_size} "
+         f"(pp={grid.pp_size}), {cfg.n_experts} experts top-{cfg.experts_per_token} ({cfg.router} router, "
+         f"{'grouped matmuls' if grouped else 'looped experts'}), {cfg.n_experts // grid.ep_size} experts per rank, "
+         f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step")
+    log0(grid.shape.picture())
+
+    activations, routing = ActivationMeter(*parts), RoutingMeter(parts)
+    log_groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
+    step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings,
+                             bias_update_rate=args.bias_update_rate, balancing_log=BalancingLog(parts, log_groups))
+    cut_for_this_rank = functools.partial(context_parallel.context_parallel_batch,
+                                          split=context_parallel.SequenceSplit(grid.cp_size, True), cp_rank=grid.cp_rank)
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
+                       meters=(activations, routing))
+    report(parts, pipeline, optimizer, plan, grid, activations, routing, throughput, device, compute_dtype, args)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
