@@ -3,7 +3,7 @@
 # NCCL paths of every lesson at world size 1 in bf16 and measures tokens/s and MFU. Its output
 # goes to $OUT (or /tmp) and its figures into benchmarks/RESULTS.md with the date and the GPU.
 #
-#   bash benchmarks/gpu_check.sh            # about 3 minutes on one H200
+#   bash benchmarks/gpu_check.sh            # about 4 minutes on one H200
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 out=${OUT:-/tmp}
@@ -24,3 +24,7 @@ common="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 15 --warmup-st
 run 02_tensor_parallel.py --tp 1 --dp 1 --grad-accum 1 $common
 run 03_pipeline_parallel.py --pp 1 --micro-batches 2 $common
 run 04_context_parallel.py --cp 1 --grad-accum 1 $common
+# Lesson 05 at ep = 1 (tiny-moe at a longer sequence: the grouped bf16 kernel and the MoE step on
+# CUDA), then looped against grouped experts in bf16.
+run 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 15 --warmup-steps 3 --dtype bfloat16 --aux-loss-coef 1e-2
+run benchmarks/moe_grouped_vs_loop.py --ep-degrees 1 --preset tiny-moe --n-layers 8 --seq-len 1024 --dtype bfloat16
