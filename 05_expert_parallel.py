@@ -32,10 +32,15 @@ Four steps, in the order this file builds them:
    edp): they would be ep times too small. The gradient norm counts every parameter once.
 4. Balancing across ranks: the auxiliary and z losses ride on the layer's output (model.py);
    the auxiliary-loss-free router bias moves with the load summed over every rank routing tokens.
+Then composition with lessons 01-04: pipeline stages, context parallelism, and tensor parallelism,
+which splits attention as lesson 02 does and every expert column/row (apply_tensor_parallel says
+why that and not the tokens).
 
 The price, per MoE layer and micro-batch on a rank that routes n tokens with k choices each (m =
 k n assignments when dropless), h hidden, e bytes per element:
-    memory      expert weights, gradients and AdamW states / ep: 16 x 3 h f E / ep bytes
+    memory      expert weights, gradients and AdamW states / ep: 16 x 3 h f E / ep bytes;
+                activations per assignment (moe_layer_activation_bytes): the expert's SwiGLU on
+                the r rows received, 16 f + 4 h bytes each, plus dispatch bookkeeping
     all-to-all  forward m rows out and r rows back (r: the rows that arrived for this rank's
                 experts), backward the same again: 2 (m + r) h e bytes per rank, plus E int64
                 counts; (ep - 1) / ep of it leaves the rank when the routing is balanced
@@ -46,15 +51,18 @@ Run it:
     torchrun --nproc_per_node=4 05_expert_parallel.py --ep 2 --router sigmoid --bias-update-rate 1e-3
     torchrun --nproc_per_node=4 05_expert_parallel.py --cp 2 --ep 4 --aux-loss-coef 1e-2
     torchrun --nproc_per_node=4 05_expert_parallel.py --pp 2 --ep 2 --capacity-factor 1.25
+    torchrun --nproc_per_node=4 05_expert_parallel.py --tp 2 --ep 2 --shared-experts 1
 
 What to look for: the loss falls as on one device (the tests prove it, gradients and parameters
-included); the all-to-all bytes equal the formula evaluated on the step's real routing counts; the
-tokens-per-expert table shows how unbalanced the router is, and the expert memory per rank is 1/ep.
+included); the all-to-all bytes and the activations equal their formulas evaluated on the run's
+real routing counts; the tokens-per-expert table shows how unbalanced the router is, and the
+expert memory per rank is 1/ep (1/(ep tp) with tensor parallelism).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 from dataclasses import dataclass, replace
 
@@ -67,14 +75,15 @@ from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory)
-from picotron_like.model import (GPT, GroupedExperts, Routing, choice_counts, count_parameters, moe_layers, router_z_loss,
-                                 sequence_aux_loss)
+from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, moe_layers
+from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
+tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 
@@ -128,10 +137,11 @@ def grouped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts)
     return matmul(hidden, experts.down_proj)
 
 
-def grouped_mm_fits(cfg, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm exists here and accepts this model's row strides."""
+def grouped_mm_fits(cfg, dtype: torch.dtype, tp: int = 1) -> bool:
+    """Whether torch._grouped_mm exists here and accepts this model's row strides (each expert's
+    inner width split over tp ranks: ffn_hidden / tp)."""
     element = torch.finfo(dtype).bits // 8
-    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden))
+    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden // tp))
 
 
 def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
@@ -169,14 +179,17 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in name
 
 
-def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
+def shard_experts(model: nn.Module, ep: ExpertParallel, tp_group=None) -> nn.Module:
     """Keep this rank's E/ep experts: rows [rank E/ep, (rank + 1) E/ep) of dim 0 of every stacked
-    expert weight, cut from the reference tensor, so the run starts from the reference's values."""
+    expert weight, cut from the reference tensor, so the run starts from the reference's values.
+    With tensor parallelism, of each of them this tp rank's slice of the inner width, as lesson 02
+    splits a SwiGLU: gate and up by rows (dim 1), down by columns (dim 2)."""
     for layer in moe_layers(model):
         local = layer.experts.n_experts // ep.size
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            full = getattr(layer.experts, name)
-            setattr(layer.experts, name, nn.Parameter(full.detach()[ep.rank * local:(ep.rank + 1) * local].clone()))
+        for name, tp_dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+            mine = getattr(layer.experts, name).detach()[ep.rank * local:(ep.rank + 1) * local]
+            setattr(layer.experts, name, nn.Parameter(mine.clone()) if tp_group is None
+                    else tensor_parallel.take_shard(mine, tp_dim, tp_group))
     return model
 
 
@@ -214,13 +227,24 @@ def expert_parallel_compute(tokens: torch.Tensor, routing: Routing, experts: Gro
     return combine(tokens, dispatch, returned)
 
 
-def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, grouped: bool) -> nn.Module:
+def tensor_parallel_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts, run_experts,
+                            group) -> torch.Tensor:
+    """run_experts on this tp rank's slice of every expert's inner width, between lesson 02's f
+    (the rows' gradient is each slice's partial sum: all-reduced in backward) and g (so is the
+    output: all-reduced in forward). Outside them everything is whole on every tp rank."""
+    x = tensor_parallel.CopyToTensorParallelRegion.apply(x, group)
+    return tensor_parallel.ReduceFromTensorParallelRegion.apply(run_experts(x, counts, experts), group)
+
+
+def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, grouped: bool, tp_group=None) -> nn.Module:
     """Shard the experts and plug the dispatch into every MoE layer's expert_compute seam. At ep = 1
     the local dispatch runs: no all-to-all over a group of one."""
     run_experts = grouped_experts if grouped else looped_experts
+    if tp_group is not None:
+        run_experts = functools.partial(tensor_parallel_experts, run_experts=run_experts, group=tp_group)
     compute = (functools.partial(local_expert_compute, run_experts=run_experts) if ep.size == 1 else
                functools.partial(expert_parallel_compute, ep=ep, run_experts=run_experts))
-    for layer in moe_layers(shard_experts(model, ep)):
+    for layer in moe_layers(shard_experts(model, ep, tp_group)):
         layer.expert_compute = compute
     return model
 
@@ -276,47 +300,37 @@ class ExpertDataParallel(nn.Module):
 def step_settings(parts, grid: ProcessGrid, device, compute_dtype, max_grad_norm: float) -> StepSettings:
     """The gradient norm counts every parameter once: each ep rank adds the squares of its own
     experts, the dense parameters (identical on every rank after the dp x cp sum) count on ep rank
-    0 only, and the sum runs over the ep group (a pipeline's step adds the pp group itself)."""
-    if grid.ep_size == 1:
+    0 only, a tp-replicated one on tp rank 0 only (lesson 03's rule), and the sum runs over the tp
+    and ep groups (a pipeline's step adds the pp group itself)."""
+    tp_groups, tp_counts = pipeline_parallel.norm_settings(grid)
+    groups = (*tp_groups, *((grid.ep_group,) if grid.ep_size > 1 else ()))
+    if not groups:
         return StepSettings(device, compute_dtype, max_grad_norm)
     experts = set().union(*(part.expert_parameters for part in parts))
     ep_rank = grid.ep_rank
-    return StepSettings(device, compute_dtype, max_grad_norm, (grid.ep_group,),
-                        lambda p: ep_rank == 0 or p in experts)
+
+    def counts_toward_norm(p) -> bool:
+        return (ep_rank == 0 or p in experts) and (tp_counts is None or tp_counts(p))
+
+    return StepSettings(device, compute_dtype, max_grad_norm, groups, counts_toward_norm)
 
 
-def context_parallel_balancing(layer, cp_group, cp_size: int):
-    """The layer's balancing losses when each rank holds a 1/cp chunk of every sequence.
-
-    The auxiliary loss of a sequence needs the choice counts of the whole sequence: summed over
-    the cp ranks (a constant, so no autograd through the collective); each rank adds the scores of
-    its own tokens (sequence_aux_loss takes chunks), and the ranks' shares add up to the
-    sequence's loss. Both losses divide by the whole sequence's length, not the chunk's.
-    """
-    def balancing_losses(routing: Routing, chunk_len: int):
-        seq_len, sequences = chunk_len * cp_size, routing.router_logits.shape[0] // chunk_len
-        step_sequences = layer.sequences_per_step
-        aux = z = routing.router_logits.new_zeros(())
-        if layer.aux_loss_coef:
-            counts = choice_counts(routing.expert_ids.view(sequences, chunk_len, -1), layer.n_experts)
-            comm.call(dist.all_reduce, counts, group=cp_group)
-            per_sequence = sequence_aux_loss(routing.scores.view(sequences, chunk_len, -1), counts, seq_len,
-                                             layer.experts_per_token)
-            aux = layer.aux_loss_coef * per_sequence.sum() / step_sequences
-        if layer.z_loss_coef:
-            z = layer.z_loss_coef * router_z_loss(routing.router_logits).sum() / (step_sequences * seq_len)
-        return aux, z
-
-    return balancing_losses
+def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
+    """MixtureOfExperts.whole_sequence_counts under context parallelism: the choice counts of
+    each sequence's chunks, summed over the cp ranks holding them (constants: no autograd)."""
+    comm.call(dist.all_reduce, counts, group=group)
+    return counts
 
 
 def prepare_balancing(model: nn.Module, grid: ProcessGrid, sequences_per_step: int) -> nn.Module:
     """Every MoE layer sees part of the step's batch: its balancing losses become shares of the
-    step's means (sequences_per_step), and with cp > 1 the per-sequence counts span the cp ranks."""
+    step's means (sequences_per_step), and with cp > 1 each rank holds 1/cp of every sequence,
+    whose choice counts the aux loss needs whole (model.py's seam does the rest)."""
     for layer in moe_layers(model):
         layer.sequences_per_step = sequences_per_step
         if grid.cp_size > 1:
-            layer.balancing_losses = context_parallel_balancing(layer, grid.cp_group, grid.cp_size)
+            layer.sequence_shards = grid.cp_size
+            layer.whole_sequence_counts = functools.partial(sum_over_group, group=grid.cp_group)
     return model
 
 
@@ -347,21 +361,60 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
 # ============================================================================ the technique: composing with lessons 01-04
 
 
+def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
+    """Lesson 02's split of the dense layers (embedding, attention, final norm, head: lesson 02
+    itself refuses experts), and for the experts a choice: each expert split column/row over the
+    tp ranks (shard_experts, tensor_parallel_experts) rather than the tokens split among them.
+
+    Why: without sequence parallelism the tp ranks hold the same tokens. Splitting every expert
+    keeps one routing for all of them and divides the experts' weights, gradients, AdamW states
+    and FLOPs by tp, at the price a dense MLP pays: an all-reduce of the outputs (here of the rows
+    the experts received) each way. Splitting the tokens instead would keep every expert whole on
+    every tp rank, the largest weights of the model tp times over, and gather the outputs back.
+
+    The router, the dispatch and the combine run whole on every tp rank, so they get the
+    reference's gradients as they are: f and g wrap the experts alone, the MoE's norm stays a
+    plain RMSNorm (a TensorParallelRMSNorm's f would add up the tp ranks' identical gradients),
+    and a shared expert, split like a dense MLP, gets its own f in front.
+    """
+    tp = tensor_parallel
+    if getattr(model, "tok_embeddings", None) is not None:
+        model.tok_embeddings = tp.VocabParallelEmbedding(model.tok_embeddings, group)
+    for block in model.layers:
+        block.attn_norm = tp.TensorParallelRMSNorm(block.attn_norm, group)
+        tp.parallelize_attention(block.attn, group)
+        tp.replicated(block.mlp_norm.weight)
+        tp.replicated(block.mlp.router.weight)
+        if block.mlp.shared_expert is not None:
+            tp.parallelize_mlp(block.mlp.shared_expert, group)
+            block.mlp.shared_expert.register_forward_pre_hook(
+                lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
+    if getattr(model, "norm", None) is not None:
+        model.norm = tp.TensorParallelRMSNorm(model.norm, group)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = tp.ColumnParallelLinear(model.lm_head, group)
+        model.cross_entropy = functools.partial(tp.vocab_parallel_cross_entropy, group=group)
+    return model
+
+
 def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
                 bucket_bytes: int = 2**20) -> list[nn.Module]:
-    """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> context-parallel
-    attention (lesson 04) -> experts sharded and dispatched over ep -> balancing made global ->
-    gradients summed over dp x cp and edp."""
+    """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> dense layers split
+    over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
+    tp) and dispatched -> balancing made global -> gradients summed over dp x cp and edp."""
     ep = ExpertParallel.from_grid(grid)
     cp = context_parallel.ContextParallel.from_grid(grid, zigzag=True)
+    tp_group = grid.tp_group if grid.tp_size > 1 else None
     if grid.pp_size > 1:
         parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
     else:
         parts = [GPT(cfg, seed=seed)]
     parts = [part.to(device) for part in parts]
+    if tp_group is not None:
+        parts = [apply_tensor_parallel(part, tp_group) for part in parts]
     if grid.cp_size > 1:
         parts = [context_parallel.apply_context_parallel(part, cp) for part in parts]
-    parts = [apply_expert_parallel(part, ep, grouped) for part in parts]
+    parts = [apply_expert_parallel(part, ep, grouped, tp_group) for part in parts]
     return [ExpertDataParallel(prepare_balancing(part, grid, sequences_per_step), grid, bucket_bytes)
             for part in parts]
 
@@ -377,7 +430,7 @@ def moe_config(cfg, args):
 
 
 def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, ep: int, schedule: str = "1f1b",
-                             n_micro: int = 1, bias_update_rate: float = 0.0) -> None:
+                             n_micro: int = 1, bias_update_rate: float = 0.0, sequence_parallel: bool = False) -> None:
     """Every rule before any process group: the grid's, ep's, and what is not composed yet."""
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag=True)
     problems = []
@@ -389,8 +442,9 @@ def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int
     if ep < 1 or (grid.dp * grid.cp) % ep:
         problems.append(f"--ep {ep} does not divide dp*cp = {grid.dp}*{grid.cp} = {grid.dp * grid.cp}: the ep "
                         f"ranks are drawn from the dp x cp ranks; pick an ep that divides {grid.dp * grid.cp}")
-    if grid.tp > 1:
-        problems.append(f"--tp {grid.tp} > 1 with experts is not composed yet: run experts with --dp/--cp/--pp")
+    if sequence_parallel:
+        problems.append("--sequence-parallel with experts is not composed: the experts are split over tp for "
+                        "tokens every tp rank holds whole; drop --sequence-parallel")
     if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
         problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
                         f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
@@ -406,46 +460,64 @@ def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     ep = args.ep if args.ep is not None else grid.dp * grid.cp
     validate_expert_parallel(grid, world_size, moe_config(cfg, args), shape.seq_len, ep, args.schedule,
-                             shape.grad_accum, args.bias_update_rate)
+                             shape.grad_accum, args.bias_update_rate, args.sequence_parallel)
 
 
 # ============================================================================ measuring the three challenges
 
 
 class BalancingLog:
-    """The step's auxiliary and z losses, summed over layers, micro-batches and ranks, for the log.
+    """The step's enabled balancing losses (aux, z), each summed over layers, micro-batches and
+    ranks, for the log line; a disabled one is neither logged nor reduced.
 
     A forward hook reads each MoE layer's read-outs (last_aux_loss, last_z_loss) after every
     forward; step_values sums them over the ranks that hold other tokens (and other layers)."""
 
     def __init__(self, parts, groups):
-        self.groups, self.totals = groups, torch.zeros(2)
-        for layer in (layer for part in parts for layer in moe_layers(part)):
+        layers = [layer for part in parts for layer in moe_layers(part)]
+        self.names = [name for name, attribute in (("aux", "aux_loss_coef"), ("z", "z_loss_coef"))
+                      if any(getattr(layer, attribute) for layer in layers)]
+        self.groups, self.totals = groups, torch.zeros(len(self.names))
+        for layer in layers if self.names else ():
             layer.register_forward_hook(self._read)
 
     def _read(self, layer, inputs, output):
-        self.totals += torch.stack((layer.last_aux_loss, layer.last_z_loss)).detach().cpu()
+        values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
+        self.totals += torch.stack([values[name] for name in self.names]).detach().cpu()
 
     def step_values(self) -> dict:
-        totals, self.totals = self.totals, torch.zeros(2)
+        if not self.names:
+            return {}
+        totals, self.totals = self.totals, torch.zeros(len(self.names))
         for group in self.groups:
             comm.call(dist.all_reduce, totals, group=group)
-        return {"aux": totals[0].item(), "z": totals[1].item()}
+        return dict(zip(self.names, totals.tolist()))
+
+
+@dataclass(frozen=True)
+class RoutedCall:
+    """One forward of one MoE layer, as the expert_compute seam saw it."""
+
+    layer: int              # index into RoutingMeter.layers (this rank's MoE layers, part by part)
+    micro_batch: int        # the layer's forward count since the meter was entered
+    counts: torch.Tensor    # [E] kept assignments per (global) expert
+    dropped: int            # assignments dropped by capacity
 
 
 class RoutingMeter:
-    """Tokens per expert and dropped assignments, seen through the expert_compute seam, and the
-    ep all-to-all bytes of the same step (read from comm.meter before and after)."""
+    """Every MoE forward's routing counts while entered, read by a wrapper around whatever
+    dispatch is plugged into the expert_compute seam: the technique counts nothing itself."""
 
     def __init__(self, parts):
         self.layers = [layer for part in parts for layer in moe_layers(part)]
-        self.calls = []             # (layer index, counts per global expert [E], dropped)
+        self.part_of = [index for index, part in enumerate(parts) for _ in moe_layers(part)]
+        self.calls: list[RoutedCall] = []
 
     def _recording(self, index, compute):
         def recorded(tokens, routing, experts):
-            kept = routing.expert_ids[routing.kept]
-            self.calls.append((index, torch.bincount(kept, minlength=self.layers[index].n_experts).cpu(),
-                               int((~routing.kept).sum())))
+            micro_batch = sum(call.layer == index for call in self.calls)
+            counts = torch.bincount(routing.expert_ids[routing.kept], minlength=self.layers[index].n_experts)
+            self.calls.append(RoutedCall(index, micro_batch, counts.cpu(), int((~routing.kept).sum())))
             return compute(tokens, routing, experts)
         return recorded
 
@@ -453,39 +525,134 @@ class RoutingMeter:
         self._computes = [layer.expert_compute for layer in self.layers]
         for index, layer in enumerate(self.layers):
             layer.expert_compute = self._recording(index, layer.expert_compute)
-        self._before = comm.meter.get("all_to_all_single", "ep").payload_bytes
         return self
 
     def __exit__(self, *exc):
         for layer, compute in zip(self.layers, self._computes):
             layer.expert_compute = compute
-        self.all_to_all_bytes = comm.meter.get("all_to_all_single", "ep").payload_bytes - self._before
         return False
 
 
-def predicted_all_to_all_bytes(calls, ep: ExpertParallel, hidden: int, element_bytes: int) -> int:
-    """2 (m + r) h e + 8 E per MoE call: m rows sent, r received (from the counts of every ep rank)."""
+def rows_sent_and_received(meter: RoutingMeter, ep: ExpertParallel) -> tuple[list[int], list[int]]:
+    """Per recorded call: m, the assignments this rank dispatched (its kept choices), and r, the
+    rows that arrived for its own experts from every ep rank (r = m at ep = 1). The counts are
+    all-gathered over the ep group, whose ranks run the same calls in the same order."""
+    counts = torch.stack([call.counts for call in meter.calls]).to(torch.int64)      # [calls, E]
+    sent = counts.sum(dim=1)
     if ep.size == 1:
-        return 0
-    counts = torch.stack([c for _, c, _ in calls]).to(torch.int64)
-    everyone = torch.empty(ep.size, *counts.shape, dtype=torch.int64)
-    comm.call(comm.all_gather_single, everyone.view(-1, counts.shape[-1]), counts, group=ep.group)
-    received = everyone.sum(dim=0).view(len(calls), ep.size, -1)[:, ep.rank].sum()
-    return int(2 * (counts.sum() + received) * hidden * element_bytes + 8 * counts.numel())
+        return sent.tolist(), sent.tolist()
+    everyone = torch.empty(ep.size * counts.shape[0], counts.shape[1], dtype=torch.int64)
+    comm.call(comm.all_gather_single, everyone, counts, group=ep.group)
+    for_my_experts = everyone.view(ep.size, *counts.shape).chunk(ep.size, dim=2)[ep.rank]
+    return sent.tolist(), for_my_experts.sum(dim=(0, 2)).tolist()
 
 
-def expert_memory_bytes(cfg, ep: int, n_layers: int) -> int:
-    """Weights of this rank's experts: n_layers x 3 h f E / ep float32 parameters."""
-    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // ep
+def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
+                               grouped: bool, tp: int = 1) -> int:
+    """Bytes autograd keeps for backward of one MoE layer on one micro-batch of one rank, float32
+    on CPU, with this file's dispatch (DESIGN rule 9; lesson 07's memory plan uses it).
+
+    The routing decides it: of the micro-batch's n = `tokens` tokens (in `sequences` sequences),
+    m = `sent` kept assignments leave for the experts and r = `received` rows arrive for this
+    rank's experts (r = m at ep = 1). So the prediction takes a real step's counts as input
+    (RoutingMeter, rows_sent_and_received). The layer's input, the norm's output that the router
+    keeps, belongs to the dense formula. In bytes:
+
+      per token      the router's scores (softmax or sigmoid output)                  4E
+                     the top-k sort's int64 indices (expert_ids are a view of them)    8E
+                     the chosen scores and their sum (weights = chosen / sum)         4k + 4
+                     capacity: the bool mask of kept choices (weights * kept)          k
+                     sigmoid router with the aux loss: the scores' row sums            4
+                     z-loss: the router logits and their logsumexp                    4E + 4
+                     shared expert: SwiGLU's gate, silu(gate), up, product            16 f_shared / tp
+      per sequence   aux loss: f_i                                                    4E
+      per m          int64 (token, choice) pairs 16, their order by expert 8, the
+                     permuted token rows 8; the combine weight 4                      36
+                     the expert output back at the token's rank, and weighted         8h
+      per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   4h + 16f / tp
+                     ep > 1: the permutations into and out of expert order, int64     16
+      grouped        the int32 offsets of the rank's E/ep experts                     4E/ep
+    With tp > 1 each tp rank holds its 1/tp slice of every expert's inner width (f / tp), and
+    everything else whole.
+    """
+    E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden // tp
+    per_token = 12 * E + 4 * k + 4 + 16 * cfg.n_shared_experts * f
+    per_token += (k if cfg.capacity_factor is not None else 0) + (4 * E + 4 if cfg.z_loss_coef else 0)
+    per_token += 4 if cfg.router == "sigmoid" and cfg.aux_loss_coef else 0
+    per_sequence = 4 * E if cfg.aux_loss_coef else 0
+    per_received = 4 * h + 16 * f + (16 if ep > 1 else 0)
+    offsets = 4 * E // ep if grouped else 0
+    return tokens * per_token + sequences * per_sequence + sent * (36 + 8 * h) + received * per_received + offsets
+
+
+def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None) -> int:
+    """One micro-batch of this rank's model or pipeline stage with a dense MLP: the reference
+    formula, lesson 02's with tp > 1, lesson 03's for a stage, lesson 04's when ring attention runs
+    (cp > 1)."""
+    if cp > 1:
+        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, "ring", tp=tp,
+                                                              stage=stage)
+    if stage is not None:
+        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp)
+    if tp > 1:
+        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, False)
+    return predicted_activation_bytes(cfg, micro_batch, seq_len)
+
+
+def predicted_peak_activation_bytes(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
+                                    grouped: bool, tp: int = 1) -> int:
+    """This rank's activations at their peak in the metered step: per (part, micro-batch), the
+    dense formula with each MoE layer's SwiGLU (16 f / tp bytes per token) replaced by
+    moe_layer_activation_bytes on that layer's counts; then the schedule's peak: the largest
+    micro-batch without a pipeline, lesson 03's live micro-batches with one."""
+    micro, tokens = shape.micro_batch_size, shape.micro_batch_size * shape.seq_len // cp
+    sizes = {}
+    for part_index, part in enumerate(parts):
+        dense = dense_activation_bytes(cfg, micro, shape.seq_len, cp, tp, part.module if pipeline is not None else None)
+        for micro_batch in range(shape.grad_accum):
+            sizes[(part_index, micro_batch)] = dense
+    for call, sent, received in zip(meter.calls, *rows_sent_and_received(meter, ep)):
+        sizes[(meter.part_of[call.layer], call.micro_batch)] += (
+            moe_layer_activation_bytes(cfg, tokens, micro, sent, received, ep.size, grouped, tp)
+            - 16 * cfg.ffn_hidden // tp * tokens)
+    if pipeline is None:
+        return max(sizes.values())
+    live = peak = 0
+    for step in pipeline.program:
+        if not is_transfer_batch(step):
+            live += sizes[(step.chunk, step.micro_batch)] * (1 if step.kind == "F" else -1)
+            peak = max(peak, live)
+    return peak
+
+
+def expert_memory_bytes(cfg, ep: int, n_layers: int, tp: int = 1) -> int:
+    """Weights of this rank's experts: n_layers x 3 h f E / (ep tp) float32 parameters."""
+    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // (ep * tp)
+
+
+def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, tp: int, hidden: int,
+                             element_bytes: int) -> dict:
+    """The bytes that depend on the routing, from the counts of every recorded call: the ep
+    all-to-all, 2 (m + r) h e + 8 E (m rows out and r back in forward, the same reversed in
+    backward, and the E int64 counts), and with tp > 1 the experts' g (r h e, forward) and f
+    (r h float32 gradients, backward)."""
+    sent, received = rows_sent_and_received(meter, ep)
+    predicted = {}
+    if ep.size > 1:
+        n_experts = meter.layers[0].n_experts
+        predicted[("all_to_all_single", "ep")] = sum(2 * (m + r) * hidden * element_bytes + 8 * n_experts
+                                                     for m, r in zip(sent, received))
+    if tp > 1:
+        predicted[("all_reduce", "tp")] = sum(received) * hidden * (element_bytes + 4)
+    return predicted
 
 
 def log_routing(meter: RoutingMeter, group) -> None:
-    n_layers = len(meter.layers)
-    counts = torch.zeros(n_layers, meter.layers[0].n_experts, dtype=torch.int64)
+    counts = torch.zeros(len(meter.layers), meter.layers[0].n_experts, dtype=torch.int64)
     dropped = torch.zeros(1, dtype=torch.int64)
-    for index, layer_counts, layer_dropped in meter.calls:
-        counts[index] += layer_counts
-        dropped += layer_dropped
+    for call in meter.calls:
+        counts[call.layer] += call.counts
+        dropped += call.dropped
     comm.call(dist.all_reduce, counts, group=group)
     comm.call(dist.all_reduce, dropped, group=group)
     log0("\n== routing of one step (assignments per expert, summed over every rank routing other tokens) ==")
@@ -495,18 +662,21 @@ def log_routing(meter: RoutingMeter, group) -> None:
     log0(f"assignments dropped by capacity: {int(dropped)}")
 
 
-def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compute_dtype, bias_update_rate: float,
-                           log_values: int = 2) -> dict:
-    """Every collective of a step but the routing-dependent all-to-all (predicted_all_to_all_bytes):
-    lesson 04's prediction (cp ring, pp, the gradient sum, loss and norm scalars) with the expert
-    gradients moved from dp x cp to edp, the ep norm scalar, the aux and z log values, the cp sum of
-    the auxiliary loss's int64 counts per sequence, and the router loads of auxiliary-loss-free balancing."""
+def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compute_dtype,
+                           bias_update_rate: float) -> dict:
+    """Every collective of a step but the routing-dependent ones (predicted_routed_traffic): lesson
+    04's prediction (cp ring, tp, pp, the gradient sum, loss and norm scalars) with the expert
+    gradients moved from dp x cp to edp, the ep norm scalar, the enabled aux and z log values, the
+    cp sum of the auxiliary loss's int64 counts per sequence, the router loads of
+    auxiliary-loss-free balancing, and, with tp > 1 and no shared expert, without the dense MLP's
+    f and g (an MoE layer's are its experts', or its shared expert's, as many as a dense MLP's)."""
     predicted = context_parallel.predicted_step_traffic(parts, pipeline, cfg, shape, grid, "ring", False,
                                                         compute_dtype)
     expert_bytes = 4 * sum(p.numel() for part in parts for p in part.expert_parameters)
     n_layers = sum(len(part.module.layers) for part in parts)
+    log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
     extra = [{("all_reduce", "dp_cp"): -expert_bytes + 4 * log_values, ("all_reduce", "edp"): expert_bytes}]
-    if pipeline is not None:
+    if pipeline is not None and log_values:
         extra.append({("all_reduce", "pp"): 4 * log_values})
     if grid.ep_size > 1:
         extra.append({("all_reduce", "ep"): 4})
@@ -514,34 +684,46 @@ def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compu
         extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
     if bias_update_rate:
         extra.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
+    if grid.tp_size > 1 and not cfg.n_shared_experts:
+        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
+        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
     return add_traffic(predicted, *extra)
 
 
-def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, meter: RoutingMeter, throughput,
-           device, compute_dtype, args) -> None:
+def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, measured_step: RoutingMeter,
+           every_step: RoutingMeter, throughput, device, compute_dtype, grouped: bool, args) -> None:
     cfg, shape, ep = plan.cfg, plan.shape, ExpertParallel.from_grid(grid)
+    # What training moved, before the report's own bookkeeping collectives (routing counts) add to it.
+    training_traffic = copy.deepcopy(comm.meter)
     modules = nn.ModuleList(part.module for part in parts)
     n_params = sum(p.numel() for p in modules.parameters())
     n_layers = sum(len(module.layers) for module in modules)
     expert_params = sum(p.numel() for part in parts for p in part.expert_parameters)
-    dense_shape = predicted_activation_bytes(cfg, shape.micro_batch_size,
-                                             shape.seq_len // grid.cp_size, n_layers)
-    log0("\n== memory (one rank; activations measured on one micro-batch) ==")
+    predicted = predicted_peak_activation_bytes(parts, pipeline, cfg, shape, grid.cp_size, measured_step, ep, grouped,
+                                                grid.tp_size)
+    log0("\n== memory (one rank; activations at their peak in step 0) ==")
     log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
-                      predicted_memory(n_params, dense_shape)))
-    log0("predicted activations: those of the same model with a dense MLP; the MoE layer saves per-assignment "
-         "copies instead, which the formula does not cover")
+                      predicted_memory(n_params, predicted)))
+    log0("predicted activations: the dense formula with each MoE layer's SwiGLU replaced by "
+         "moe_layer_activation_bytes, evaluated on step 0's routing counts (rows sent and received per layer "
+         "and micro-batch)")
     log0(f"experts on this rank: {expert_params * 4 / 1e6:.3f} MB of weights measured, "
-         f"{expert_memory_bytes(cfg, ep.size, n_layers) / 1e6:.3f} MB predicted (3 h f E / ep per layer); "
+         f"{expert_memory_bytes(cfg, ep.size, n_layers, grid.tp_size) / 1e6:.3f} MB predicted "
+         f"(3 h f E / (ep tp) per layer); "
          f"gradients the same, AdamW states twice that")
     element_bytes = torch.finfo(compute_dtype).bits // 8
+    routed = predicted_routed_traffic(every_step, ep, grid.tp_size, cfg.hidden, element_bytes)
     log0(f"\n== communication per step (ep={ep.size} drawn from dp x cp = {grid.dp_size} x {grid.cp_size}) ==")
-    log0(comm.meter.table(predicted_step_traffic(parts, pipeline, cfg, shape, grid, compute_dtype,
-                                                 args.bias_update_rate), per=args.steps))
-    log0(f"ep all-to-all on the measured step: {meter.all_to_all_bytes / 1e6:.4f} MB measured, "
-         f"{predicted_all_to_all_bytes(meter.calls, ep, cfg.hidden, element_bytes) / 1e6:.4f} MB predicted "
-         f"from its routing counts (2 (sent + received) h e + 8 E per layer and micro-batch)")
-    log_routing(meter, grid.dp_cp_group)
+    log0(training_traffic.table(add_traffic(predicted_step_traffic(parts, pipeline, cfg, shape, grid, compute_dtype,
+                                                                   args.bias_update_rate),
+                                            {key: value / args.steps for key, value in routed.items()}),
+                                per=args.steps))
+    formulas = {("all_to_all_single", "ep"): "all_to_all_single 2 (sent + received) h e + 8 E",
+                ("all_reduce", "tp"): "the experts' tp all-reduces (e + 4) h per row received"}
+    if routed:
+        log0("predicted from every step's routing counts, per layer and micro-batch: "
+             + "; ".join(formulas[key] for key in routed))
+    log_routing(measured_step, grid.dp_cp_group)
     log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
 
 
@@ -579,26 +761,29 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)
     compute_dtype = autocast_dtype(args.dtype, device)
-    grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype)
+    grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, plan.grid.tp)
     parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20))
     pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)
     optimizer = build_optimizer(nn.ModuleList(part.module for part in parts), args.lr)
     settings = step_settings(parts, grid, device, compute_dtype, args.max_grad_norm)
     log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp x cp = {grid.dp_size} x {grid.cp_size} "
-         f"(pp={grid.pp_size}), {cfg.n_experts} experts top-{cfg.experts_per_token} ({cfg.router} router, "
-         f"{'grouped matmuls' if grouped else 'looped experts'}), {cfg.n_experts // grid.ep_size} experts per rank, "
+         f"(pp={grid.pp_size}, tp={grid.tp_size}), {cfg.n_experts} experts top-{cfg.experts_per_token} "
+         f"({cfg.router} router, {'grouped matmuls' if grouped else 'looped experts'}), "
+         f"{cfg.n_experts // grid.ep_size} experts per rank{' (each split over tp)' if grid.tp_size > 1 else ''}, "
          f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    activations, routing = ActivationMeter(*parts), RoutingMeter(parts)
+    activations, measured_step, every_step = ActivationMeter(*parts), RoutingMeter(parts), RoutingMeter(parts)
     log_groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
     step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings,
                              bias_update_rate=args.bias_update_rate, balancing_log=BalancingLog(parts, log_groups))
     cut_for_this_rank = functools.partial(context_parallel.context_parallel_batch,
                                           split=context_parallel.SequenceSplit(grid.cp_size, True), cp_rank=grid.cp_rank)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
-                       meters=(activations, routing))
-    report(parts, pipeline, optimizer, plan, grid, activations, routing, throughput, device, compute_dtype, args)
+    with every_step:
+        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
+                           meters=(activations, measured_step))
+    report(parts, pipeline, optimizer, plan, grid, activations, measured_step, every_step, throughput, device,
+           compute_dtype, grouped, args)
     shutdown()
 
 

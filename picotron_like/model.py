@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -424,6 +425,14 @@ class MixtureOfExperts(nn.Module):
                           one data-parallel rank's rows) sets the number of sequences in the whole
                           step: each part's balancing loss is then its share of the step's mean,
                           and the shares add up over micro-batches and ranks.
+      sequence_shards     1: the layer sees whole sequences. A run that cuts every sequence over
+                          several ranks (context parallelism) sets how many ranks hold a piece,
+      whole_sequence_counts  and a function that turns the per-sequence choice counts
+                          [sequences, E] of the tokens this rank holds into those of the whole
+                          sequences (a sum over the ranks holding them; the counts are constants,
+                          so no autograd is needed). Default: the counts unchanged. The aux loss
+                          then uses each whole sequence's counts and length, and the ranks'
+                          shares add up to the sequence's loss.
     State outside the optimizer's reach:
       router_bias         [E], moved only by update_router_bias (auxiliary-loss-free balancing)
       expert_load         [E], tokens that chose each expert since the last update_router_bias;
@@ -453,6 +462,8 @@ class MixtureOfExperts(nn.Module):
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("expert_load", torch.zeros(cfg.n_experts), persistent=False)
         self.sequences_per_step: int | None = None
+        self.sequence_shards = 1
+        self.whole_sequence_counts: Callable[[torch.Tensor], torch.Tensor] = lambda counts: counts
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
@@ -495,19 +506,21 @@ class MixtureOfExperts(nn.Module):
         """(auxiliary loss, z-loss) of the batch routed, each already multiplied by its coefficient
         (0 when the coefficient is 0) and divided by the step's count: the auxiliary loss is a mean
         over the step's sequences, the z-loss a mean over its tokens. Both count every token routed,
-        whether or not its target is masked: the router sees them all. The layer is taken to see
-        whole sequences; a layer that sees chunks of them (context parallelism) needs each whole
-        sequence's choice counts and length, which sequence_aux_loss accepts."""
+        whether or not its target is masked: the router sees them all. `seq_len` is the number of
+        tokens of each sequence the layer sees: all of it, or 1/sequence_shards of it (see the
+        class docstring), whose counts whole_sequence_counts completes."""
         sequences = routing.router_logits.shape[0] // seq_len
+        whole_len = seq_len * self.sequence_shards
         step_sequences = sequences if self.sequences_per_step is None else self.sequences_per_step
         aux = z = routing.router_logits.new_zeros(())
         if self.aux_loss_coef:
-            counts = choice_counts(routing.expert_ids.view(sequences, seq_len, -1), self.n_experts)
-            per_sequence = sequence_aux_loss(routing.scores.view(sequences, seq_len, -1), counts, seq_len,
+            counts = self.whole_sequence_counts(
+                choice_counts(routing.expert_ids.view(sequences, seq_len, -1), self.n_experts))
+            per_sequence = sequence_aux_loss(routing.scores.view(sequences, seq_len, -1), counts, whole_len,
                                              self.experts_per_token)
             aux = self.aux_loss_coef * per_sequence.sum() / step_sequences
         if self.z_loss_coef:
-            z = self.z_loss_coef * router_z_loss(routing.router_logits).sum() / (step_sequences * seq_len)
+            z = self.z_loss_coef * router_z_loss(routing.router_logits).sum() / (step_sequences * whole_len)
         return aux, z
 
     def forward(self, x):

@@ -28,13 +28,16 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 import picotron_like.model as model_module
+from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.metrics import ActivationMeter, add_traffic
 from picotron_like.model import GPT, get_config, looped_expert_compute, moe_layers
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
@@ -60,19 +63,27 @@ CPU = torch.device("cpu")
                                      dict(capacity_factor=1.0, aux_loss_coef=1e-2, z_loss_coef=1e-3)])
 def test_local_dispatch_loop_and_grouped_equal_the_reference(options):
     """Sorted by expert, run (looped or grouped), un-permuted and weighted: forward and every
-    gradient equal the reference loop to the bit on this batch (same products, same order)."""
+    gradient equal the reference loop to the bit on this batch (same products, same order). The
+    activations autograd keeps equal the MoE formula at ep = 1 on the routing counts of the batch."""
     cfg = replace(CFG, **options)
     tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, SEQ), generator=torch.Generator().manual_seed(0))
-    results = {}
+    results, activations = {}, {}
     for name, compute in (("reference", looped_expert_compute), ("loop", lesson.local_expert_compute),
                           ("grouped", functools.partial(lesson.local_expert_compute,
                                                         run_experts=lesson.grouped_experts))):
         model = GPT(cfg, seed=SEED)
         for layer in moe_layers(model):
             layer.expert_compute = compute
-        loss = model(tokens, targets)
+        meter, routing = ActivationMeter(model), lesson.RoutingMeter([model])
+        with meter, routing:
+            loss = model(tokens, targets)
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+        predicted = lesson.predicted_peak_activation_bytes([model], None, cfg, BatchShape(2, SEQ, 1, 1), 1, routing,
+                                                           lesson.ExpertParallel(None, 1, 0), name == "grouped")
+        activations[name] = (meter.peak_bytes, predicted)
+    # The formula describes this file's dispatch at ep = 1 (the reference loop keeps other tensors).
+    assert activations["loop"][0] == activations["loop"][1] and activations["grouped"][0] == activations["grouped"][1]
     assert lesson.grouped_mm_fits(cfg, torch.float32) and not lesson.grouped_mm_fits(replace(cfg, hidden=66, n_heads=3, n_kv_heads=3), torch.float32)
     for name in ("loop", "grouped"):
         torch.testing.assert_close(results[name][0], results["reference"][0], rtol=0, atol=1e-6)
@@ -97,16 +108,17 @@ def test_grouped_mm_forward_and_backward_on_cpu():
     assert grads[1][1].abs().sum() == 0      # the empty group's expert gets a zero gradient
 
 
-@pytest.mark.parametrize("grid, ep, options, message", [
-    (GridShape(dp=4), 3, {}, "--ep 3 does not divide dp*cp = 4*1 = 4"),
-    (GridShape(dp=2, cp=2), 4, dict(n_experts=6), "n_experts=6 is not divisible by --ep 4"),
-    (GridShape(dp=2, tp=2), 2, {}, "--tp 2 > 1 with experts is not composed yet"),
-    (GridShape(dp=2, cp=2), 2, dict(capacity_factor=1.25), "--capacity-factor with --cp 2 is not supported"),
-    (GridShape(dp=2), 2, dict(n_experts=0, experts_per_token=2), "the model has no experts"),
+@pytest.mark.parametrize("grid, ep, options, sequence_parallel, message", [
+    (GridShape(dp=4), 3, {}, False, "--ep 3 does not divide dp*cp = 4*1 = 4"),
+    (GridShape(dp=2, cp=2), 4, dict(n_experts=6), False, "n_experts=6 is not divisible by --ep 4"),
+    (GridShape(dp=2, tp=2), 2, {}, True, "--sequence-parallel with experts is not composed"),
+    (GridShape(dp=2, cp=2), 2, dict(capacity_factor=1.25), False, "--capacity-factor with --cp 2 is not supported"),
+    (GridShape(dp=2), 2, dict(n_experts=0, experts_per_token=2), False, "the model has no experts"),
 ])
-def test_bad_configurations_name_value_rule_and_fix(grid, ep, options, message):
+def test_bad_configurations_name_value_rule_and_fix(grid, ep, options, sequence_parallel, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        lesson.validate_expert_parallel(grid, grid.world_size, replace(CFG, **options), SEQ, ep)
+        lesson.validate_expert_parallel(grid, grid.world_size, replace(CFG, **options), SEQ, ep,
+                                        sequence_parallel=sequence_parallel)
 
 
 def test_moe_flags_on_a_dense_preset_and_top_k_above_experts_stop_the_script():
@@ -203,17 +215,36 @@ def expert_parallel_run(variant: Variant):
     step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
         else data.step_batch
     results, biases = [], []
-    for step in range(STEPS):
-        step_of[0] = step
-        batch = context_parallel.context_parallel_batch(step_batch(step, grid.dp_rank),
-                                                        context_parallel.SequenceSplit(grid.cp_size, True),
-                                                        grid.cp_rank)
-        results.append(lesson.train_step(part if pipeline is None else pipeline, optimizer, batch, settings,
-                                         variant.bias_update_rate, log))
-        biases.append({n: b.clone() for n, b in part.module.named_buffers() if n.endswith("router_bias")})
-    return {"grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
-            "norms": [r.grad_norm for r in results], "aux": [r.extra["aux"] for r in results],
-            "z": [r.extra["z"] for r in results], "biases": biases, "choices": choices, "ep_rank": grid.ep_rank,
+    activations, measured_step, every_step = (ActivationMeter(part), lesson.RoutingMeter(parts),
+                                              lesson.RoutingMeter(parts))
+    with every_step:
+        for step in range(STEPS):
+            step_of[0] = step
+            batch = context_parallel.context_parallel_batch(step_batch(step, grid.dp_rank),
+                                                            context_parallel.SequenceSplit(grid.cp_size, True),
+                                                            grid.cp_rank)
+            with ExitStack() as metering:
+                for meter in (activations, measured_step) if step == 0 else ():
+                    metering.enter_context(meter)
+                results.append(lesson.train_step(part if pipeline is None else pipeline, optimizer, batch, settings,
+                                                 variant.bias_update_rate, log))
+            biases.append({n: b.clone() for n, b in part.module.named_buffers() if n.endswith("router_bias")})
+    traffic = {key: t.payload_bytes for key, t in comm.meter.traffic.items()}   # before the gathers below
+    ep = lesson.ExpertParallel.from_grid(grid)
+    per_step = lesson.predicted_step_traffic(parts, pipeline, variant.cfg, data.shape, grid, torch.float32,
+                                             variant.bias_update_rate)
+    predicted = add_traffic({key: STEPS * value for key, value in per_step.items()},
+                            lesson.predicted_routed_traffic(every_step, ep, grid.tp_size, CFG.hidden, 4))
+    return {"activations": activations.peak_bytes, "traffic": traffic, "predicted_traffic": predicted,
+            "predicted_activations": lesson.predicted_peak_activation_bytes(
+                parts, pipeline, variant.cfg, data.shape, grid.cp_size, measured_step, ep, variant.grouped,
+                grid.tp_size),
+            "tp_rank": grid.tp_rank, "split_dims": {n: getattr(p, "tp_split_dim", None)
+                                                    for n, p in part.module.named_parameters()},
+            "grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
+            "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
+            "z": [r.extra.get("z", 0.0) for r in results], "logged": set(results[0].extra), "biases": biases,
+            "choices": choices, "ep_rank": grid.ep_rank,
             "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
 
 
@@ -229,10 +260,13 @@ VARIANTS = [
     Variant(GridShape(dp=2, cp=2), 4, BALANCED, bias_update_rate=1e-3, masked=True),
     Variant(GridShape(dp=4), 2, (("capacity_factor", 1.0), ("aux_loss_coef", 1e-2))),
     Variant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3),
+    Variant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1))),
+    Variant(GridShape(cp=2, tp=2), 2, (("router", "sigmoid"), ("aux_loss_coef", 1e-2)), bias_update_rate=1e-3,
+            grouped=False, masked=True),
 ]
 # The classic bugs: expert gradients divided by ep (normalised by the tokens of one ep group), or
-# multiplied by it.
-MUTANTS = [Variant(GridShape(dp=4), 4, BALANCED, scale_expert_grads=scale) for scale in (1 / 4, 4.0)]
+# multiplied by it. Without balancing losses, which the meters check too.
+MUTANTS = [Variant(GridShape(dp=4), 4, scale_expert_grads=scale) for scale in (1 / 4, 4.0)]
 
 
 @pytest.fixture(scope="module")
@@ -280,10 +314,12 @@ def forced_reference(variant: Variant, per_rank) -> dict:
 
 
 def assert_equals_reference(result, reference, variant: Variant, where: str):
-    ep, ep_rank = variant.ep, result["ep_rank"]
+    ep, ep_rank, tp, tp_rank = variant.ep, result["ep_rank"], variant.shape.tp, result["tp_rank"]
 
     def local(full, name):
-        return full.chunk(ep, dim=0)[ep_rank] if lesson.is_expert_parameter(name) else full
+        mine = full.chunk(ep, dim=0)[ep_rank] if lesson.is_expert_parameter(name) else full
+        split_dim = result["split_dims"][name]
+        return mine if split_dim is None else mine.chunk(tp, dim=split_dim)[tp_rank]
 
     for key in ("grads", "clipped_grads"):
         for name, grad in result[key].items():
@@ -301,13 +337,22 @@ def assert_equals_reference(result, reference, variant: Variant, where: str):
 
 def test_expert_parallel_training_equals_one_device(four_rank_training):
     """ep = 4 over dp = 4, ep = 2 and 4 over dp x cp = 2 x 2 (cp pairs inside an ep group, and ep
-    spanning both), capacity with drops at ep = 2 of dp = 4, and ep = 2 with two pipeline stages:
-    softmax and sigmoid routers, aux / z losses, the shared expert, router bias, masked targets."""
+    spanning both), capacity with drops at ep = 2 of dp = 4, ep = 2 with two pipeline stages, and
+    ep = 2 with every expert split over tp = 2, of dp = 2 and of cp = 2: softmax and sigmoid
+    routers, aux / z losses, the shared expert (split over tp too), router bias, masked targets.
+    On every rank, the activations at step 0's peak equal the MoE formula on that step's routing
+    counts, and every collective's bytes over the run equal the prediction, the all-to-all's from
+    every step's counts."""
     for variant in VARIANTS:
         reference = forced_reference(variant, four_rank_training)
         print(f"{variant}: {reference['flips']} routing choices forced at rounding-level ties")
         for rank, results in enumerate(four_rank_training):
             assert_equals_reference(results[variant], reference, variant, f"rank {rank} {variant}")
+            assert results[variant]["activations"] == results[variant]["predicted_activations"], (rank, variant)
+            assert results[variant]["traffic"] == results[variant]["predicted_traffic"], (rank, variant)
+            enabled = {name for name, coef in (("aux", variant.cfg.aux_loss_coef), ("z", variant.cfg.z_loss_coef))
+                       if coef}
+            assert results[variant]["logged"] == enabled, (rank, variant)
         if variant.bias_update_rate:
             assert any(b.abs().sum() > 0 for b in reference["router_biases"][-1].values())
 
@@ -321,6 +366,16 @@ def test_capacity_drops_exactly_the_reference_tokens(four_rank_training):
     dropped = sum(call[3] for results in four_rank_training for calls in results[variant]["choices"].values()
                   for call in calls)
     assert dropped == reference["dropped"] > 0
+
+
+def test_without_balancing_losses_nothing_is_logged_and_the_meters_still_hold(four_rank_training):
+    """No aux or z loss: no log values, no collective for them, and on every rank the activations
+    and every collective's bytes equal their predictions (the mutation touches neither)."""
+    for rank, results in enumerate(four_rank_training):
+        for mutant in MUTANTS:
+            assert results[mutant]["logged"] == set(), (rank, mutant)
+            assert results[mutant]["activations"] == results[mutant]["predicted_activations"], (rank, mutant)
+            assert results[mutant]["traffic"] == results[mutant]["predicted_traffic"], (rank, mutant)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
@@ -346,4 +401,6 @@ def test_torchrun_script_trains():
     assert result.returncode == 0, result.stdout + result.stderr
     losses = [float(m) for m in re.findall(r"step +\d+ \| loss ([0-9.]+)", result.stdout)]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5, result.stdout
-    assert "| aux " in result.stdout and "ep all-to-all" in result.stdout and "routing of one step" in result.stdout
+    assert "| aux " in result.stdout and "| z " not in result.stdout and "routing of one step" in result.stdout
+    assert re.search(r"all_to_all_single +ep +[0-9.]+ +([0-9.]+) +\1 ", result.stdout), result.stdout
+    assert re.search(r"activations +([0-9.]+) +\1\n", result.stdout), result.stdout

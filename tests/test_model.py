@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from picotron_like.model import (GPT, PRESETS, GPTConfig, MixtureOfExperts, SwiGLU, capacity_mask, count_parameters,
-                                 expert_capacity, flops_per_token, get_config, looped_expert_compute, moe_layers,
-                                 reference_init)
+from picotron_like.model import (GPT, PRESETS, GPTConfig, MixtureOfExperts, SwiGLU, capacity_mask, choice_counts,
+                                 count_parameters, expert_capacity, flops_per_token, get_config, looped_expert_compute,
+                                 moe_layers, reference_init)
 from picotron_like.train import build_optimizer
 
 TINY = replace(get_config("tiny"), n_layers=2)
@@ -396,6 +396,35 @@ def test_sequences_per_step_makes_parts_add_up_to_the_whole_batch():
     torch.testing.assert_close(halves_loss, whole_loss)
     unnormalised, _ = balancing_gradient([x[:2], x[2:]], None)
     torch.testing.assert_close(unnormalised, 2 * whole)
+
+
+def test_sequence_shards_make_chunks_add_up_to_the_whole_sequences():
+    """Context parallelism's seam: every sequence cut into two chunks, the layer told each sequence
+    has 2 shards and handed the whole sequences' choice counts (its chunk's plus the other's, as a
+    cp all-reduce would sum them), gives the router the balancing gradient and the loss read-outs
+    of the whole sequences at once; without the seam, the chunks' aux loss is another one."""
+    moe = moe_layer(aux_loss_coef=0.1, z_loss_coef=0.01)
+    x = random_tokens(2, 8, MOE.hidden, seed=8)
+    chunks = (x[:, :4], x[:, 4:])
+    with torch.no_grad():
+        counts = [choice_counts(moe.route(chunk.reshape(-1, MOE.hidden), 4).expert_ids.view(2, 4, -1), MOE.n_experts)
+                  for chunk in chunks]
+
+    def balancing(parts, shards, completions):
+        moe.zero_grad()
+        moe.sequence_shards, read_outs = shards, 0.0
+        for part, complete in zip(parts, completions):
+            moe.whole_sequence_counts = complete
+            (moe(part) * 0).sum().backward()     # only the attached losses reach the router
+            read_outs += moe.last_aux_loss + moe.last_z_loss
+        return moe.router.weight.grad.clone(), read_outs
+
+    whole = balancing([x], 1, [lambda c: c])
+    sharded = balancing(chunks, 2, [lambda c: c + counts[1], lambda c: c + counts[0]])
+    for ours, theirs in zip(sharded, whole):
+        torch.testing.assert_close(ours, theirs)
+    chunks_alone = balancing(chunks, 1, [lambda c: c, lambda c: c])
+    assert not torch.allclose(chunks_alone[1], whole[1])
 
 
 def test_router_bias_moves_by_rate_times_sign_of_mean_minus_load():
