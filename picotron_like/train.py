@@ -43,15 +43,16 @@ from picotron_like.topology import AXES, ConfigError, GridShape, world_size_from
 # ----------------------------------------------------------------------------- optimisation
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float = 0.1,
+def build_optimizer(model, lr: float, weight_decay: float = 0.1,
                     betas=(0.9, 0.95)) -> torch.optim.AdamW:
     """AdamW; weight decay applies to matrices (linear and embedding weights), not to norm gains.
 
     The split is decided by each parameter's name, not its shape, so that a shard of a matrix is
-    decayed exactly like the full matrix on one device.
+    decayed exactly like the full matrix on one device. `model` is a module, or (name, tensor)
+    pairs (lesson 06 hands over the pieces of its shards, each named after its parameter).
     """
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if isinstance(model, torch.nn.Module) else model:
         (no_decay if name.endswith("norm.weight") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False keeps the update a plain per-tensor loop on every backend, so a sharded run
@@ -165,9 +166,11 @@ _AXIS_HELP = {
 }
 
 
-def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, **defaults: int) -> None:
+def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_flag: bool = True,
+                       **defaults: int) -> None:
     """--dp / --tp / --pp / --cp for the axes a lesson composes, --sequence-parallel with tp, and
-    --bucket-mb with dp. The `fill_axis` (the lesson's own) takes the ranks the others leave."""
+    --bucket-mb with dp (unless `bucket_flag` is False: lesson 06 reduces per unit, not per bucket).
+    The `fill_axis` (the lesson's own) takes the ranks the others leave."""
     for axis in axes:
         if axis == fill_axis:
             help_text = f"{_AXIS_HELP[axis]}; default: the world size / the other degrees"
@@ -178,7 +181,7 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, **defaults
     if "tp" in axes:
         parser.add_argument("--sequence-parallel", action="store_true",
                             help="with --tp > 1: split norms and the residual stream along the sequence (Megatron-SP)")
-    if "dp" in axes:
+    if "dp" in axes and bucket_flag:
         parser.add_argument("--bucket-mb", type=float, default=1.0,
                             help="data-parallel gradient bucket size in MB (PyTorch DDP uses 25)")
 

@@ -1,0 +1,682 @@
+"""
+Lesson 06 — ZeRO: sharding the optimizer states, the gradients and the parameters, in one file.
+
+The problem. Lesson 01 gives every rank a full copy of everything. With AdamW and bf16 mixed
+precision that is 16 bytes per parameter (2 for the bf16 weights, 2 for their gradients, 4 for the
+float32 master weights, 8 for Adam's two moments): the 8b preset needs 128 GB of model states per
+rank before a single activation, however many ranks share the work. Yet every data-parallel rank
+holds the *same* optimizer states and takes the *same* step: N copies of work one copy could do.
+
+The idea (ZeRO, Rajbhandari et al. 2019). Cut the model states into N shards and let each of the
+N ranks that hold the same weights (dp x cp) keep one. Three stages, each sharding one more thing:
+
+    stage   what each rank keeps whole      what it keeps 1/N of        bytes per parameter (bf16)
+    0       weights, grads, master, Adam    -                           2 + 2 + 12          (lesson 01)
+    1       weights, grads                  master, Adam                2 + 2 + 12/N
+    2       weights                         grads, master, Adam         2 + 14/N
+    3       -                               weights, grads, master,Adam 16/N
+
+The units. Parameters are grouped into units that follow the model's structure: the embedding,
+each block, the head (final norm + LM head). Each unit is one flat buffer padded to a multiple
+of N and cut into N contiguous shards; rank r owns elements [r S, (r+1) S) of every unit:
+
+        unit "block 3" (flat, padded):  [ attn_norm | q | k | v | o | mlp_norm | gate | up | down |pad]
+                                        |<--- rank 0 --->|<--- rank 1 --->|<--- rank 2 --->|
+
+A flat buffer (DeepSpeed, FSDP1) rather than FSDP2's per-parameter dim-0 shards: every
+collective is one call per unit on one contiguous buffer, and padding is at most N-1 elements per
+unit. The price is that a shard cuts parameters at arbitrary places and mixes decayed matrices
+with undecayed norm gains; so the optimizer sees a shard as its *pieces*, one view per parameter
+it touches, each in its parameter's weight-decay group: decay stays exactly per parameter.
+Module-sized units are also what ZeRO-3 gathers one at a time.
+
+The three steps of a step, by stage:
+
+    gradients     stage 0: all-reduce (lesson 01)   stage 1: reduce-scatter once per step
+                  stages 2-3: reduce-scatter every micro-batch, into the gradient shard
+    optimizer     AdamW on this rank's pieces of the float32 master; the gradient norm for
+                  clipping is the sum over ranks of each shard's sum of squares
+    parameters    stages 1-2: all-gather the updated shards into the full weights
+                  stage 3: all-gather each unit just before its forward, free it after, gather it
+                  again for its backward, prefetching the next unit while this one computes
+
+ZeRO-2 under gradient accumulation is a real trade-off. Reduce-scattering at every micro-batch
+(what this lesson does) keeps gradients at Psi/N per rank but sends the gradients A times per step:
+A Psi gradient payload, against Psi for a step that accumulates full gradients first. The other
+choice, accumulating whole gradients locally and reduce-scattering once, sends Psi but holds the
+full 2 Psi of gradients during the step, ZeRO-1's memory: 2 Psi + 2 Psi + 12 Psi/N at its peak.
+
+Mixed precision. `--dtype bfloat16` keeps the weights in bf16 (what the model computes with and
+what ZeRO-3 all-gathers: half the bytes) and an fp32 master copy with fp32 Adam states in the
+optimizer, so that an update smaller than bf16's resolution near a weight (2^-8 relative) still
+accumulates. `--reduce-dtype` chooses the gradient's accumulation and reduction dtype. With bytes
+per parameter p (weights) and g (gradients), Psi' the parameter count padded per unit:
+
+    stage 0: (p + g + m + 8) Psi'     1: (p + g) Psi' + (m + 8) Psi'/N
+    stage 2: p Psi' + (g + m + 8) Psi'/N                  3: (p + g + m + 8) Psi'/N
+    m = 4 (a float32 master) with bf16 weights, 0 in float32 (the weights are the master)
+
+bf16/bf16 gives the paper's 2+2+12, 2+2+12/N, 2+14/N, 16/N; fp32 gradients make ZeRO-2
+2 + 16/N; all-fp32 training 4+4+8. fp16 is out of scope: it needs loss scaling, bf16 does not.
+
+Communication per step (payload; a ring sends (N-1)/N of it per rank), A micro-batches:
+    stage 0   all-reduce g Psi                 (2 g Psi on the wire per rank, like the next two)
+    stage 1   reduce-scatter g Psi + all-gather p Psi
+    stage 2   reduce-scatter A g Psi + all-gather p Psi
+    stage 3   reduce-scatter A g Psi + all-gather 2 A p Psi (A p Psi when kept gathered)
+
+Run it:
+    torchrun --nproc_per_node=4 06_zero.py                                  # ZeRO-3, fp32, CPU
+    torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
+    torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
+    torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
+    python 06_zero.py --memory-table                                        # the 8b preset's table
+
+What to look for: the model-state table, measured equal to the stage's formula byte for byte;
+ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to its formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from picotron_like import comm
+from picotron_like.data import StepBatch
+from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
+from picotron_like.model import GPT, count_parameters, get_config
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, plan_run, train)
+
+tensor_parallel = load_lesson("02_tensor_parallel")
+context_parallel = load_lesson("04_context_parallel")
+
+# ============================================================================ the technique: units and their shards
+
+
+@dataclass(frozen=True)
+class Precision:
+    """FSDP2's MixedPrecisionPolicy in two fields: the weights' dtype (compute and all-gather) and
+    the gradients' dtype (accumulation and reduction). The master weights and Adam are float32."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+
+class Piece:
+    """The part of one parameter (or of the padding) that falls inside this rank's shard."""
+
+    def __init__(self, name: str, param, lo: int, hi: int):
+        self.name, self.param, self.lo, self.hi = name, param, lo, hi
+
+
+class FlatUnit:
+    """The parameters of one module-sized unit as one flat buffer, padded to a multiple of
+    `n_shards` and cut into that many contiguous shards; this rank owns shard `shard_rank`."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], n_shards: int, shard_rank: int):
+        self.names = [name for name, _ in named_params]
+        self.params = [param for _, param in named_params]
+        self.shapes = [param.shape for param in self.params]
+        self.numel = sum(param.numel() for param in self.params)
+        self.shard_numel = -(-self.numel // n_shards)
+        self.padded_numel = self.shard_numel * n_shards
+        self.start = shard_rank * self.shard_numel
+        self.n_ready = 0
+        self.pieces = self._pieces()
+
+    def _pieces(self) -> list[Piece]:
+        pieces, offset, end = [], 0, self.start + self.shard_numel
+        for name, param in zip(self.names, self.params):
+            lo, hi = max(offset, self.start), min(offset + param.numel(), end)
+            if lo < hi:
+                pieces.append(Piece(name, param, lo - self.start, hi - self.start))
+            offset += param.numel()
+        if end > self.numel:
+            pieces.append(Piece("padding", None, max(self.numel, self.start) - self.start, self.shard_numel))
+        return pieces
+
+    def flatten(self, tensors, dtype) -> torch.Tensor:
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
+        return flat
+
+    def use_flat_parameters(self, flat: torch.Tensor) -> None:
+        """Point every parameter at its slice of `flat`: the module computes with them in place."""
+        offset = 0
+        for param, shape in zip(self.params, self.shapes):
+            param.data = flat[offset: offset + shape.numel()].view(shape)
+            offset += shape.numel()
+
+    def release_parameters(self) -> None:
+        """Drop the gathered weights; autograd's saved references see the next gather's data."""
+        for param in self.params:
+            param.data = param.data.new_empty(0)
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.start: self.start + self.shard_numel]
+
+
+def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
+    """The units in forward order: the embedding, each block, the head (final norm and LM head).
+    A pipeline stage's missing parts are None and make no unit."""
+    units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
+    units += [[block] for block in model.layers]
+    if getattr(model, "lm_head", None) is not None:
+        units.append([model.norm, model.lm_head])
+    return units
+
+
+# ============================================================================ the technique: ZeRO-1 and ZeRO-2
+
+
+class ZeroDataParallel(nn.Module):
+    """Data parallelism over `group` with ZeRO stage 0-3 (stage 0 is one shard: lesson 01 plus
+    mixed precision). Exposes lesson 01's `.module`, `.dp_group`, `.require_backward_grad_sync`,
+    `.finish_gradient_synchronization()` and `.zero_grad()`; the optimizer steps through `.step`.
+
+    Gradients: every parameter has a post-accumulate hook; when all of a unit's parameters hold
+    this micro-batch's gradient, the unit is flattened in the reduce dtype and the per-parameter
+    gradients are dropped. Stages 0-1 add it into a full gradient buffer and reduce that once, on
+    the last micro-batch; stages 2-3 reduce-scatter it at once into the gradient shard. One
+    reduce-scatter is in flight at a time: it runs while autograd computes the next unit.
+    """
+
+    def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision()):
+        super().__init__()
+        self.module, self.dp_group, self.stage, self.precision = module, group, stage, precision
+        self.require_backward_grad_sync = True
+        n_shards = 1 if stage == 0 else dist.get_world_size(group)
+        rank = 0 if stage == 0 else dist.get_rank(group)
+        names = {param: name for name, param in module.named_parameters()}
+        self.units = [FlatUnit([(names[p], p) for m in modules for p in m.parameters()], n_shards, rank)
+                      for modules in unit_modules(module)]
+        if sum(len(unit.params) for unit in self.units) != len(names):
+            raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
+        self._unit_of = {param: unit for unit in self.units for param in unit.params}
+        self._in_flight = None
+        for unit in self.units:
+            self._shard_states(unit)
+        for param in self._unit_of:
+            param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _shard_states(self, unit: FlatUnit) -> None:
+        """Flat weights (whole, or stage 3 just the shard), the float32 master shard (the weights'
+        own shard in float32), and the gradients (whole for stages 0-1, else a shard)."""
+        values = unit.flatten([p.detach() for p in unit.params], torch.float32)
+        p_dtype, r_dtype = self.precision.param_dtype, self.precision.reduce_dtype
+        if self.stage == 3:
+            unit.param_shard = unit.shard(values).to(p_dtype).clone()
+            unit.release_parameters()
+            owner = unit.param_shard
+        else:
+            unit.flat_params = values.to(p_dtype)
+            unit.use_flat_parameters(unit.flat_params)
+            owner = unit.shard(unit.flat_params)
+        unit.master = owner if p_dtype == torch.float32 else unit.shard(values).clone()
+        if self.stage <= 1:
+            unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=r_dtype, device=values.device)
+            unit.grad_shard = unit.shard(unit.grad_buffer)
+        else:
+            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=r_dtype, device=values.device)
+        for piece in unit.pieces:
+            piece.master = unit.master[piece.lo: piece.hi]
+
+    def _grad_ready(self, param) -> None:
+        unit = self._unit_of[param]
+        unit.n_ready += 1
+        if unit.n_ready == len(unit.params):
+            unit.n_ready = 0
+            self._reduce(unit)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        # Summed, never averaged: each rank's loss is its share of the global batch's mean (train_step).
+        flat = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
+        for param in unit.params:
+            param.grad = None
+        if self.stage <= 1:
+            unit.grad_buffer += flat
+            if self.require_backward_grad_sync and self.stage == 0:
+                comm.call(dist.all_reduce, unit.grad_buffer, group=self.dp_group)
+            elif self.require_backward_grad_sync:
+                # In place: this rank's shard of the buffer receives the sum of every rank's shard.
+                comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=self.dp_group)
+            return
+        self._finish_in_flight()
+        partial_shard = torch.empty_like(unit.grad_shard)
+        handle = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=self.dp_group, async_op=True)
+        self._in_flight = (handle, unit, partial_shard, flat)
+        self._after_backward(unit)
+
+    def _after_backward(self, unit: FlatUnit) -> None:
+        """Stage 3 frees the unit's gathered weights here (see ZeroStage3)."""
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            handle, unit, partial_shard, _ = self._in_flight
+            handle.wait()
+            unit.grad_shard += partial_shard
+            self._in_flight = None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        self._finish_in_flight()
+
+    def step(self, optimizer) -> None:
+        """AdamW on this rank's shard of the float32 master, then every rank's weights updated."""
+        for unit in self.units:
+            for piece in unit.pieces:
+                piece.master.grad = unit.grad_shard[piece.lo: piece.hi].to(torch.float32)
+        optimizer.step()
+        for unit in self.units:
+            for piece in unit.pieces:
+                piece.master.grad = None
+            self._publish(unit)
+
+    def _publish(self, unit: FlatUnit) -> None:
+        """Stages 0-2: cast the updated master into this rank's shard of the weights, then gather
+        every shard in place (stage 0 has one shard: nothing to gather)."""
+        owner = unit.shard(unit.flat_params)
+        if owner.data_ptr() != unit.master.data_ptr():
+            owner.copy_(unit.master)
+        if self.stage > 0:
+            comm.call(comm.all_gather_single, unit.flat_params, owner, group=self.dp_group)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for unit in self.units:
+            (unit.grad_buffer if self.stage <= 1 else unit.grad_shard).zero_()
+
+
+def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.AdamW:
+    """The shared AdamW over this rank's pieces: each piece takes its own parameter's name, so
+    the same name rule puts it in the decayed or the undecayed group (padding stays zero)."""
+    return build_optimizer([(piece.name, piece.master) for unit in model.units for piece in unit.pieces], lr)
+
+
+def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
+    """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
+    an all-reduce over the shard group (and tp's, for tensor-parallel shards) sums the ranks,
+    and every rank scales its shard by the same factor. Norm gains replicated over tp count once."""
+    counts = settings.counts_toward_norm or (lambda param: True)
+    norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
+    for unit in model.units:
+        for piece in unit.pieces:
+            if piece.param is None or counts(piece.param):
+                norm_sq += unit.grad_shard[piece.lo: piece.hi].float().pow(2).sum()
+    groups = settings.norm_groups if model.stage == 0 else (model.dp_group, *settings.norm_groups)
+    for group in groups:
+        comm.call(dist.all_reduce, norm_sq, group=group)
+    total_norm = norm_sq.sqrt().item()
+    if total_norm > settings.max_grad_norm:
+        for unit in model.units:
+            unit.grad_shard.mul_(settings.max_grad_norm / (total_norm + 1e-6))
+    return total_norm
+
+
+# ============================================================================ the technique: ZeRO-3
+
+
+class ZeroStage3(ZeroDataParallel):
+    """Weights live as shards; each unit is gathered just in time.
+
+        forward:   gather(u0)  [u0 fwd | gather(u1)]  free(u0)  [u1 fwd | gather(u2)]  free(u1) ...
+        backward:  ... [u2 bwd | gather(u1)] reduce-scatter(u2) free(u2)  [u1 bwd | gather(u0)] ...
+
+    A unit's gather is started (prefetched) when the unit before it starts computing, so at most
+    two units are gathered at once. Backward needs a unit's weights again: a hook on the unit's
+    output fires when that output's gradient arrives, just before the unit's backward, and gathers
+    it. `reshard_after_forward=False` keeps units gathered from forward to backward (FSDP2's
+    option): one all-gather per unit and micro-batch less, the whole model's weights at the peak.
+    """
+
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
+                 reshard_after_forward: bool = True, prefetch: bool = True):
+        super().__init__(module, group, 3, precision)
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        for index, modules in enumerate(unit_modules(module)):
+            modules[0].register_forward_pre_hook(partial(self._before_forward, index))
+            modules[-1].register_forward_hook(partial(self._after_forward, index))
+        for unit in self.units:
+            unit.pending = None   # the all-gather in flight, if any
+
+    def _gather(self, index: int) -> None:
+        """Start gathering unit `index` (unless it is gathered or on its way). The parameters
+        point at the buffer at once: that is when its memory is taken."""
+        if not 0 <= index < len(self.units):
+            return
+        unit = self.units[index]
+        if unit.pending is not None or unit.params[0].numel() > 0:
+            return
+        flat = torch.empty(unit.padded_numel, dtype=unit.param_shard.dtype, device=unit.param_shard.device)
+        unit.pending = comm.call(comm.all_gather_single, flat, unit.param_shard, group=self.dp_group,
+                                 async_op=True)
+        unit.use_flat_parameters(flat)
+
+    def _wait_for(self, index: int) -> None:
+        self._gather(index)
+        unit = self.units[index]
+        if unit.pending is not None:
+            unit.pending.wait()
+            unit.pending = None
+
+    def _before_forward(self, index, module, args):
+        self._wait_for(index)
+        if self.prefetch:
+            self._gather(index + 1)
+
+    def _after_forward(self, index, module, args, output):
+        if self.reshard_after_forward:
+            self.units[index].release_parameters()
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(partial(self._before_backward, index))
+
+    def _before_backward(self, index, grad):
+        self._wait_for(index)
+        if self.prefetch:
+            self._gather(index - 1)
+
+    def _after_backward(self, unit: FlatUnit) -> None:
+        unit.release_parameters()
+
+    def _publish(self, unit: FlatUnit) -> None:
+        """Only the shard changes: the next forward gathers it."""
+        if unit.param_shard.data_ptr() != unit.master.data_ptr():
+            unit.param_shard.copy_(unit.master)
+
+
+def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
+              reshard_after_forward: bool = True, prefetch: bool = True) -> ZeroDataParallel:
+    """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
+    if stage == 3:
+        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch)
+    return ZeroDataParallel(module, group, stage, precision)
+
+
+def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """Lesson 01's step (token-weighted loss, gradients summed, accumulation), with the sharded
+    tail: the norm from the shards, the step on the master shard, the weights published."""
+    n_micro = len(batch.micro_batches)
+    loss = torch.zeros((), device=settings.device)
+    for index, micro_batch in enumerate(batch.micro_batches):
+        model.require_backward_grad_sync = index == n_micro - 1
+        with settings.autocast():
+            share = model(*(t.to(settings.device) for t in micro_batch), reduction="sum") / batch.n_targets
+        share.backward()
+        loss += share.detach().float()
+    model.finish_gradient_synchronization()
+    grad_norm = clip_sharded_grad_norm_(model, settings)
+    model.step(optimizer)
+    model.zero_grad()
+    comm.call(dist.all_reduce, loss, group=model.dp_group)
+    return StepResult(loss.item(), grad_norm)
+
+
+def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
+                reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
+                cp_mode: str = "ring", zigzag: bool = True) -> ZeroDataParallel:
+    """The reference GPT -> tensor parallel (lesson 02) -> context-parallel attention (lesson 04)
+    -> ZeRO over the dp x cp ranks, which hold the same weights."""
+    model = GPT(cfg, seed=seed).to(device)
+    if grid.tp_size > 1:
+        model = tensor_parallel.apply_tensor_parallel(model, grid.tp_group, sequence_parallel)
+    if grid.cp_size > 1:
+        model = context_parallel.apply_context_parallel(
+            model, context_parallel.ContextParallel.from_grid(grid, zigzag), cp_mode)
+    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
+
+
+def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
+    """Autocast in the weights' dtype (a no-op on bf16 weights' matmuls, the float32 norms and loss
+    as in the reference); tensor-parallel shards add the tp group to the norm."""
+    if grid.tp_size == 1:
+        return StepSettings(device, precision.param_dtype, max_grad_norm)
+    return StepSettings(device, precision.param_dtype, max_grad_norm, (grid.tp_group,),
+                        tensor_parallel.tp_counts_toward_norm(grid.tp_group))
+
+
+# ============================================================================ configuration rules
+
+
+def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
+    param_dtype = autocast_dtype(dtype, device)
+    reduce = param_dtype if reduce_dtype == "auto" else getattr(torch, reduce_dtype)
+    return Precision(param_dtype, reduce)
+
+
+def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
+                  seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True) -> None:
+    """ZeRO's rules, then lesson 04's (which include lessons 02's and the grid's)."""
+    problems = []
+    if grid.pp > 1:
+        problems.append(f"--pp {grid.pp}: this lesson shards over dp x cp without a pipeline (ZeRO-2/3 under "
+                        f"a pipeline reduce-scatter, and ZeRO-3 re-gathers, at every micro-batch of the schedule: "
+                        f"DeepSpeed refuses them); use --pp 1")
+    if cfg.n_experts:
+        problems.append(f"n_experts={cfg.n_experts}: expert weights shard over their own expert-data-parallel "
+                        f"group (lesson 05), not implemented here; use a dense preset")
+    if dtype == "float32" and reduce_dtype == "bfloat16":
+        problems.append("--reduce-dtype bfloat16 with --dtype float32 rounds float32 gradients to 8 bits "
+                        "for nothing; use --dtype bfloat16 or --reduce-dtype float32")
+    if problems:
+        raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
+    context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode, sequence_parallel)
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
+                  args.sequence_parallel, args.cp_mode, args.zigzag)
+
+
+# ============================================================================ measuring the three challenges
+
+
+@dataclass
+class ModelStates:
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+
+def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
+    """The bytes of every storage this rank holds, each counted once, in the first role it has:
+    weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments."""
+    seen: set[int] = set()
+
+    def storage_bytes(tensors) -> int:
+        total = 0
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    params = list(model.module.parameters())
+    shards = [unit.param_shard for unit in model.units if model.stage == 3]
+    grads = [p.grad for p in params if p.grad is not None] + [unit.grad_shard for unit in model.units]
+    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+    return ModelStates(storage_bytes(params + shards), storage_bytes(grads),
+                       storage_bytes(unit.master for unit in model.units), storage_bytes(states))
+
+
+def unit_parameter_counts(cfg, tp: int = 1) -> list[int]:
+    """Parameters of each unit on one tp rank: embedding, blocks, head (norm gains stay whole)."""
+    h, hd = cfg.hidden, cfg.head_dim
+    block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd + 3 * h * cfg.ffn_hidden) // tp + 2 * h
+    return [cfg.vocab_size * h // tp, *[block] * cfg.n_layers, h + h * cfg.vocab_size // tp]
+
+
+def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
+    """The stage's formula, each unit padded to a multiple of the shard count (1 at stage 0)."""
+    shards = 1 if stage == 0 else n
+    padded = sum(-(-count // shards) * shards for count in unit_counts)
+    p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    master = 4 if precision.param_dtype != torch.float32 else 0
+    return ModelStates(parameters=p * (padded // shards if stage == 3 else padded),
+                       gradients=g * (padded // shards if stage >= 2 else padded),
+                       master_weights=master * padded // shards, optimizer_states=8 * padded // shards)
+
+
+def predicted_zero_traffic(unit_counts: list[int], n: int, stage: int, precision: Precision, n_micro: int,
+                           reshard_after_forward: bool = True) -> dict:
+    """Payload bytes per step on the dp x cp group (see the docstring's table)."""
+    shards = 1 if stage == 0 else n
+    padded = sum(-(-count // shards) * shards for count in unit_counts)
+    p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    if stage == 0:
+        return {("all_reduce", "dp_cp"): g * padded}
+    scatters = 1 if stage == 1 else n_micro
+    gathers = 1 if stage < 3 else n_micro * (2 if reshard_after_forward else 1)
+    return {("reduce_scatter_single", "dp_cp"): scatters * g * padded,
+            ("all_gather_single", "dp_cp"): gathers * p * padded}
+
+
+def predicted_gathered_peak(unit_counts: list[int], n: int, param_bytes: int, reshard_after_forward: bool = True,
+                            prefetch: bool = True) -> int:
+    """ZeRO-3's most gathered weight bytes: two neighbouring units with prefetch, one without, all
+    of them when units stay gathered from forward to backward."""
+    gathered = [-(-count // n) * n * param_bytes for count in unit_counts]
+    if not reshard_after_forward:
+        return sum(gathered)
+    if not prefetch:
+        return max(gathered)
+    return max([*gathered, *(a + b for a, b in zip(gathered, gathered[1:]))])
+
+
+class GatheredParameterMeter:
+    """The bytes of the storages the model's parameters point into (a gathered unit's whole padded
+    buffer), sampled at every tensor autograd saves (forward) and reads back (backward): from
+    outside, what ZeRO-3 has gathered while computing."""
+
+    def __init__(self, module: nn.Module):
+        self.params = list(module.parameters())
+        self.peak_bytes = 0
+
+    def _sample(self, tensor):
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+        return tensor
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._sample, self._sample)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+def model_state_table(measured: ModelStates | None, predicted: ModelStates) -> str:
+    rows = [f"{'model states per rank':<22}{'measured MB':>13}{'predicted MB':>14}"]
+    for field in ("parameters", "gradients", "master_weights", "optimizer_states", "total"):
+        seen = f"{getattr(measured, field) / 1e6:>13.3f}" if measured else f"{'-':>13}"
+        rows.append(f"{field:<22}{seen}{getattr(predicted, field) / 1e6:>14.3f}")
+    return "\n".join(rows)
+
+
+def zero_memory_table(preset: str = "8b", gpu_counts=(8, 64)) -> str:
+    """Model states per GPU in GB for a preset, every stage and precision policy (README table)."""
+    counts = unit_parameter_counts(get_config(preset))
+    policies = {"bf16 / bf16 grads": Precision(torch.bfloat16, torch.bfloat16),
+                "bf16 / fp32 grads": Precision(torch.bfloat16, torch.float32),
+                "fp32": Precision(torch.float32, torch.float32)}
+    header = f"{'policy':<20}{'stage':>6}" + "".join(f"{f'{n} GPUs GB':>12}" for n in gpu_counts)
+    rows = [f"{preset}: {sum(counts) / 1e9:.2f} B parameters, model states per GPU", header]
+    for name, precision in policies.items():
+        for stage in range(4):
+            sizes = [predicted_model_states(counts, n, stage, precision).total / 1e9 for n in gpu_counts]
+            rows.append(f"{name:<20}{stage:>6}" + "".join(f"{size:>12.1f}" for size in sizes))
+    return "\n".join(rows)
+
+
+def report(model, optimizer, plan, args, grid: ProcessGrid, precision: Precision, gathered: GatheredParameterMeter,
+           throughput, device) -> None:
+    n, counts = grid.dp_size * grid.cp_size, [unit.numel for unit in model.units]
+    log0(f"\n== memory (one rank; ZeRO-{model.stage} over dp x cp = {n}; weights {precision.param_dtype}, "
+         f"gradients {precision.reduce_dtype}) ==")
+    log0(model_state_table(measured_model_states(model, optimizer),
+                           predicted_model_states(counts, n, model.stage, precision)))
+    if model.stage == 3:
+        predicted = predicted_gathered_peak(counts, n, precision.param_dtype.itemsize, model.reshard_after_forward,
+                                            model.prefetch)
+        log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {predicted / 1e6:.3f} MB "
+             f"predicted (largest unit {max(counts) * precision.param_dtype.itemsize / 1e6:.3f} MB)")
+    log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
+    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
+    predicted = add_traffic(predicted_zero_traffic(counts, n, model.stage, precision, plan.shape.grad_accum,
+                                                   getattr(model, "reshard_after_forward", True)),
+                            step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
+    log0(comm.meter.table(predicted, per=args.steps))
+    log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
+
+
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 06: ZeRO stages 0-3 (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp", bucket_flag=False)
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
+                        help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights")
+    parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="gradient accumulation and reduction dtype; auto: that of --dtype, which here "
+                             "is also the dtype the weights are held and gathered in (fp32 master kept)")
+    parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: free each unit after its forward and gather it again for backward")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-3: start gathering the next unit while this one computes")
+    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
+    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
+    parser.add_argument("--memory-table", action="store_true",
+                        help="print the 8b preset's model states per GPU at every stage and policy, and exit "
+                             "(no torchrun needed)")
+    add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.memory_table:
+        print(zero_memory_table("8b", (8, 64)))
+        return
+    plan = plan_run(args, validate)
+    device = init_distributed()
+    grid = ProcessGrid(plan.grid)
+    precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
+    model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
+                        args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag)
+    optimizer = build_sharded_optimizer(model, args.lr)
+    settings = step_settings(grid, device, precision, args.max_grad_norm)
+    log0(f"lesson 06: ZeRO-{args.zero_stage} over dp x cp = {grid.dp_size * grid.cp_size} ranks (tp={grid.tp_size}), "
+         f"{len(model.units)} units, weights {precision.param_dtype}, gradients {precision.reduce_dtype}, "
+         f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
+
+    gathered = GatheredParameterMeter(model.module)
+    cut = None
+    if grid.cp_size > 1:
+        cut = partial(context_parallel.context_parallel_batch,
+                      split=context_parallel.SequenceSplit(grid.cp_size, args.zigzag), cp_rank=grid.cp_rank)
+    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
+                       grid.dp_rank, device, prepare_batch=cut, meters=(gathered,))
+    report(model, optimizer, plan, args, grid, precision, gathered, throughput, device)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
