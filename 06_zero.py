@@ -46,6 +46,18 @@ A Psi gradient payload, against Psi for a step that accumulates full gradients f
 choice, accumulating whole gradients locally and reduce-scattering once, sends Psi but holds the
 full 2 Psi of gradients during the step, ZeRO-1's memory: 2 Psi + 2 Psi + 12 Psi/N at its peak.
 
+Experts (lesson 05). An expert weight is not held by every dp x cp rank: each ep group spreads
+the experts over its ranks, and a rank shares its experts with its expert-data-parallel (edp)
+group, dp x cp / ep ranks. So a block with experts makes two flat units, the dense one sharded
+over dp x cp and the expert one over edp; both are reduced, stepped and gathered over their own
+group, and ZeRO-3 gathers them together. Composed with ZeRO-1/2/3 at tp = cp = pp = 1.
+
+Pipelines are refused. ZeRO-2/3 under a pipeline reduce-scatter (and ZeRO-3 re-gathers) at
+every micro-batch of the schedule, where 1F1B interleaves micro-batches: DeepSpeed refuses them,
+torchtitan keeps the weights gathered for the whole step. ZeRO-1 would fit (whole weights on
+every stage, the optimizer states sharded over each stage's dp x cp), but this lesson's step runs
+its own micro-batch loop, not lesson 03's schedule, so it is not composed yet.
+
 Mixed precision. `--dtype bfloat16` keeps the weights in bf16 (what the model computes with and
 what ZeRO-3 all-gathers: half the bytes) and an fp32 master copy with fp32 Adam states in the
 optimizer, so that an update smaller than bf16's resolution near a weight (2^-8 relative) still
@@ -69,6 +81,7 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py                                  # ZeRO-3, fp32, CPU
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
     torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
+    torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2         # experts over edp = 2
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
     python 06_zero.py --memory-table                                        # the 8b preset's table
 
@@ -97,6 +110,7 @@ from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, a
 
 tensor_parallel = load_lesson("02_tensor_parallel")
 context_parallel = load_lesson("04_context_parallel")
+expert_parallel = load_lesson("05_expert_parallel")
 
 # ============================================================================ the technique: units and their shards
 
@@ -119,9 +133,11 @@ class Piece:
 
 class FlatUnit:
     """The parameters of one module-sized unit as one flat buffer, padded to a multiple of
-    `n_shards` and cut into that many contiguous shards; this rank owns shard `shard_rank`."""
+    `n_shards` and cut into that many contiguous shards; this rank owns shard `shard_rank` of the
+    ranks of `group`, the ranks that hold the same parameters."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], n_shards: int, shard_rank: int):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], n_shards: int, shard_rank: int, group):
+        self.group = group
         self.names = [name for name, _ in named_params]
         self.params = [param for _, param in named_params]
         self.shapes = [param.shape for param in self.params]
@@ -166,7 +182,8 @@ class FlatUnit:
 
 def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
     """The units in forward order: the embedding, each block, the head (final norm and LM head).
-    A pipeline stage's missing parts are None and make no unit."""
+    A pipeline stage's missing parts are None and make no unit. A block with experts makes two
+    flat units (see ZeroDataParallel); they are gathered and freed together."""
     units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
     units += [[block] for block in model.layers]
     if getattr(model, "lm_head", None) is not None:
@@ -187,17 +204,21 @@ class ZeroDataParallel(nn.Module):
     gradients are dropped. Stages 0-1 add it into a full gradient buffer and reduce that once, on
     the last micro-batch; stages 2-3 reduce-scatter it at once into the gradient shard. One
     reduce-scatter is in flight at a time: it runs while autograd computes the next unit.
+
+    Experts (lesson 05): a rank holds its ep group's share of the experts, the same as the other
+    ranks of its expert-data-parallel group `expert_group` and no other. So a block with experts
+    is two flat units: its dense parameters sharded over `group` (dp x cp), its expert weights over
+    `expert_group` (edp). Each unit reduces and gathers over its own group.
     """
 
-    def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision()):
+    def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision(), expert_group=None):
         super().__init__()
         self.module, self.dp_group, self.stage, self.precision = module, group, stage, precision
         self.require_backward_grad_sync = True
-        n_shards = 1 if stage == 0 else dist.get_world_size(group)
-        rank = 0 if stage == 0 else dist.get_rank(group)
         names = {param: name for name, param in module.named_parameters()}
-        self.units = [FlatUnit([(names[p], p) for m in modules for p in m.parameters()], n_shards, rank)
-                      for modules in unit_modules(module)]
+        self.unit_groups = [self._flat_units([(names[p], p) for m in modules for p in m.parameters()], expert_group)
+                            for modules in unit_modules(module)]
+        self.units = [unit for units in self.unit_groups for unit in units]
         if sum(len(unit.params) for unit in self.units) != len(names):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
         self._unit_of = {param: unit for unit in self.units for param in unit.params}
@@ -206,6 +227,17 @@ class ZeroDataParallel(nn.Module):
             self._shard_states(unit)
         for param in self._unit_of:
             param.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _flat_units(self, named_params, expert_group) -> list[FlatUnit]:
+        is_expert = [expert_group is not None and expert_parallel.is_expert_parameter(name) for name, _ in named_params]
+        dense = [named for named, expert in zip(named_params, is_expert) if not expert]
+        experts = [named for named, expert in zip(named_params, is_expert) if expert]
+        units = []
+        for params, group in ((dense, self.dp_group), (experts, expert_group)):
+            if params:
+                n_shards, rank = (1, 0) if self.stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
+                units.append(FlatUnit(params, n_shards, rank, group))
+        return units
 
     def _shard_states(self, unit: FlatUnit) -> None:
         """Flat weights (whole, or stage 3 just the shard), the float32 master shard (the weights'
@@ -244,14 +276,14 @@ class ZeroDataParallel(nn.Module):
         if self.stage <= 1:
             unit.grad_buffer += flat
             if self.require_backward_grad_sync and self.stage == 0:
-                comm.call(dist.all_reduce, unit.grad_buffer, group=self.dp_group)
+                comm.call(dist.all_reduce, unit.grad_buffer, group=unit.group)
             elif self.require_backward_grad_sync:
                 # In place: this rank's shard of the buffer receives the sum of every rank's shard.
-                comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=self.dp_group)
+                comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=unit.group)
             return
         self._finish_in_flight()
         partial_shard = torch.empty_like(unit.grad_shard)
-        handle = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=self.dp_group, async_op=True)
+        handle = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=unit.group, async_op=True)
         self._in_flight = (handle, unit, partial_shard, flat)
         self._after_backward(unit)
 
@@ -289,7 +321,7 @@ class ZeroDataParallel(nn.Module):
         if owner.data_ptr() != unit.master.data_ptr():
             owner.copy_(unit.master)
         if self.stage > 0:
-            comm.call(comm.all_gather_single, unit.flat_params, owner, group=self.dp_group)
+            comm.call(comm.all_gather_single, unit.flat_params, owner, group=unit.group)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for unit in self.units:
@@ -305,7 +337,9 @@ def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.A
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
     """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
     an all-reduce over the shard group (and tp's, for tensor-parallel shards) sums the ranks,
-    and every rank scales its shard by the same factor. Norm gains replicated over tp count once."""
+    and every rank scales its shard by the same factor. Norm gains replicated over tp count once.
+    Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
+    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert once."""
     counts = settings.counts_toward_norm or (lambda param: True)
     norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
     for unit in model.units:
@@ -339,8 +373,8 @@ class ZeroStage3(ZeroDataParallel):
     """
 
     def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
-                 reshard_after_forward: bool = True, prefetch: bool = True):
-        super().__init__(module, group, 3, precision)
+                 reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None):
+        super().__init__(module, group, 3, precision, expert_group)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         for index, modules in enumerate(unit_modules(module)):
             modules[0].register_forward_pre_hook(partial(self._before_forward, index))
@@ -349,24 +383,24 @@ class ZeroStage3(ZeroDataParallel):
             unit.pending = None   # the all-gather in flight, if any
 
     def _gather(self, index: int) -> None:
-        """Start gathering unit `index` (unless it is gathered or on its way). The parameters
-        point at the buffer at once: that is when its memory is taken."""
-        if not 0 <= index < len(self.units):
+        """Start gathering the flat units of module unit `index` (those not gathered or on their
+        way). The parameters point at the buffer at once: that is when its memory is taken."""
+        if not 0 <= index < len(self.unit_groups):
             return
-        unit = self.units[index]
-        if unit.pending is not None or unit.params[0].numel() > 0:
-            return
-        flat = torch.empty(unit.padded_numel, dtype=unit.param_shard.dtype, device=unit.param_shard.device)
-        unit.pending = comm.call(comm.all_gather_single, flat, unit.param_shard, group=self.dp_group,
-                                 async_op=True)
-        unit.use_flat_parameters(flat)
+        for unit in self.unit_groups[index]:
+            if unit.pending is not None or unit.params[0].numel() > 0:
+                continue
+            flat = torch.empty(unit.padded_numel, dtype=unit.param_shard.dtype, device=unit.param_shard.device)
+            unit.pending = comm.call(comm.all_gather_single, flat, unit.param_shard, group=unit.group,
+                                     async_op=True)
+            unit.use_flat_parameters(flat)
 
     def _wait_for(self, index: int) -> None:
         self._gather(index)
-        unit = self.units[index]
-        if unit.pending is not None:
-            unit.pending.wait()
-            unit.pending = None
+        for unit in self.unit_groups[index]:
+            if unit.pending is not None:
+                unit.pending.wait()
+                unit.pending = None
 
     def _before_forward(self, index, module, args):
         self._wait_for(index)
@@ -375,7 +409,8 @@ class ZeroStage3(ZeroDataParallel):
 
     def _after_forward(self, index, module, args, output):
         if self.reshard_after_forward:
-            self.units[index].release_parameters()
+            for unit in self.unit_groups[index]:
+                unit.release_parameters()
         if torch.is_grad_enabled() and output.requires_grad:
             output.register_hook(partial(self._before_backward, index))
 
@@ -394,11 +429,11 @@ class ZeroStage3(ZeroDataParallel):
 
 
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
-              reshard_after_forward: bool = True, prefetch: bool = True) -> ZeroDataParallel:
+              reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None) -> ZeroDataParallel:
     """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
     if stage == 3:
-        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch)
-    return ZeroDataParallel(module, group, stage, precision)
+        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, expert_group)
+    return ZeroDataParallel(module, group, stage, precision, expert_group)
 
 
 def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -422,16 +457,21 @@ def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: S
 
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
-                cp_mode: str = "ring", zigzag: bool = True) -> ZeroDataParallel:
+                cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None) -> ZeroDataParallel:
     """The reference GPT -> tensor parallel (lesson 02) -> context-parallel attention (lesson 04)
-    -> ZeRO over the dp x cp ranks, which hold the same weights."""
+    -> experts sharded over ep and dispatched, balancing over the step's `sequences_per_step`
+    (lesson 05) -> ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp)."""
     model = GPT(cfg, seed=seed).to(device)
     if grid.tp_size > 1:
         model = tensor_parallel.apply_tensor_parallel(model, grid.tp_group, sequence_parallel)
     if grid.cp_size > 1:
         model = context_parallel.apply_context_parallel(
             model, context_parallel.ContextParallel.from_grid(grid, zigzag), cp_mode)
-    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
+    if not cfg.n_experts:
+        return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
+    model = expert_parallel.apply_expert_parallel(model, expert_parallel.ExpertParallel.from_grid(grid), grouped=False)
+    model = expert_parallel.prepare_balancing(model, grid, sequences_per_step)
+    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
 
 
 def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
@@ -452,28 +492,40 @@ def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
     return Precision(param_dtype, reduce)
 
 
+def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
+    """--ep's default: lesson 05's (every dp x cp rank its own experts) with experts, else 1."""
+    return ep if ep is not None else (grid.dp * grid.cp if cfg.n_experts else 1)
+
+
 def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
-                  seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True) -> None:
-    """ZeRO's rules, then lesson 04's (which include lessons 02's and the grid's)."""
+                  seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
+                  ep: int = 1) -> None:
+    """ZeRO's rules, then lesson 05's with experts, then lesson 04's (which include lessons 02's
+    and the grid's)."""
     problems = []
     if grid.pp > 1:
         problems.append(f"--pp {grid.pp}: this lesson shards over dp x cp without a pipeline (ZeRO-2/3 under "
                         f"a pipeline reduce-scatter, and ZeRO-3 re-gathers, at every micro-batch of the schedule: "
                         f"DeepSpeed refuses them); use --pp 1")
-    if cfg.n_experts:
-        problems.append(f"n_experts={cfg.n_experts}: expert weights shard over their own expert-data-parallel "
-                        f"group (lesson 05), not implemented here; use a dense preset")
+    if cfg.n_experts and (stage == 0 or grid.tp > 1 or grid.cp > 1):
+        problems.append(f"n_experts={cfg.n_experts} with --zero-stage {stage} --tp {grid.tp} --cp {grid.cp}: experts "
+                        f"are composed with ZeRO-1/2/3 over dp only (stage 0 is lesson 05); use --tp 1 --cp 1 and "
+                        f"--zero-stage 1, 2 or 3")
+    if not cfg.n_experts and ep != 1:
+        problems.append(f"--ep {ep} with a dense preset: there are no experts to spread; use --ep 1 or --preset tiny-moe")
     if dtype == "float32" and reduce_dtype == "bfloat16":
         problems.append("--reduce-dtype bfloat16 with --dtype float32 rounds float32 gradients to 8 bits "
                         "for nothing; use --dtype bfloat16 or --reduce-dtype float32")
     if problems:
         raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
+    if cfg.n_experts:
+        expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep)
     context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode, sequence_parallel)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
-                  args.sequence_parallel, args.cp_mode, args.zigzag)
+                  args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid))
 
 
 # ============================================================================ measuring the three challenges
@@ -489,6 +541,10 @@ class ModelStates:
     @property
     def total(self) -> int:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+    def __add__(self, other: "ModelStates") -> "ModelStates":
+        return ModelStates(self.parameters + other.parameters, self.gradients + other.gradients,
+                           self.master_weights + other.master_weights, self.optimizer_states + other.optimizer_states)
 
 
 def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
@@ -532,24 +588,27 @@ def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision
 
 
 def predicted_zero_traffic(unit_counts: list[int], n: int, stage: int, precision: Precision, n_micro: int,
-                           reshard_after_forward: bool = True) -> dict:
-    """Payload bytes per step on the dp x cp group (see the docstring's table)."""
+                           reshard_after_forward: bool = True, group_name: str = "dp_cp") -> dict:
+    """Payload bytes per step on the dp x cp group (or the experts' edp group; see the docstring's table)."""
     shards = 1 if stage == 0 else n
     padded = sum(-(-count // shards) * shards for count in unit_counts)
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     if stage == 0:
-        return {("all_reduce", "dp_cp"): g * padded}
+        return {("all_reduce", group_name): g * padded}
     scatters = 1 if stage == 1 else n_micro
     gathers = 1 if stage < 3 else n_micro * (2 if reshard_after_forward else 1)
-    return {("reduce_scatter_single", "dp_cp"): scatters * g * padded,
-            ("all_gather_single", "dp_cp"): gathers * p * padded}
+    return {("reduce_scatter_single", group_name): scatters * g * padded,
+            ("all_gather_single", group_name): gathers * p * padded}
 
 
 def predicted_gathered_peak(unit_counts: list[int], n: int, param_bytes: int, reshard_after_forward: bool = True,
-                            prefetch: bool = True) -> int:
+                            prefetch: bool = True, expert_counts=(), edp: int = 1) -> int:
     """ZeRO-3's most gathered weight bytes: two neighbouring units with prefetch, one without, all
-    of them when units stay gathered from forward to backward."""
-    gathered = [-(-count // n) * n * param_bytes for count in unit_counts]
+    of them when units stay gathered from forward to backward. A unit's experts (`expert_counts`,
+    one entry per unit) are padded to a multiple of edp, its dense parameters to one of n."""
+    expert_counts = expert_counts or [0] * len(unit_counts)
+    gathered = [(-(-count // n) * n + -(-experts // edp) * edp) * param_bytes
+                for count, experts in zip(unit_counts, expert_counts)]
     if not reshard_after_forward:
         return sum(gathered)
     if not prefetch:
@@ -604,23 +663,47 @@ def zero_memory_table(preset: str = "8b", gpu_counts=(8, 64)) -> str:
     return "\n".join(rows)
 
 
+def unit_counts(model: ZeroDataParallel) -> tuple[list[int], list[int]]:
+    """Per module unit: its dense parameters (sharded over dp x cp) and its experts (over edp)."""
+    dense = [sum(unit.numel for unit in units if unit.group is model.dp_group) for units in model.unit_groups]
+    experts = [sum(unit.numel for unit in units if unit.group is not model.dp_group) for units in model.unit_groups]
+    return dense, experts
+
+
+def predicted_states_of(model: ZeroDataParallel, n: int, edp: int, precision: Precision) -> ModelStates:
+    dense, experts = unit_counts(model)
+    return (predicted_model_states(dense, n, model.stage, precision)
+            + predicted_model_states(experts, edp, model.stage, precision))
+
+
+def predicted_traffic_of(model: ZeroDataParallel, n: int, edp: int, precision: Precision, n_micro: int,
+                         reshard_after_forward: bool, norm_groups) -> dict:
+    """ZeRO's collectives on dp x cp and edp, and the step's loss and norm all-reduces."""
+    dense, experts = unit_counts(model)
+    return add_traffic(predicted_zero_traffic(dense, n, model.stage, precision, n_micro, reshard_after_forward),
+                       predicted_zero_traffic(experts, edp, model.stage, precision, n_micro, reshard_after_forward,
+                                              "edp") if any(experts) else {},
+                       step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
+
+
 def report(model, optimizer, plan, args, grid: ProcessGrid, precision: Precision, gathered: GatheredParameterMeter,
            throughput, device) -> None:
-    n, counts = grid.dp_size * grid.cp_size, [unit.numel for unit in model.units]
-    log0(f"\n== memory (one rank; ZeRO-{model.stage} over dp x cp = {n}; weights {precision.param_dtype}, "
-         f"gradients {precision.reduce_dtype}) ==")
-    log0(model_state_table(measured_model_states(model, optimizer),
-                           predicted_model_states(counts, n, model.stage, precision)))
+    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+    counts, experts = unit_counts(model)
+    log0(f"\n== memory (one rank; ZeRO-{model.stage} over dp x cp = {n}"
+         + (f", experts over edp = {edp}" if any(experts) else "")
+         + f"; weights {precision.param_dtype}, gradients {precision.reduce_dtype}) ==")
+    log0(model_state_table(measured_model_states(model, optimizer), predicted_states_of(model, n, edp, precision)))
     if model.stage == 3:
         predicted = predicted_gathered_peak(counts, n, precision.param_dtype.itemsize, model.reshard_after_forward,
-                                            model.prefetch)
+                                            model.prefetch, experts, edp)
+        largest = max(unit.numel for unit in model.units) * precision.param_dtype.itemsize
         log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {predicted / 1e6:.3f} MB "
-             f"predicted (largest unit {max(counts) * precision.param_dtype.itemsize / 1e6:.3f} MB)")
+             f"predicted (largest flat unit {largest / 1e6:.3f} MB)")
     log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
     norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(predicted_zero_traffic(counts, n, model.stage, precision, plan.shape.grad_accum,
-                                                   getattr(model, "reshard_after_forward", True)),
-                            step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
+    predicted = predicted_traffic_of(model, n, edp, precision, plan.shape.grad_accum,
+                                     getattr(model, "reshard_after_forward", True), norm_groups)
     log0(comm.meter.table(predicted, per=args.steps))
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
@@ -641,6 +724,8 @@ def parse_args(argv=None):
                         help="ZeRO-3: free each unit after its forward and gather it again for backward")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start gathering the next unit while this one computes")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
     parser.add_argument("--memory-table", action="store_true",
@@ -657,10 +742,11 @@ def main(argv=None):
         return
     plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(plan.grid)
+    grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
     model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
-                        args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag)
+                        args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
+                        plan.shape.sequences_per_step)
     optimizer = build_sharded_optimizer(model, args.lr)
     settings = step_settings(grid, device, precision, args.max_grad_norm)
     log0(f"lesson 06: ZeRO-{args.zero_stage} over dp x cp = {grid.dp_size * grid.cp_size} ranks (tp={grid.tp_size}), "

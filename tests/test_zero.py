@@ -35,6 +35,7 @@ from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesso
 from picotron_like.train import StepSettings, build_optimizer, clip_grad_norm_
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED = 32, 2, 12, 3, 3e-3, 7
 MAX_GRAD_NORM = 1.0  # the reference's norms are above it: clipping acts on every step (asserted)
 TOLERANCE = dict(rtol=0, atol=1e-6)
@@ -67,7 +68,7 @@ def gathered(model, shard_of) -> dict:
             flat = shard.clone()
         else:
             flat = shard.new_empty(unit.padded_numel)
-            comm.all_gather_single(flat, shard.contiguous(), group=model.dp_group)
+            comm.all_gather_single(flat, shard.contiguous(), group=unit.group)
         offset = 0
         for name, shape in zip(unit.names, unit.shapes):
             whole[name] = flat[offset: offset + shape.numel()].view(shape).float()
@@ -92,19 +93,20 @@ def observe_gradients(model, optimizer) -> dict:
 
 
 def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: bool = True,
-             precision=FP32, grid=None) -> dict:
+             precision=FP32, grid=None, cfg=CFG) -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
     their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula."""
     zero = lesson()
     grid = grid or ProcessGrid(grid_shape)
     precision = zero.Precision(**precision)
-    model = zero.build_model(CFG, SEED, grid, stage, precision, CPU, reshard, prefetch)
+    data = batches(grid.dp_size)
+    model = zero.build_model(cfg, SEED, grid, stage, precision, CPU, reshard, prefetch,
+                             sequences_per_step=data.shape.sequences_per_step)
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
     settings = zero.step_settings(grid, CPU, precision, MAX_GRAD_NORM)
-    data = batches(grid.dp_size)
     split = context_split(grid)
     comm.meter.reset()
     meter = zero.GatheredParameterMeter(model.module)
@@ -115,20 +117,22 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             batch = split(batch)
         with meter if step == 0 else torch.enable_grad():
             results.append(zero.train_step(model, optimizer, batch, settings))
-    n = grid.dp_size * grid.cp_size
-    counts = [unit.numel for unit in model.units]
+    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+    counts, expert_counts = zero.unit_counts(model)
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(zero.predicted_zero_traffic(counts, n, stage, precision, data.shape.grad_accum, reshard),
-                            step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
+    predicted = zero.predicted_traffic_of(model, n, edp, precision, data.shape.grad_accum, reshard, norm_groups)
+    # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
+    predicted_states = zero.predicted_states_of(model, n, edp, precision) if cfg.n_experts else \
+        zero.predicted_model_states(zero.unit_parameter_counts(cfg, grid.tp_size), n, stage, precision)
     params = gathered(model, lambda unit: unit.master)
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params,
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "states": asdict(zero.measured_model_states(model, optimizer)),
-            "predicted_states": asdict(zero.predicted_model_states(
-                zero.unit_parameter_counts(CFG, grid.tp_size), n, stage, precision)),
+            "predicted_states": asdict(predicted_states),
             "peak": meter.peak_bytes,
             "predicted_peak": zero.predicted_gathered_peak(counts, n, precision.param_dtype.itemsize, reshard,
-                                                           prefetch) if stage == 3 else meter.peak_bytes,
+                                                           prefetch, expert_counts, edp)
+            if stage == 3 else meter.peak_bytes,
             "traffic": {key: value.payload_bytes for key, value in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()}}
 
@@ -154,10 +158,10 @@ def assert_equal(result: dict, reference: dict, where: str) -> None:
 def assert_formulas(result: dict, where: str) -> None:
     assert result["states"] == result["predicted_states"], where
     assert result["peak"] == result["predicted_peak"], where
-    # On the dp x cp group: ZeRO's traffic and the step's bookkeeping. tp's and cp's own collectives
-    # (and the norm's 4 bytes mixed into tp's all-reduces) are their lessons'.
+    # On the dp x cp group (and edp): ZeRO's traffic and the step's bookkeeping. tp's, cp's and ep's
+    # own collectives (and the norm's 4 bytes mixed into tp's all-reduces) are their lessons'.
     def on_dp_cp(traffic):
-        return {key: value for key, value in traffic.items() if key[1] == "dp_cp"}
+        return {key: value for key, value in traffic.items() if key[1] in ("dp_cp", "edp")}
 
     assert on_dp_cp(result["traffic"]) == on_dp_cp(result["predicted"]), where
 
@@ -403,33 +407,66 @@ def tensor_parallel_baseline(grid) -> dict:
             "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
 
 
+def expert_parallel_baseline(grid) -> dict:
+    """Lesson 05 on the same grid: ExpertDataParallel (dense gradients summed over dp x cp, experts
+    over edp), whose equality to one device is lesson 05's proof."""
+    expert_parallel = load_lesson("05_expert_parallel")
+    data = batches(grid.dp_size)
+    (part,) = expert_parallel.build_model(MOE_CFG, SEED, grid, CPU, False, data.shape.sequences_per_step)
+    optimizer = build_optimizer(part.module, LR)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    seen = {}
+    optimizer.register_step_pre_hook(lambda *_: seen.setdefault(
+        "clipped_grads", {n: p.grad.clone() for n, p in part.module.named_parameters()}) and None)
+    settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
+    results = [expert_parallel.train_step(part, optimizer, data.step_batch(step, grid.dp_rank), settings)
+               for step in range(STEPS)]
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "clipped_grads": seen["clipped_grads"],
+            "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
+
+
 def composed():
     tp_grid, cp_grid = ProcessGrid(GridShape(dp=2, tp=2)), ProcessGrid(GridShape(dp=2, cp=2))
-    runs = {"tp baseline": tensor_parallel_baseline(tp_grid)}
+    ep_grid = ProcessGrid(GridShape(dp=4), ep=2)
+    runs = {"tp baseline": tensor_parallel_baseline(tp_grid), "ep baseline": expert_parallel_baseline(ep_grid)}
     for stage in (1, 2, 3):
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
+        runs[f"ep stage {stage}"] = zero_run(ep_grid.shape, stage, grid=ep_grid, cfg=MOE_CFG)
     return runs
 
 
-def test_composes_with_tensor_and_context_parallelism(reference):
+def assert_equal_to_baseline(run: dict, baseline: dict, where: str) -> None:
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(run[key]), torch.tensor(baseline[key]), rtol=0, atol=1e-5, msg=where)
+    for name, grad in baseline["clipped_grads"].items():
+        torch.testing.assert_close(run["clipped_grads"][name], grad, **TOLERANCE, msg=f"{where} {name}")
+    for name, param in baseline["params"].items():
+        torch.testing.assert_close(run["params"][name], param, **PARAM_TOLERANCE, msg=f"{where} {name}")
+
+
+def test_composes_with_tensor_context_and_expert_parallelism(reference):
     """dp 2 x tp 2: ZeRO shards each tensor-parallel shard over dp (the norm from the shards adds the tp
     group and counts replicated gains once), equal to lessons 02 + 01 on the same ranks; dp 2 x cp 2:
-    ZeRO over the four dp x cp ranks, equal to one device. Formulas byte for byte in both."""
+    ZeRO over the four dp x cp ranks, equal to one device; dp 4 with ep 2 (tiny-moe): dense units
+    sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
+    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
+    Formulas byte for byte in all three."""
     for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
-        baseline = runs["tp baseline"]
         for stage in (1, 2, 3):
             where = f"rank={rank} stage {stage}"
             assert_equal(runs[f"cp stage {stage}"], reference, f"{where} cp")
             assert_formulas(runs[f"cp stage {stage}"], f"{where} cp")
-            tp_run = runs[f"tp stage {stage}"]
-            assert_formulas(tp_run, f"{where} tp")
-            for key in ("losses", "norms"):
-                torch.testing.assert_close(torch.tensor(tp_run[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5)
-            for name, grad in baseline["clipped_grads"].items():
-                torch.testing.assert_close(tp_run["clipped_grads"][name], grad, **TOLERANCE, msg=f"{where} {name}")
-            for name, param in baseline["params"].items():
-                torch.testing.assert_close(tp_run["params"][name], param, **PARAM_TOLERANCE, msg=f"{where} {name}")
+            assert_formulas(runs[f"tp stage {stage}"], f"{where} tp")
+            torch.testing.assert_close(torch.tensor(runs[f"tp stage {stage}"]["losses"]),
+                                       torch.tensor(reference["losses"]), rtol=0, atol=1e-5)
+            assert_equal_to_baseline(runs[f"tp stage {stage}"], runs["tp baseline"], f"{where} tp")
+            ep_run = runs[f"ep stage {stage}"]
+            assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
+            assert_formulas(ep_run, f"{where} ep")
+            assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
 
 
 # ----------------------------------------------------------------------------- the script
@@ -468,3 +505,15 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     assert "--pp 2: this lesson shards over dp x cp without a pipeline" in outputs["pipeline"][1]
     assert "--reduce-dtype bfloat16 with --dtype float32" in outputs["reduce"][1]
     assert "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2" in outputs["degrees"][1]
+
+
+@pytest.mark.parametrize("cfg, grid, stage, ep, message", [
+    (MOE_CFG, GridShape(dp=2), 0, 2, "experts are composed with ZeRO-1/2/3 over dp only"),
+    (MOE_CFG, GridShape(dp=2, tp=2), 1, 2, "--tp 2 --cp 1: experts are composed with ZeRO-1/2/3"),
+    (MOE_CFG, GridShape(dp=4), 1, 3, "--ep 3 does not divide dp*cp = 4*1 = 4"),
+    (CFG, GridShape(dp=2), 1, 2, "--ep 2 with a dense preset"),
+])
+def test_expert_configurations_refused_in_one_line(cfg, grid, stage, ep, message):
+    """What ZeRO does not compose with experts, and lesson 05's own rules, before any process group."""
+    with pytest.raises(Exception, match=re.escape(message)):
+        lesson().validate_zero(cfg, grid, grid.world_size, stage, "float32", "auto", SEQ, ep=ep)
