@@ -321,19 +321,20 @@ class Pipeline:
     versions), each wrapped for data parallelism (lesson 01): the wrapper's
     require_backward_grad_sync is switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
-    receiver allocates its buffer without being told the size.
+    receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
+    (the residual stream stays float32 under autocast) unless the weights themselves are bf16.
     The program alternates exchange (one batch of transfers) with forward_step / backward_step (one
     action each); those two are also where a timeline recorder times the schedule from outside.
     """
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
-                 device, compute_dtype=torch.float32):
+                 device, compute_dtype=torch.float32, boundary_dtype=torch.float32):
         self.chunks, self.virtual_stages = chunks, virtual_stages
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
         self.peer_ranks = dist.get_process_group_ranks(grid.pp_group)  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
-        self.device, self.compute_dtype = device, compute_dtype
+        self.device, self.compute_dtype, self.boundary_dtype = device, compute_dtype, boundary_dtype
         units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
         self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
@@ -393,8 +394,8 @@ class Pipeline:
             message, peer = transfer.message, self.peer_ranks[transfer.peer]
             if transfer.direction == "recv":
                 # The residual stream stays float32 under autocast (only matmul inputs are lowered),
-                # so a boundary is float32 at any compute dtype.
-                buffer = torch.empty(self.activation_shape, dtype=torch.float32, device=self.device)
+                # so a boundary is float32 at any compute dtype, unless the weights are bf16.
+                buffer = torch.empty(self.activation_shape, dtype=self.boundary_dtype, device=self.device)
                 (inputs if message.kind == "activation" else grads)[(message.stage, message.micro_batch)] = buffer
                 operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))
                 continue
@@ -402,11 +403,12 @@ class Pipeline:
                 tensor = outputs[(message.stage - 1, message.micro_batch)].detach()
             else:
                 tensor = inputs.pop((message.stage + 1, message.micro_batch)).grad
-            if tensor.shape != self.activation_shape or tensor.dtype != torch.float32:
+            if tensor.shape != self.activation_shape or tensor.dtype != self.boundary_dtype:
                 # The receiver allocated its buffer from the configuration; a different size would
                 # fail far away, or hang, on the other rank.
                 raise RuntimeError(f"stage {self.pp_rank} would send a {message.kind} of {tuple(tensor.shape)} "
-                                   f"{tensor.dtype}, but its neighbour expects {self.activation_shape} float32: "
+                                   f"{tensor.dtype}, but its neighbour expects {self.activation_shape} "
+                                   f"{self.boundary_dtype}: "
                                    f"pass the boundary shape the chunks produce")
             operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
         for work in comm.call(dist.batch_isend_irecv, operations):

@@ -52,11 +52,14 @@ group, dp x cp / ep ranks. So a block with experts makes two flat units, the den
 over dp x cp and the expert one over edp; both are reduced, stepped and gathered over their own
 group, and ZeRO-3 gathers them together. Composed with ZeRO-1/2/3 at tp = cp = pp = 1.
 
-Pipelines are refused. ZeRO-2/3 under a pipeline reduce-scatter (and ZeRO-3 re-gathers) at
-every micro-batch of the schedule, where 1F1B interleaves micro-batches: DeepSpeed refuses them,
-torchtitan keeps the weights gathered for the whole step. ZeRO-1 would fit (whole weights on
-every stage, the optimizer states sharded over each stage's dp x cp), but this lesson's step runs
-its own micro-batch loop, not lesson 03's schedule, so it is not composed yet.
+Pipelines (lesson 03) take ZeRO-1. Its weights and gradients stay whole on every stage, so lesson
+03's schedule runs the stage's micro-batches unchanged; the stage's last backward reduce-scatters
+its gradients once, over that stage's dp x cp ranks, which shard its optimizer states; the norm
+from the shards also sums over pp. The formulas below hold per stage, Psi its parameters (the
+embedding sits on the first stage, the head on the last). ZeRO-2/3 are refused: under a pipeline
+they reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B
+interleaves, m times the traffic for m micro-batches: DeepSpeed refuses them, torchtitan keeps
+the weights gathered for the whole step.
 
 Mixed precision. `--dtype bfloat16` keeps the weights in bf16 (what the model computes with and
 what ZeRO-3 all-gathers: half the bytes) and an fp32 master copy with fp32 Adam states in the
@@ -81,6 +84,7 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py                                  # ZeRO-3, fp32, CPU
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
     torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
+    torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1            # with lesson 03
     torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2         # experts over edp = 2
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
     python 06_zero.py --memory-table                                        # the 8b preset's table
@@ -93,7 +97,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -109,6 +113,7 @@ from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, a
                                  build_optimizer, plan_run, train)
 
 tensor_parallel = load_lesson("02_tensor_parallel")
+pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 
@@ -336,8 +341,8 @@ def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.A
 
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
     """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
-    an all-reduce over the shard group (and tp's, for tensor-parallel shards) sums the ranks,
-    and every rank scales its shard by the same factor. Norm gains replicated over tp count once.
+    an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
+    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the same factor. Norm gains replicated over tp count once.
     Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
     each expert's shards over edp, exactly once, so the dp x cp sum counts every expert once."""
     counts = settings.counts_toward_norm or (lambda param: True)
@@ -436,9 +441,9 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, stage, precision, expert_group)
 
 
-def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
-    """Lesson 01's step (token-weighted loss, gradients summed, accumulation), with the sharded
-    tail: the norm from the shards, the step on the master shard, the weights published."""
+def forward_backward(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> torch.Tensor:
+    """Lesson 01's micro-batch loop (token-weighted loss, gradients summed, reduced during the last
+    micro-batch's backward); returns this rank's share of the loss."""
     n_micro = len(batch.micro_batches)
     loss = torch.zeros((), device=settings.device)
     for index, micro_batch in enumerate(batch.micro_batches):
@@ -447,21 +452,41 @@ def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: S
             share = model(*(t.to(settings.device) for t in micro_batch), reduction="sum") / batch.n_targets
         share.backward()
         loss += share.detach().float()
+    return loss
+
+
+def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """The micro-batches' forward and backward, by lesson 01's loop or by lesson 03's schedule on
+    this rank's stage, then the sharded tail: the norm from the shards, the step on the master
+    shard, the weights published. Pipeline stages hold different parameters: as in lesson 03's
+    step, the norm also sums over pp, and so does the loss (only the last stage computes it)."""
+    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
+        (model,), pipeline_groups = model_or_pipeline.chunks, (model_or_pipeline.pp_group,)
+        loss = model_or_pipeline.forward_backward(batch)
+    else:
+        model, pipeline_groups = model_or_pipeline, ()
+        loss = forward_backward(model, batch, settings)
     model.finish_gradient_synchronization()
-    grad_norm = clip_sharded_grad_norm_(model, settings)
+    grad_norm = clip_sharded_grad_norm_(model, replace(settings, norm_groups=(*pipeline_groups, *settings.norm_groups)))
     model.step(optimizer)
     model.zero_grad()
-    comm.call(dist.all_reduce, loss, group=model.dp_group)
+    for group in (*pipeline_groups, model.dp_group):
+        comm.call(dist.all_reduce, loss, group=group)
     return StepResult(loss.item(), grad_norm)
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
                 cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None) -> ZeroDataParallel:
-    """The reference GPT -> tensor parallel (lesson 02) -> context-parallel attention (lesson 04)
-    -> experts sharded over ep and dispatched, balancing over the step's `sequences_per_step`
-    (lesson 05) -> ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp)."""
-    model = GPT(cfg, seed=seed).to(device)
+    """The reference GPT, or with pp > 1 this rank's stage (lesson 03, one chunk) -> tensor
+    parallel (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep and
+    dispatched, balancing over the step's `sequences_per_step` (lesson 05) -> ZeRO over the
+    dp x cp ranks, which hold the same weights (experts: over edp)."""
+    if grid.pp_size > 1:
+        (model,) = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
+    else:
+        model = GPT(cfg, seed=seed)
+    model = model.to(device)
     if grid.tp_size > 1:
         model = tensor_parallel.apply_tensor_parallel(model, grid.tp_group, sequence_parallel)
     if grid.cp_size > 1:
@@ -474,13 +499,22 @@ def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precis
     return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
 
 
+def build_pipeline(model: ZeroDataParallel, grid: ProcessGrid, schedule: str, shape, cfg, device,
+                   precision: Precision, sequence_parallel: bool = False):
+    """Lesson 03's Pipeline over this rank's stage, or None without pipeline parallelism. The
+    boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
+    dtype: with bf16 weights the residual stream itself is bf16."""
+    if grid.pp_size == 1:
+        return None
+    b, s, h = pipeline_parallel.activation_shape(cfg, shape, grid, sequence_parallel)
+    return pipeline_parallel.Pipeline([model], grid, schedule, shape.grad_accum, 1, (b, s // grid.cp_size, h),
+                                      device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+
+
 def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
     """Autocast in the weights' dtype (a no-op on bf16 weights' matmuls, the float32 norms and loss
-    as in the reference); tensor-parallel shards add the tp group to the norm."""
-    if grid.tp_size == 1:
-        return StepSettings(device, precision.param_dtype, max_grad_norm)
-    return StepSettings(device, precision.param_dtype, max_grad_norm, (grid.tp_group,),
-                        tensor_parallel.tp_counts_toward_norm(grid.tp_group))
+    as in the reference); lesson 03's norm rule for tensor-parallel shards (train_step adds pp)."""
+    return StepSettings(device, precision.param_dtype, max_grad_norm, *pipeline_parallel.norm_settings(grid))
 
 
 # ============================================================================ configuration rules
@@ -499,18 +533,18 @@ def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
 
 def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
                   seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
-                  ep: int = 1) -> None:
-    """ZeRO's rules, then lesson 05's with experts, then lesson 04's (which include lessons 02's
-    and the grid's)."""
+                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1) -> None:
+    """ZeRO's rules, then lesson 05's with experts, then lesson 04's (which include lessons 02's,
+    03's and the grid's)."""
     problems = []
-    if grid.pp > 1:
-        problems.append(f"--pp {grid.pp}: this lesson shards over dp x cp without a pipeline (ZeRO-2/3 under "
-                        f"a pipeline reduce-scatter, and ZeRO-3 re-gathers, at every micro-batch of the schedule: "
-                        f"DeepSpeed refuses them); use --pp 1")
-    if cfg.n_experts and (stage == 0 or grid.tp > 1 or grid.cp > 1):
-        problems.append(f"n_experts={cfg.n_experts} with --zero-stage {stage} --tp {grid.tp} --cp {grid.cp}: experts "
-                        f"are composed with ZeRO-1/2/3 over dp only (stage 0 is lesson 05); use --tp 1 --cp 1 and "
-                        f"--zero-stage 1, 2 or 3")
+    if grid.pp > 1 and stage >= 2:
+        problems.append(f"--pp {grid.pp} with --zero-stage {stage}: ZeRO-2/3 under a pipeline reduce-scatter (and "
+                        f"ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B interleaves: "
+                        f"DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
+    if cfg.n_experts and (stage == 0 or grid.pp > 1 or grid.tp > 1 or grid.cp > 1):
+        problems.append(f"n_experts={cfg.n_experts} with --zero-stage {stage} --pp {grid.pp} --tp {grid.tp} "
+                        f"--cp {grid.cp}: experts are composed with ZeRO-1/2/3 over dp only (stage 0 is lesson "
+                        f"05); use --pp 1 --tp 1 --cp 1 and --zero-stage 1, 2 or 3")
     if not cfg.n_experts and ep != 1:
         problems.append(f"--ep {ep} with a dense preset: there are no experts to spread; use --ep 1 or --preset tiny-moe")
     if dtype == "float32" and reduce_dtype == "bfloat16":
@@ -520,12 +554,15 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
         raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
     if cfg.n_experts:
         expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep)
-    context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode, sequence_parallel)
+    context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode, sequence_parallel,
+                                               schedule, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count."""
     validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
-                  args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid))
+                  args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid),
+                  args.schedule, shape.grad_accum)
 
 
 # ============================================================================ measuring the three challenges
@@ -569,11 +606,14 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
                        storage_bytes(unit.master for unit in model.units), storage_bytes(states))
 
 
-def unit_parameter_counts(cfg, tp: int = 1) -> list[int]:
-    """Parameters of each unit on one tp rank: embedding, blocks, head (norm gains stay whole)."""
+def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> list[int]:
+    """Parameters of each unit on one tp rank of pipeline stage `pp_rank`: the embedding (first
+    stage), the stage's blocks, the head (last stage); norm gains stay whole under tp."""
     h, hd = cfg.hidden, cfg.head_dim
     block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd + 3 * h * cfg.ffn_hidden) // tp + 2 * h
-    return [cfg.vocab_size * h // tp, *[block] * cfg.n_layers, h + h * cfg.vocab_size // tp]
+    n_blocks = len(pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp)[pp_rank])
+    return ([cfg.vocab_size * h // tp] * (pp_rank == 0) + [block] * n_blocks
+            + [h + h * cfg.vocab_size // tp] * (pp_rank == pp - 1))
 
 
 def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
@@ -686,11 +726,23 @@ def predicted_traffic_of(model: ZeroDataParallel, n: int, edp: int, precision: P
                        step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
 
 
-def report(model, optimizer, plan, args, grid: ProcessGrid, precision: Precision, gathered: GatheredParameterMeter,
-           throughput, device) -> None:
+def predicted_pipeline_traffic(pipeline, precision: Precision, n_micro: int) -> dict:
+    """Lesson 03's p2p bytes of this rank's stage (boundaries in the weights' dtype), and the
+    loss and norm scalars the step sums over pp."""
+    if pipeline is None:
+        return {}
+    p2p = pipeline_parallel.predicted_p2p_bytes(n_micro, pipeline.activation_shape,
+                                                precision.param_dtype.itemsize, pipeline.pp, pipeline.pp_rank, 1)
+    return add_traffic({("isend", "pp"): p2p, ("irecv", "pp"): p2p},
+                       step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
+
+
+def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision: Precision,
+           gathered: GatheredParameterMeter, throughput, device) -> None:
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     counts, experts = unit_counts(model)
-    log0(f"\n== memory (one rank; ZeRO-{model.stage} over dp x cp = {n}"
+    where = f"pipeline stage 0 of {grid.pp_size}, " if pipeline is not None else ""
+    log0(f"\n== memory (one rank; {where}ZeRO-{model.stage} over dp x cp = {n}"
          + (f", experts over edp = {edp}" if any(experts) else "")
          + f"; weights {precision.param_dtype}, gradients {precision.reduce_dtype}) ==")
     log0(model_state_table(measured_model_states(model, optimizer), predicted_states_of(model, n, edp, precision)))
@@ -702,8 +754,9 @@ def report(model, optimizer, plan, args, grid: ProcessGrid, precision: Precision
              f"predicted (largest flat unit {largest / 1e6:.3f} MB)")
     log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
     norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = predicted_traffic_of(model, n, edp, precision, plan.shape.grad_accum,
-                                     getattr(model, "reshard_after_forward", True), norm_groups)
+    predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, plan.shape.grad_accum,
+                                                 getattr(model, "reshard_after_forward", True), norm_groups),
+                            predicted_pipeline_traffic(pipeline, precision, plan.shape.grad_accum))
     log0(comm.meter.table(predicted, per=args.steps))
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
@@ -726,6 +779,7 @@ def parse_args(argv=None):
                         help="ZeRO-3: start gathering the next unit while this one computes")
     parser.add_argument("--ep", type=int, default=None,
                         help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
+    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
     parser.add_argument("--memory-table", action="store_true",
@@ -747,9 +801,12 @@ def main(argv=None):
     model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                         args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
                         plan.shape.sequences_per_step)
+    pipeline = build_pipeline(model, grid, args.schedule, plan.shape, plan.cfg, device, precision,
+                              args.sequence_parallel)
     optimizer = build_sharded_optimizer(model, args.lr)
     settings = step_settings(grid, device, precision, args.max_grad_norm)
-    log0(f"lesson 06: ZeRO-{args.zero_stage} over dp x cp = {grid.dp_size * grid.cp_size} ranks (tp={grid.tp_size}), "
+    log0(f"lesson 06: ZeRO-{args.zero_stage} over dp x cp = {grid.dp_size * grid.cp_size} ranks "
+         f"(tp={grid.tp_size}, pp={grid.pp_size}), "
          f"{len(model.units)} units, weights {precision.param_dtype}, gradients {precision.reduce_dtype}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
@@ -758,9 +815,9 @@ def main(argv=None):
     if grid.cp_size > 1:
         cut = partial(context_parallel.context_parallel_batch,
                       split=context_parallel.SequenceSplit(grid.cp_size, args.zigzag), cp_rank=grid.cp_rank)
-    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, prepare_batch=cut, meters=(gathered,))
-    report(model, optimizer, plan, args, grid, precision, gathered, throughput, device)
+    step = partial(train_step, model if pipeline is None else pipeline, optimizer, settings=settings)
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut, meters=(gathered,))
+    report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device)
     shutdown()
 
 

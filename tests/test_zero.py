@@ -95,13 +95,15 @@ def observe_gradients(model, optimizer) -> dict:
 def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: bool = True,
              precision=FP32, grid=None, cfg=CFG) -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
-    their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula."""
+    their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula.
+    With pp > 1 the rank's stage runs lesson 03's 1F1B schedule: it holds its stage's parameters."""
     zero = lesson()
     grid = grid or ProcessGrid(grid_shape)
     precision = zero.Precision(**precision)
     data = batches(grid.dp_size)
     model = zero.build_model(cfg, SEED, grid, stage, precision, CPU, reshard, prefetch,
                              sequences_per_step=data.shape.sequences_per_step)
+    pipeline = zero.build_pipeline(model, grid, "1f1b", data.shape, cfg, CPU, precision)
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
@@ -116,14 +118,15 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         if split is not None:
             batch = split(batch)
         with meter if step == 0 else torch.enable_grad():
-            results.append(zero.train_step(model, optimizer, batch, settings))
+            results.append(zero.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     counts, expert_counts = zero.unit_counts(model)
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     predicted = zero.predicted_traffic_of(model, n, edp, precision, data.shape.grad_accum, reshard, norm_groups)
     # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
     predicted_states = zero.predicted_states_of(model, n, edp, precision) if cfg.n_experts else \
-        zero.predicted_model_states(zero.unit_parameter_counts(cfg, grid.tp_size), n, stage, precision)
+        zero.predicted_model_states(zero.unit_parameter_counts(cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
+                                    precision)
     params = gathered(model, lambda unit: unit.master)
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params,
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
@@ -144,15 +147,19 @@ def context_split(grid):
     return lambda batch: cp.context_parallel_batch(batch, cp.SequenceSplit(grid.cp_size, True), grid.cp_rank)
 
 
-def assert_equal(result: dict, reference: dict, where: str) -> None:
+def assert_equal(result: dict, reference: dict, where: str, names=None) -> None:
+    """Every parameter, or `names` (a pipeline stage's)."""
+    names = list(names or reference["params"])
     for key in ("grads", "clipped_grads"):
-        for name, grad in reference[key].items():
-            torch.testing.assert_close(result[key][name], grad, **TOLERANCE, msg=f"{where} {key} {name}")
+        for name in names:
+            torch.testing.assert_close(result[key][name], reference[key][name], **TOLERANCE,
+                                       msg=f"{where} {key} {name}")
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5,
                                    msg=f"{where} {key}")
-    for name, param in reference["params"].items():
-        torch.testing.assert_close(result["params"][name], param, **PARAM_TOLERANCE, msg=f"{where} param {name}")
+    for name in names:
+        torch.testing.assert_close(result["params"][name], reference["params"][name], **PARAM_TOLERANCE,
+                                   msg=f"{where} param {name}")
 
 
 def assert_formulas(result: dict, where: str) -> None:
@@ -429,8 +436,11 @@ def expert_parallel_baseline(grid) -> dict:
 
 def composed():
     tp_grid, cp_grid = ProcessGrid(GridShape(dp=2, tp=2)), ProcessGrid(GridShape(dp=2, cp=2))
-    ep_grid = ProcessGrid(GridShape(dp=4), ep=2)
+    ep_grid, pp_grid = ProcessGrid(GridShape(dp=4), ep=2), ProcessGrid(GridShape(dp=2, pp=2))
     runs = {"tp baseline": tensor_parallel_baseline(tp_grid), "ep baseline": expert_parallel_baseline(ep_grid)}
+    for stage in (0, 1):
+        runs[f"pp stage {stage}"] = zero_run(pp_grid.shape, stage, grid=pp_grid)
+    runs["pp bf16 stage 1"] = zero_run(pp_grid.shape, 1, precision=BF16, grid=pp_grid)
     for stage in (1, 2, 3):
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
@@ -447,14 +457,31 @@ def assert_equal_to_baseline(run: dict, baseline: dict, where: str) -> None:
         torch.testing.assert_close(run["params"][name], param, **PARAM_TOLERANCE, msg=f"{where} {name}")
 
 
-def test_composes_with_tensor_context_and_expert_parallelism(reference):
+def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference):
     """dp 2 x tp 2: ZeRO shards each tensor-parallel shard over dp (the norm from the shards adds the tp
     group and counts replicated gains once), equal to lessons 02 + 01 on the same ranks; dp 2 x cp 2:
-    ZeRO over the four dp x cp ranks, equal to one device; dp 4 with ep 2 (tiny-moe): dense units
-    sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
+    ZeRO over the four dp x cp ranks, equal to one device; pp 2 x dp 2: lesson 03's 1F1B over three
+    micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
+    equal to one device, and in bf16 to the one-device bf16 regime; dp 4 with ep 2 (tiny-moe): dense
+    units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
     routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
-    Formulas byte for byte in all three."""
+    Formulas byte for byte in all four."""
+    bf16 = bf16_reference(torch.bfloat16)
+    covered = {stage: set() for stage in (0, 1)}     # parameter names over both pipeline stages
     for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
+        for stage in (0, 1):
+            run, where = runs[f"pp stage {stage}"], f"rank={rank} pp stage {stage}"
+            assert ("isend", "pp") in run["traffic"], "the stages must run lesson 03's schedule"
+            assert_equal(run, reference, where, names=run["params"])
+            assert_formulas(run, where)
+            covered[stage] |= set(run["params"])
+        run, where = runs["pp bf16 stage 1"], f"rank={rank} pp bf16 stage 1"
+        expected = {key: {name: bf16[key][name] for name in run["params"]} for key in ("grads", "params")}
+        assert relative_error(run["grads"], expected["grads"]) < 2 * BF16_ROUNDING, where
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(bf16["losses"]),
+                                   rtol=BF16_ROUNDING, atol=0, msg=where)
+        assert parameter_change_error(run["params"], expected["params"]) < 4 * BF16_ROUNDING, where
+        assert_formulas(run, where)
         for stage in (1, 2, 3):
             where = f"rank={rank} stage {stage}"
             assert_equal(runs[f"cp stage {stage}"], reference, f"{where} cp")
@@ -467,6 +494,7 @@ def test_composes_with_tensor_context_and_expert_parallelism(reference):
             assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
             assert_formulas(ep_run, f"{where} ep")
             assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
+    assert all(names == set(reference["params"]) for names in covered.values()), "the stages hold every parameter"
 
 
 # ----------------------------------------------------------------------------- the script
@@ -485,7 +513,7 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     traffic equal to the formulas, the gathered peak equal to its prediction. Three bad
     configurations at the same time: one `error:` line each, exit code 2, no traceback."""
     run = launch_lesson("--steps", "12", "--seq-len", "64", "--dtype", "bfloat16")
-    bad = {"pipeline": launch_lesson("--pp", "2"),
+    bad = {"pipeline": launch_lesson("--pp", "2", "--zero-stage", "2"),
            "reduce": launch_lesson("--dtype", "float32", "--reduce-dtype", "bfloat16"),
            "degrees": launch_lesson("--dp", "3")}
     stdout, stderr = run.communicate(timeout=300)
@@ -502,7 +530,7 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
         err = outputs[name][1]
         assert process.returncode != 0 and err.count("error: ") == 1, (name, err)
         assert re.search(r"exitcode\s*:\s*2\b", err) and "Traceback" not in err.split("error: ")[0], err
-    assert "--pp 2: this lesson shards over dp x cp without a pipeline" in outputs["pipeline"][1]
+    assert "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline" in outputs["pipeline"][1]
     assert "--reduce-dtype bfloat16 with --dtype float32" in outputs["reduce"][1]
     assert "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2" in outputs["degrees"][1]
 
