@@ -399,11 +399,18 @@ def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
 
 def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
                 bucket_bytes: int = 2**20) -> list[nn.Module]:
+    """This rank's parts (build_parts), their gradients summed over dp x cp and edp."""
+    return [ExpertDataParallel(part, grid, bucket_bytes)
+            for part in build_parts(cfg, seed, grid, device, grouped, sequences_per_step)]
+
+
+def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
+                zigzag: bool = True) -> list[nn.Module]:
     """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> dense layers split
     over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
-    tp) and dispatched -> balancing made global -> gradients summed over dp x cp and edp."""
+    tp) and dispatched -> balancing made global. Unwrapped: lesson 06 shards them with ZeRO."""
     ep = ExpertParallel.from_grid(grid)
-    cp = context_parallel.ContextParallel.from_grid(grid, zigzag=True)
+    cp = context_parallel.ContextParallel.from_grid(grid, zigzag)
     tp_group = grid.tp_group if grid.tp_size > 1 else None
     if grid.pp_size > 1:
         parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
@@ -415,8 +422,7 @@ def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
     if grid.cp_size > 1:
         parts = [context_parallel.apply_context_parallel(part, cp) for part in parts]
     parts = [apply_expert_parallel(part, ep, grouped, tp_group) for part in parts]
-    return [ExpertDataParallel(prepare_balancing(part, grid, sequences_per_step), grid, bucket_bytes)
-            for part in parts]
+    return [prepare_balancing(part, grid, sequences_per_step) for part in parts]
 
 
 # ============================================================================ configuration rules

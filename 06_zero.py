@@ -50,7 +50,9 @@ Experts (lesson 05). An expert weight is not held by every dp x cp rank: each ep
 the experts over its ranks, and a rank shares its experts with its expert-data-parallel (edp)
 group, dp x cp / ep ranks. So a block with experts makes two flat units, the dense one sharded
 over dp x cp and the expert one over edp; both are reduced, stepped and gathered over their own
-group, and ZeRO-3 gathers them together. Composed with ZeRO-1/2/3 at tp = cp = pp = 1.
+group, and ZeRO-3 gathers them together. Lesson 05 builds the model (its tp splits each expert
+column/row, so an expert unit holds this tp rank's slices; cp cuts the sequences as in 04), ZeRO
+wraps it: ZeRO-1/2/3 with experts and tp or cp, ZeRO-1 with experts and pp (as below).
 
 Pipelines (lesson 03) take ZeRO-1. Its weights and gradients stay whole on every stage, so lesson
 03's schedule runs the stage's micro-batches unchanged; the stage's last backward reduce-scatters
@@ -86,6 +88,7 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
     torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1            # with lesson 03
     torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2         # experts over edp = 2
+    torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2 --dp 2 --cp 2   # with lesson 04 too
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
     python 06_zero.py --memory-table                                        # the 8b preset's table
 
@@ -108,7 +111,8 @@ from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
 from picotron_like.model import GPT, count_parameters, get_config
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+                                    validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
@@ -344,7 +348,8 @@ def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> 
     an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
     pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the same factor. Norm gains replicated over tp count once.
     Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
-    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert once."""
+    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp,
+    every slice of it: the tp sum adds the slices) once."""
     counts = settings.counts_toward_norm or (lambda param: True)
     norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
     for unit in model.units:
@@ -481,7 +486,11 @@ def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precis
     """The reference GPT, or with pp > 1 this rank's stage (lesson 03, one chunk) -> tensor
     parallel (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep and
     dispatched, balancing over the step's `sequences_per_step` (lesson 05) -> ZeRO over the
-    dp x cp ranks, which hold the same weights (experts: over edp)."""
+    dp x cp ranks, which hold the same weights (experts: over edp). With experts, lesson 05 builds
+    the same chain (its tp splits each expert column/row) and ZeRO wraps it."""
+    if cfg.n_experts:
+        (model,) = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag)
+        return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
     if grid.pp_size > 1:
         (model,) = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
     else:
@@ -492,11 +501,7 @@ def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precis
     if grid.cp_size > 1:
         model = context_parallel.apply_context_parallel(
             model, context_parallel.ContextParallel.from_grid(grid, zigzag), cp_mode)
-    if not cfg.n_experts:
-        return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
-    model = expert_parallel.apply_expert_parallel(model, expert_parallel.ExpertParallel.from_grid(grid), grouped=False)
-    model = expert_parallel.prepare_balancing(model, grid, sequences_per_step)
-    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
+    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
 
 
 def build_pipeline(model: ZeroDataParallel, grid: ProcessGrid, schedule: str, shape, cfg, device,
@@ -534,28 +539,33 @@ def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
 def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
                   seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
                   ep: int = 1, schedule: str = "1f1b", n_micro: int = 1) -> None:
-    """ZeRO's rules, then lesson 05's with experts, then lesson 04's (which include lessons 02's,
-    03's and the grid's)."""
+    """ZeRO's rules, then lesson 04's (which include lessons 02's, 03's and the grid's), or with
+    experts the grid's (zigzag included) and lesson 05's (its own tp split; lesson 02 refuses experts)."""
     problems = []
     if grid.pp > 1 and stage >= 2:
         problems.append(f"--pp {grid.pp} with --zero-stage {stage}: ZeRO-2/3 under a pipeline reduce-scatter (and "
                         f"ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B interleaves: "
                         f"DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
-    if cfg.n_experts and (stage == 0 or grid.pp > 1 or grid.tp > 1 or grid.cp > 1):
-        problems.append(f"n_experts={cfg.n_experts} with --zero-stage {stage} --pp {grid.pp} --tp {grid.tp} "
-                        f"--cp {grid.cp}: experts are composed with ZeRO-1/2/3 over dp only (stage 0 is lesson "
-                        f"05); use --pp 1 --tp 1 --cp 1 and --zero-stage 1, 2 or 3")
+    if cfg.n_experts and stage == 0:
+        problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
+                        f"use --zero-stage 1, 2 or 3")
     if not cfg.n_experts and ep != 1:
         problems.append(f"--ep {ep} with a dense preset: there are no experts to spread; use --ep 1 or --preset tiny-moe")
     if dtype == "float32" and reduce_dtype == "bfloat16":
         problems.append("--reduce-dtype bfloat16 with --dtype float32 rounds float32 gradients to 8 bits "
                         "for nothing; use --dtype bfloat16 or --reduce-dtype float32")
+    if cfg.n_experts and cp_mode != "ring":
+        problems.append(f"--cp-mode {cp_mode} with experts: lesson 05 composes experts with ring attention; "
+                        f"use --cp-mode ring")
     if problems:
         raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
-    if cfg.n_experts:
-        expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep)
-    context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode, sequence_parallel,
-                                               schedule, n_micro)
+    if not cfg.n_experts:
+        context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode,
+                                                   sequence_parallel, schedule, n_micro)
+        return
+    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
+    expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep, schedule, n_micro,
+                                             sequence_parallel=sequence_parallel)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:

@@ -416,10 +416,12 @@ def tensor_parallel_baseline(grid) -> dict:
 
 def expert_parallel_baseline(grid) -> dict:
     """Lesson 05 on the same grid: ExpertDataParallel (dense gradients summed over dp x cp, experts
-    over edp), whose equality to one device is lesson 05's proof."""
-    expert_parallel = load_lesson("05_expert_parallel")
+    over edp), with its tp split of every expert, cp's cut of the batch and lesson 03's 1F1B as
+    lesson 05's main builds them; its equality to one device is lesson 05's proof."""
+    expert_parallel, context_parallel = load_lesson("05_expert_parallel"), load_lesson("04_context_parallel")
     data = batches(grid.dp_size)
     (part,) = expert_parallel.build_model(MOE_CFG, SEED, grid, CPU, False, data.shape.sequences_per_step)
+    pipeline = context_parallel.build_pipeline([part], grid, "1f1b", data.shape, MOE_CFG, CPU, torch.float32)
     optimizer = build_optimizer(part.module, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
@@ -427,11 +429,17 @@ def expert_parallel_baseline(grid) -> dict:
     optimizer.register_step_pre_hook(lambda *_: seen.setdefault(
         "clipped_grads", {n: p.grad.clone() for n, p in part.module.named_parameters()}) and None)
     settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
-    results = [expert_parallel.train_step(part, optimizer, data.step_batch(step, grid.dp_rank), settings)
+    split = context_split(grid) or (lambda batch: batch)
+    results = [expert_parallel.train_step(part if pipeline is None else pipeline, optimizer,
+                                          split(data.step_batch(step, grid.dp_rank)), settings)
                for step in range(STEPS)]
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "clipped_grads": seen["clipped_grads"],
             "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
+
+
+EXPERT_COMPOSITIONS = {"ep cp stage 3": (GridShape(dp=2, cp=2), 3), "ep tp stage 2": (GridShape(dp=2, tp=2), 2),
+                       "ep pp stage 1": (GridShape(dp=2, pp=2), 1)}
 
 
 def composed():
@@ -445,6 +453,10 @@ def composed():
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
         runs[f"ep stage {stage}"] = zero_run(ep_grid.shape, stage, grid=ep_grid, cfg=MOE_CFG)
+    for name, (shape, stage) in EXPERT_COMPOSITIONS.items():
+        grid = ProcessGrid(shape, ep=2)
+        runs[f"{name} baseline"] = expert_parallel_baseline(grid)
+        runs[name] = zero_run(shape, stage, grid=grid, cfg=MOE_CFG)
     return runs
 
 
@@ -464,8 +476,11 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
     equal to one device, and in bf16 to the one-device bf16 regime; dp 4 with ep 2 (tiny-moe): dense
     units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
-    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
-    Formulas byte for byte in all four."""
+    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device); and
+    experts with each other axis, each against lesson 05 on the same ranks: dp 2 x cp 2 (ZeRO-3:
+    dense units over the four dp x cp ranks, experts over edp = 2), dp 2 x tp 2 (ZeRO-2: the expert
+    units hold this tp rank's column/row slices, edp = 1), pp 2 x dp 2 (ZeRO-1 under 1F1B).
+    Formulas byte for byte in all of them."""
     bf16 = bf16_reference(torch.bfloat16)
     covered = {stage: set() for stage in (0, 1)}     # parameter names over both pipeline stages
     for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
@@ -494,6 +509,12 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
             assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
             assert_formulas(ep_run, f"{where} ep")
             assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
+        for name in EXPERT_COMPOSITIONS:
+            run, where = runs[name], f"rank={rank} {name}"
+            assert any(key[1] == "edp" for key in run["traffic"]), "the experts must be sharded over edp"
+            assert ("isend", "pp") in run["traffic"] or "pp" not in name, "the stages must run lesson 03's schedule"
+            assert_formulas(run, where)
+            assert_equal_to_baseline(run, runs[f"{name} baseline"], where)
     assert all(names == set(reference["params"]) for names in covered.values()), "the stages hold every parameter"
 
 
@@ -536,8 +557,8 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
 
 
 @pytest.mark.parametrize("cfg, grid, stage, ep, message", [
-    (MOE_CFG, GridShape(dp=2), 0, 2, "experts are composed with ZeRO-1/2/3 over dp only"),
-    (MOE_CFG, GridShape(dp=2, tp=2), 1, 2, "--tp 2 --cp 1: experts are composed with ZeRO-1/2/3"),
+    (MOE_CFG, GridShape(dp=2), 0, 2, "--zero-stage 0: experts without sharding are lesson 05"),
+    (MOE_CFG, GridShape(dp=2, pp=2), 2, 2, "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline"),
     (MOE_CFG, GridShape(dp=4), 1, 3, "--ep 3 does not divide dp*cp = 4*1 = 4"),
     (CFG, GridShape(dp=2), 1, 2, "--ep 2 with a dense preset"),
 ])
