@@ -747,6 +747,25 @@ def predicted_pipeline_traffic(pipeline, precision: Precision, n_micro: int) -> 
                        step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
 
 
+def predicted_inner_traffic(model: ZeroDataParallel, cfg, shape, grid: ProcessGrid, cp_mode: str,
+                            sequence_parallel: bool, precision: Precision):
+    """What tensor and context parallelism move inside this rank's layers (lessons 02 and 04's
+    formulas), which ZeRO leaves as it is. Those formulas count a float32 residual stream; with
+    bf16 weights the stream is bf16, and with experts the traffic depends on the routing (lesson
+    05 predicts it from the step's counts): None then, and the table shows '-' for those rows."""
+    if precision.param_dtype != torch.float32 or any(unit_counts(model)[1]):
+        return None
+    module, tp = model.module, grid.tp_size
+    n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
+    predicted = [context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, cp_mode,
+                                                       n_micro, 4, tp, n_layers)]
+    if tp > 1:
+        predicted.append(tensor_parallel.predicted_tp_traffic(
+            cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
+            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
+    return add_traffic(*predicted)
+
+
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision: Precision,
            gathered: GatheredParameterMeter, throughput, device) -> None:
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
@@ -767,7 +786,10 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
     predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, plan.shape.grad_accum,
                                                  getattr(model, "reshard_after_forward", True), norm_groups),
                             predicted_pipeline_traffic(pipeline, precision, plan.shape.grad_accum))
-    log0(comm.meter.table(predicted, per=args.steps))
+    inner = predicted_inner_traffic(model, plan.cfg, plan.shape, grid, args.cp_mode, args.sequence_parallel, precision)
+    if inner is None:
+        predicted = {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
+    log0(comm.meter.table(add_traffic(predicted, inner or {}), per=args.steps))
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
 

@@ -123,6 +123,9 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
     counts, expert_counts = zero.unit_counts(model)
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     predicted = zero.predicted_traffic_of(model, n, edp, precision, data.shape.grad_accum, reshard, norm_groups)
+    # tp's and cp's own traffic, from lessons 02 and 04's formulas (float32 dense runs; None otherwise)
+    inner = zero.predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
+    predicted = add_traffic(predicted, inner or {})
     # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
     predicted_states = zero.predicted_states_of(model, n, edp, precision) if cfg.n_experts else \
         zero.predicted_model_states(zero.unit_parameter_counts(cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
@@ -137,7 +140,8 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
                                                            prefetch, expert_counts, edp)
             if stage == 3 else meter.peak_bytes,
             "traffic": {key: value.payload_bytes for key, value in comm.meter.traffic.items()},
-            "predicted": {key: STEPS * value for key, value in predicted.items()}}
+            "predicted": {key: STEPS * value for key, value in predicted.items()},
+            "inner_predicted": inner is not None}
 
 
 def context_split(grid):
@@ -165,10 +169,13 @@ def assert_equal(result: dict, reference: dict, where: str, names=None) -> None:
 def assert_formulas(result: dict, where: str) -> None:
     assert result["states"] == result["predicted_states"], where
     assert result["peak"] == result["predicted_peak"], where
-    # On the dp x cp group (and edp): ZeRO's traffic and the step's bookkeeping. tp's, cp's and ep's
-    # own collectives (and the norm's 4 bytes mixed into tp's all-reduces) are their lessons'.
+    # On the dp x cp group (and edp): ZeRO's traffic and the step's bookkeeping; on tp and cp, their
+    # lessons' formulas where they apply (float32, dense: predicted_inner_traffic). ep's traffic
+    # depends on the routing: lesson 05's tests check it.
+    inner_groups = ("tp", "cp") if result["inner_predicted"] else ()
+
     def on_dp_cp(traffic):
-        return {key: value for key, value in traffic.items() if key[1] in ("dp_cp", "edp")}
+        return {key: value for key, value in traffic.items() if key[1] in ("dp_cp", "edp", *inner_groups)}
 
     assert on_dp_cp(result["traffic"]) == on_dp_cp(result["predicted"]), where
 
