@@ -74,7 +74,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_activation_bytes, predicted_memory)
+                                   predicted_activation_bytes, predicted_memory, tensor_bytes)
 from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
@@ -704,7 +704,6 @@ def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, mea
     modules = nn.ModuleList(part.module for part in parts)
     n_params = sum(p.numel() for p in modules.parameters())
     n_layers = sum(len(module.layers) for module in modules)
-    expert_params = sum(p.numel() for part in parts for p in part.expert_parameters)
     predicted = predicted_peak_activation_bytes(parts, pipeline, cfg, shape, grid.cp_size, measured_step, ep, grouped,
                                                 grid.tp_size)
     log0("\n== memory (one rank; activations at their peak in step 0) ==")
@@ -713,10 +712,13 @@ def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, mea
     log0("predicted activations: the dense formula with each MoE layer's SwiGLU replaced by "
          "moe_layer_activation_bytes, evaluated on step 0's routing counts (rows sent and received per layer "
          "and micro-batch)")
-    log0(f"experts on this rank: {expert_params * 4 / 1e6:.3f} MB of weights measured, "
-         f"{expert_memory_bytes(cfg, ep.size, n_layers, grid.tp_size) / 1e6:.3f} MB predicted "
-         f"(3 h f E / (ep tp) per layer); "
-         f"gradients the same, AdamW states twice that")
+    experts = [p for part in parts for p in part.expert_parameters]
+    states = (v for p in experts for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0)
+    measured = [tensor_bytes(experts), tensor_bytes(p.grad for p in experts if p.grad is not None), tensor_bytes(states)]
+    weights = expert_memory_bytes(cfg, ep.size, n_layers, grid.tp_size)
+    log0("experts on this rank (3 h f E / (ep tp) per layer), measured / predicted MB: " + ", ".join(
+        f"{name} {bytes_ / 1e6:.3f} / {times * weights / 1e6:.3f}"
+        for name, bytes_, times in zip(("weights", "gradients", "AdamW states"), measured, (1, 1, 2))))
     element_bytes = torch.finfo(compute_dtype).bits // 8
     routed = predicted_routed_traffic(every_step, ep, grid.tp_size, cfg.hidden, element_bytes)
     log0(f"\n== communication per step (ep={ep.size} drawn from dp x cp = {grid.dp_size} x {grid.cp_size}) ==")
