@@ -225,6 +225,23 @@ def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> St
     return StepResult(loss.item(), grad_norm)
 
 
+@torch.no_grad()
+def evaluate(model, batch: StepBatch, settings: StepSettings) -> float:
+    """The global batch's mean loss, without gradients: train_step's forward and loss all-reduce alone.
+
+    No graph is kept, so no backward hook fires and no gradient all-reduce runs; eval() for the
+    day the model has layers that behave differently when not training.
+    """
+    model.eval()
+    loss = torch.zeros((), device=settings.device)
+    for micro_batch in batch.micro_batches:
+        with settings.autocast():
+            loss += model(*(t.to(settings.device) for t in micro_batch), reduction="sum").float() / batch.n_targets
+    model.train()
+    comm.call(dist.all_reduce, loss, group=model.dp_group)
+    return loss.item()
+
+
 # ============================================================================ configuration rules
 
 
@@ -284,7 +301,8 @@ def main(argv=None):
 
     activations = ActivationMeter(model)
     throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(activations,))
+                       grid.dp_rank, device, meters=(activations,),
+                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches)
     report(model, optimizer, plan, activations, throughput, device, args.steps)
     shutdown()
 

@@ -204,6 +204,7 @@ class Throughput:
         self.steps = 0
         self.tokens = 0
         self.seconds = 0.0
+        self.skipped_steps = 0   # steps whose gradient norm was not finite (set by train.train)
         self._start = None
 
     def start_step(self) -> None:

@@ -18,11 +18,14 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 - the step contract: every lesson's ``train_step(model, optimizer, batch, settings) -> StepResult``,
   with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
   tokens and divided by the global batch's target count (``StepBatch.n_targets``);
-- ``train``: the loop (learning rate, step, one log line per step, throughput).
+- ``train``: the loop (learning rate, step, one log line per step, throughput), which also skips
+  a step whose gradient norm is not finite (``NonFiniteStepGuard``), writes ``--metrics`` and
+  runs ``--val-every`` validation through a lesson's ``evaluate(batch) -> float``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -95,11 +98,69 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
     for group in sharded_over:
         comm.call(dist.all_reduce, norm_sq, group=group)
     total_norm = norm_sq.sqrt().item()
-    if total_norm > max_norm:
+    note_grad_norm(total_norm)
+    if math.isfinite(total_norm) and total_norm > max_norm:
         scale = max_norm / (total_norm + 1e-6)
         for p in params:
             p.grad.mul_(scale)
     return total_norm
+
+
+class NonFiniteStepGuard:
+    """Skips the optimizer step of a step whose gradient norm is not finite (an overflow, a bad batch).
+
+    Such a step must change nothing: a single NaN in a gradient would turn every weight and every
+    AdamW moment into NaN, and zeroing the gradients is not enough (AdamW would still decay the
+    weights and move the moments). So while the guard is entered, `optimizer.step` first asks
+    whether the last gradient norm a clipping function reported (`note_grad_norm`) was finite; if
+    not, it zeroes the gradients in place (DP buckets keep their views) and returns without
+    stepping. The norm is global (summed over every group the parameters are split across, and
+    identical on data-parallel replicas after the gradient all-reduce), so every rank decides the
+    same and no collective is added. The lesson's train_step stays as it is.
+    """
+
+    _active: list["NonFiniteStepGuard"] = []   # the guard of the running loop (at most one)
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.skipped_steps = 0
+        self._norm_finite = True
+        self._skipped_this_step = False
+
+    def __enter__(self):
+        self._step = self.optimizer.step
+        self.optimizer.step = self._guarded_step
+        NonFiniteStepGuard._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        NonFiniteStepGuard._active.remove(self)
+        del self.optimizer.step   # the instance attribute goes; the class's step shows through again
+
+    def note(self, grad_norm: float) -> None:
+        self._norm_finite = math.isfinite(grad_norm)
+
+    def _guarded_step(self, *args, **kwargs):
+        if self._norm_finite:
+            return self._step(*args, **kwargs)
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.zero_()
+        self._skipped_this_step = True
+        return None
+
+    def step_was_skipped(self) -> bool:
+        """Whether the step just run was skipped; resets for the next step."""
+        skipped, self._skipped_this_step, self._norm_finite = self._skipped_this_step, False, True
+        self.skipped_steps += skipped
+        return skipped
+
+
+def note_grad_norm(grad_norm: float) -> None:
+    """Every clipping function reports the global norm it computed here, for NonFiniteStepGuard."""
+    for guard in NonFiniteStepGuard._active:
+        guard.note(grad_norm)
 
 
 # ----------------------------------------------------------------------------- the step contract
@@ -156,6 +217,14 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype under autocast; auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--metrics", default=None,
+                        help="file to which rank 0 writes one JSON line per step (loss, grad_norm, lr, ...)")
+    parser.add_argument("--val-every", type=int, default=0,
+                        help="validation loss every N steps and after the last (0: off; lessons that provide it)")
+    parser.add_argument("--val-data", default=None,
+                        help="validation token shard(s), a path or glob; default: the built-in corpus's val split")
+    parser.add_argument("--val-batches", type=int, default=2,
+                        help="global batches of validation data, the same ones at every validation")
 
 
 _AXIS_HELP = {
@@ -200,6 +269,8 @@ _FLAG_RULES = [
     ("seed", lambda v: v >= 0, "0 or more"),
     ("n_layers", lambda v: v >= 1, "at least 1"),
     ("bucket_mb", lambda v: v > 0 and math.isfinite(v), "a positive number"),
+    ("val_every", lambda v: v >= 0, "0 (off) or more"),
+    ("val_batches", lambda v: v >= 1, "at least 1"),
     *((axis, lambda v: v >= 1, "at least 1") for axis in AXES),
 ]
 
@@ -244,12 +315,14 @@ def autocast_dtype(flag: str, device: torch.device) -> torch.dtype:
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What the flags describe, validated: the model shape, the grid, how batches are cut, the data."""
+    """What the flags describe, validated: the model shape, the grid, how batches are cut, the data
+    (and the validation data when --val-every asks for it)."""
 
     cfg: GPTConfig
     grid: GridShape
     shape: BatchShape
     batches: TokenBatches
+    val_batches: TokenBatches | None = None
 
 
 def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None]) -> RunPlan:
@@ -269,9 +342,13 @@ def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object,
         validate(cfg, grid, shape, args, world_size)
         paths = args.data if args.data is not None else builtin_corpus_paths()[0]
         batches = TokenBatches(paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
+        val_batches = None
+        if getattr(args, "val_every", 0):
+            val_paths = args.val_data if args.val_data is not None else builtin_corpus_paths()[1]
+            val_batches = TokenBatches(val_paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
     except (ConfigError, ValueError) as error:
         exit_with_error(error)
-    return RunPlan(cfg, grid, shape, batches)
+    return RunPlan(cfg, grid, shape, batches, val_batches)
 
 
 def exit_with_error(error: Exception) -> None:
@@ -294,33 +371,93 @@ def exit_with_error(error: Exception) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def log_step(step: int, result: StepResult, tokens: int, seconds: float) -> None:
+def log_step(step: int, result: StepResult, tokens: int, seconds: float, lr: float | None = None,
+             skipped: bool = False) -> None:
     extra = "".join(f"{name} {value:.4g} | " for name, value in result.extra.items())
-    log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | {extra}"
-         f"{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
+    lr_part = f"lr {lr:.2e} | " if lr is not None else ""
+    skip_part = "skipped: non-finite grad norm | " if skipped else ""
+    log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | {skip_part}{lr_part}"
+         f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
+
+
+def validation_loss(evaluate: Callable, val_batches: TokenBatches, n_batches: int, dp_rank: int,
+                    prepare_batch: Callable | None = None) -> float:
+    """The token-weighted mean loss over the first n_batches global batches of the validation data.
+
+    `evaluate(batch)` returns one global batch's mean loss over its targets, the same on every
+    rank (as a train_step's loss); weighting each by its target count makes the result the mean
+    over every validation token, as one device would compute it on all of them at once.
+    """
+    total, targets = 0.0, 0
+    for index in range(n_batches):
+        batch = val_batches.step_batch(index, dp_rank)
+        total += evaluate(batch if prepare_batch is None else prepare_batch(batch)) * batch.n_targets
+        targets += batch.n_targets
+    return total / targets
+
+
+def _json_number(value):
+    """JSON has no NaN or infinity: a non-finite float is written as null."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class MetricsFile:
+    """One JSON object per line and step, written by rank 0 only (every rank holds the same values)."""
+
+    def __init__(self, path):
+        is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self.file = open(path, "w", encoding="utf-8") if path is not None and is_rank0 else None
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({key: _json_number(value) for key, value in record.items()}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
-          prepare_batch: Callable | None = None, meters=(), meter_step: int = 0) -> Throughput:
-    """The loop every lesson shares: learning rate, one step, one log line; returns the throughput.
+          prepare_batch: Callable | None = None, meters=(), meter_step: int = 0,
+          evaluate: Callable | None = None, val_batches: TokenBatches | None = None) -> Throughput:
+    """The loop every lesson shares: learning rate, one step, one log line; returns the throughput
+    (with `.skipped_steps`, the steps whose gradient norm was not finite).
 
     step_fn(batch) runs one optimizer step on a data.StepBatch and returns a StepResult (a
     lesson's train_step with its model, optimizer and settings bound). `prepare_batch(batch)`
     reshapes the batch first when a lesson needs it (context parallelism cuts each sequence).
     `meters` are context managers (activation meters, timeline recorders) entered around step
     `meter_step` only: they observe the technique from outside and cost nothing on other steps.
+    With --val-every N > 0 and a lesson's `evaluate(batch) -> float` (the global batch's mean
+    loss, no gradients), the loss over --val-batches batches of `val_batches` is logged every N
+    steps and after the last one. With --metrics FILE, rank 0 writes each step's values there.
     """
     throughput = Throughput()
     tokens = batches.shape.tokens_per_step
-    for step in range(args.steps):
-        set_learning_rate(optimizer, learning_rate(step, args.lr, args.warmup_steps, args.steps))
-        batch = batches.step_batch(step, dp_rank)
-        if prepare_batch is not None:
-            batch = prepare_batch(batch)
-        throughput.start_step()
-        with ExitStack() as observing:
-            for meter in meters if step == meter_step else ():
-                observing.enter_context(meter)
-            result = step_fn(batch)
-        log_step(step, result, tokens, throughput.end_step(tokens, device))
+    val_every = getattr(args, "val_every", 0) if evaluate is not None and val_batches is not None else 0
+    metrics = MetricsFile(getattr(args, "metrics", None))
+    with NonFiniteStepGuard(optimizer) as guard:
+        for step in range(args.steps):
+            lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
+            set_learning_rate(optimizer, lr)
+            batch = batches.step_batch(step, dp_rank)
+            if prepare_batch is not None:
+                batch = prepare_batch(batch)
+            throughput.start_step()
+            with ExitStack() as observing:
+                for meter in meters if step == meter_step else ():
+                    observing.enter_context(meter)
+                result = step_fn(batch)
+            seconds = throughput.end_step(tokens, device)
+            skipped = guard.step_was_skipped()
+            log_step(step, result, tokens, seconds, lr, skipped)
+            record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped, **result.extra}
+            if val_every and ((step + 1) % val_every == 0 or step == args.steps - 1):
+                record["val_loss"] = validation_loss(evaluate, val_batches, args.val_batches, dp_rank, prepare_batch)
+                log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
+            metrics.write(record)
+    metrics.close()
+    throughput.skipped_steps = guard.skipped_steps
     return throughput

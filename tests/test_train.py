@@ -2,7 +2,11 @@
 and every flag checked before a process group exists."""
 
 import argparse
+import contextlib
+import io
+import json
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -10,9 +14,10 @@ import torch.distributed as dist
 
 from picotron_like import train
 from picotron_like.metrics import ActivationMeter, measured_memory, predicted_activation_bytes, predicted_memory
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.model import GPT, count_parameters, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import validate_parallel_config
+from picotron_like.topology import GridShape, ProcessGrid, load_lesson, validate_parallel_config
 from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate
 
 SMALL = replace(get_config("tiny"), n_layers=3, hidden=96, n_heads=6, n_kv_heads=3, ffn_hidden=256, vocab_size=300)
@@ -149,3 +154,141 @@ def test_the_lesson_validates_the_batch_shape_that_runs(monkeypatch):
                world_size=2, seen_shapes=seen)
     assert seen == [run.shape] and run.batches.shape == run.shape
     assert (run.grid.dp, run.shape.grad_accum) == (2, 3)
+
+
+# ----------------------------------------------------------------------------- the loop: skipped steps, metrics, validation
+
+LOOP_CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+LOOP_SHAPE = BatchShape(micro_batch_size=2, seq_len=32, grad_accum=2, dp=2)
+NAN_STEP, LOOP_STEPS, VAL_BATCHES = 1, 4, 2
+
+
+def snapshot(model, optimizer) -> dict:
+    """Every parameter and every AdamW state (moments and step count), cloned."""
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    for index, p in enumerate(model.parameters()):
+        for key, value in optimizer.state.get(p, {}).items():
+            state[f"adam{index}.{key}"] = value.clone()
+    return state
+
+
+def lesson01_loop(metrics_path):
+    """Lesson 01 at dp = 2 through the shared loop: rank 0 poisons one gradient element at step
+    NAN_STEP (before the all-reduce, so both ranks receive it); validation runs every 2 steps."""
+    lesson = load_lesson("01_data_parallel")
+    rank = dist.get_rank()
+    grid = ProcessGrid(GridShape(dp=2))
+    model = lesson.wrap_data_parallel(GPT(LOOP_CFG, seed=3), grid.dp_group, "bucketed", 64 * 1024)
+    optimizer = build_optimizer(model.module, 3e-3)
+    settings = train.StepSettings(torch.device("cpu"))
+    paths = builtin_corpus_paths()
+    batches = TokenBatches(paths[0], LOOP_SHAPE, seed=3, vocab_size=LOOP_CFG.vocab_size)
+    val_batches = TokenBatches(paths[1], LOOP_SHAPE, seed=3, vocab_size=LOOP_CFG.vocab_size)
+    poisoned = next(model.module.parameters())
+    seen, step_counter = {}, iter(range(LOOP_STEPS))
+
+    def poison(grad):
+        return grad.index_put((torch.zeros(grad.dim(), dtype=torch.long),), torch.tensor(float("nan")))
+
+    def step_fn(batch):
+        step = next(step_counter)
+        handle = poisoned.register_hook(poison) if step == NAN_STEP and rank == 0 else None
+        if step == NAN_STEP:
+            seen["before"] = snapshot(model.module, optimizer)
+        result = lesson.train_step(model, optimizer, batch, settings)
+        if step == NAN_STEP:
+            seen["after"] = snapshot(model.module, optimizer)
+            seen["grads_zero"] = all(not p.grad.any() for p in model.module.parameters())
+            if handle is not None:
+                handle.remove()
+        return result
+
+    args = argparse.Namespace(steps=LOOP_STEPS, lr=3e-3, warmup_steps=1, metrics=metrics_path if rank == 0 else None,
+                              val_every=2, val_batches=VAL_BATCHES)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        throughput = train.train(args, optimizer, step_fn, batches, grid.dp_rank, torch.device("cpu"),
+                                 evaluate=partial(lesson.evaluate, model, settings=settings), val_batches=val_batches)
+    # One device on every validation token of the same batches, with the weights the run ended with.
+    windows = torch.cat([val_batches.global_batch(index) for index in range(VAL_BATCHES)])
+    with torch.no_grad():
+        reference_val = GPT(LOOP_CFG, seed=3).eval()
+        reference_val.load_state_dict(model.module.state_dict())
+        one_device = reference_val(windows[:, :-1], windows[:, 1:]).item()
+    distributed_val = train.validation_loss(partial(lesson.evaluate, model, settings=settings), val_batches,
+                                            VAL_BATCHES, grid.dp_rank)
+    return dict(seen=seen, skipped=throughput.skipped_steps, printed=printed.getvalue(), one_device=one_device,
+                distributed_val=distributed_val, final=snapshot(model.module, optimizer))
+
+
+@pytest.fixture(scope="module")
+def loop_run(tmp_path_factory):
+    """One 2-rank spawn shared by the loop's tests below."""
+    metrics_path = tmp_path_factory.mktemp("metrics") / "metrics.jsonl"
+    return run_ranks(2, lesson01_loop, str(metrics_path)), metrics_path
+
+
+def test_a_step_with_a_non_finite_gradient_norm_is_skipped_on_every_rank(loop_run):
+    """A NaN in one gradient element of one rank: after the all-reduce every rank's norm is NaN,
+    so every rank skips the same step: parameters and AdamW states exactly as before it, gradients
+    zeroed; the next steps train on (finite loss, parameters moved, the ranks still identical)."""
+    results, _ = loop_run
+    for rank, result in enumerate(results):
+        before, after = result["seen"]["before"], result["seen"]["after"]
+        assert before.keys() == after.keys() and any(key.startswith("adam") for key in before)
+        for key in before:
+            assert torch.equal(before[key], after[key]), (rank, key)
+        assert result["seen"]["grads_zero"], rank
+        assert result["skipped"] == 1, rank
+        assert any(not torch.equal(after[key], result["final"][key]) for key in after), rank
+    for key, value in results[0]["final"].items():
+        assert torch.equal(value, results[1]["final"][key]), key
+        assert torch.isfinite(value).all(), key
+    lines = [line for line in results[0]["printed"].splitlines() if "| loss" in line]
+    assert len(lines) == LOOP_STEPS
+    assert [("skipped: non-finite grad norm" in line) for line in lines] == [s == NAN_STEP for s in range(LOOP_STEPS)]
+    assert "grad norm     nan" in lines[NAN_STEP] and "nan" not in lines[-1]
+    assert results[1]["printed"] == ""
+
+
+def test_the_step_line_shows_the_learning_rate(loop_run):
+    lines = [line for line in loop_run[0][0]["printed"].splitlines() if "| loss" in line]
+    expected = [learning_rate(step, 3e-3, 1, LOOP_STEPS) for step in range(LOOP_STEPS)]
+    assert [line.split("| lr ")[1].split(" |")[0] for line in lines] == [f"{lr:.2e}" for lr in expected]
+
+
+def test_metrics_file_has_one_json_line_per_step(loop_run):
+    results, metrics_path = loop_run
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(LOOP_STEPS))
+    assert [r["skipped"] for r in records] == [step == NAN_STEP for step in range(LOOP_STEPS)]
+    assert records[NAN_STEP]["grad_norm"] is None   # JSON has no NaN: null
+    printed = [line for line in results[0]["printed"].splitlines() if "| loss" in line]
+    for record, line in zip(records, printed):
+        assert set(record) >= {"loss", "grad_norm", "lr", "tokens_per_s", "seconds", "skipped"}
+        assert record["lr"] == learning_rate(record["step"], 3e-3, 1, LOOP_STEPS)
+        assert record["tokens_per_s"] == pytest.approx(LOOP_SHAPE.tokens_per_step / record["seconds"])
+        assert f"loss {record['loss']:.4f}" in line
+        assert record["skipped"] or f"grad norm {record['grad_norm']:7.3f}" in line
+    assert [("val_loss" in r) for r in records] == [False, True, False, True]
+
+
+def test_validation_loss_at_dp2_equals_one_device(loop_run):
+    """The same val batches, the same weights: the dp = 2 token-weighted loss (summed token losses
+    over the global count, all-reduced) equals one device's mean over every validation token.
+    Tolerance: float32 sums of the same ~2000 token losses in another order, a few ulp of ~5."""
+    results, metrics_path = loop_run
+    for result in results:
+        assert result["distributed_val"] == pytest.approx(result["one_device"], rel=1e-6, abs=0)
+    last = json.loads(metrics_path.read_text().splitlines()[-1])
+    assert last["val_loss"] == pytest.approx(results[0]["one_device"], rel=1e-6, abs=0)
+    assert f"val loss {last['val_loss']:.4f}" in results[0]["printed"]
+
+
+def test_validation_flags(monkeypatch):
+    """--val-every 0 (the default) builds no validation data; N > 0 uses the built-in val split."""
+    assert plan("", monkeypatch).val_batches is None
+    run = plan("--val-every 5", monkeypatch)
+    assert run.val_batches.paths == [builtin_corpus_paths()[1]] and run.val_batches.shape == run.shape
+    with pytest.raises(Stopped, match="--val-every -1 must be 0"):
+        plan("--val-every -1", monkeypatch)
