@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -351,7 +352,9 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     move (auxiliary-loss-free balancing); the aux and z losses of the step go to the log."""
     result = context_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
     parts = getattr(model_or_pipeline, "chunks", [model_or_pipeline])
-    if bias_update_rate:
+    # A step the shared loop skipped (non-finite gradient norm) moves nothing, the biases included;
+    # the norm is global, so every rank makes the same choice and the loads' all-reduce stays matched.
+    if bias_update_rate and math.isfinite(result.grad_norm):
         update_router_biases([part.module for part in parts], parts[0].dp_group, bias_update_rate)
     if balancing_log is None:
         return result

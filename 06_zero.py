@@ -114,7 +114,7 @@ from picotron_like.model import GPT, count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, plan_run, train)
+                                 build_optimizer, note_grad_norm, plan_run, train)
 
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
@@ -360,7 +360,8 @@ def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> 
     for group in groups:
         comm.call(dist.all_reduce, norm_sq, group=group)
     total_norm = norm_sq.sqrt().item()
-    if total_norm > settings.max_grad_norm:
+    note_grad_norm(total_norm)      # a non-finite norm: the shared loop skips the optimizer step
+    if math.isfinite(total_norm) and total_norm > settings.max_grad_norm:
         for unit in model.units:
             unit.grad_shard.mul_(settings.max_grad_norm / (total_norm + 1e-6))
     return total_norm
@@ -767,7 +768,8 @@ def predicted_inner_traffic(model: ZeroDataParallel, cfg, shape, grid: ProcessGr
 
 
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision: Precision,
-           gathered: GatheredParameterMeter, throughput, device) -> None:
+           gathered: GatheredParameterMeter, throughput, device, inner_extra: dict | None = None) -> None:
+    """`inner_extra`: tp / cp / ep traffic a later lesson adds inside the layers (07's recomputed forward)."""
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     counts, experts = unit_counts(model)
     where = f"pipeline stage 0 of {grid.pp_size}, " if pipeline is not None else ""
@@ -787,6 +789,7 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
                                                  getattr(model, "reshard_after_forward", True), norm_groups),
                             predicted_pipeline_traffic(pipeline, precision, plan.shape.grad_accum))
     inner = predicted_inner_traffic(model, plan.cfg, plan.shape, grid, args.cp_mode, args.sequence_parallel, precision)
+    inner = add_traffic(inner, inner_extra or {}) if inner is not None else None
     if inner is None:
         predicted = {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
     log0(comm.meter.table(add_traffic(predicted, inner or {}), per=args.steps))
@@ -799,6 +802,15 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 06: ZeRO stages 0-3 (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_flags(parser)
+    parser.add_argument("--memory-table", action="store_true",
+                        help="print the 8b preset's model states per GPU at every stage and policy, and exit "
+                             "(no torchrun needed)")
+    return parser.parse_args(argv)
+
+
+def add_flags(parser) -> None:
+    """Every flag of this lesson's run (lesson 07 trains with the same ones)."""
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp", bucket_flag=False)
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
                         help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights")
@@ -814,11 +826,7 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
-    parser.add_argument("--memory-table", action="store_true",
-                        help="print the 8b preset's model states per GPU at every stage and policy, and exit "
-                             "(no torchrun needed)")
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
-    return parser.parse_args(argv)
 
 
 def main(argv=None):
