@@ -195,8 +195,8 @@ def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int)
 # ============================================================================ the technique: gradient accumulation
 
 
-def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
-    """One optimizer step over this rank's micro-batches; the loss is that of the global batch.
+def forward_backward(model, batch: StepBatch, settings: StepSettings) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches; returns this rank's share of the loss.
 
     The loss is token-weighted over the global batch: each micro-batch's *summed* token losses
     divided by the number of targets in the whole global batch (every rank, every micro-batch).
@@ -216,6 +216,12 @@ def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> St
             share = model(*(t.to(settings.device) for t in micro_batch), reduction="sum") / batch.n_targets
         share.backward()
         loss += share.detach()
+    return loss
+
+
+def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """One optimizer step over this rank's micro-batches; the loss is that of the global batch."""
+    loss = forward_backward(model, batch, settings)
     model.finish_gradient_synchronization()
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_grad_norm, settings.norm_groups,
                                 settings.counts_toward_norm)

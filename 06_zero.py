@@ -116,6 +116,7 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_di
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, note_grad_norm, plan_run, train)
 
+data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
@@ -447,20 +448,6 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, stage, precision, expert_group)
 
 
-def forward_backward(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> torch.Tensor:
-    """Lesson 01's micro-batch loop (token-weighted loss, gradients summed, reduced during the last
-    micro-batch's backward); returns this rank's share of the loss."""
-    n_micro = len(batch.micro_batches)
-    loss = torch.zeros((), device=settings.device)
-    for index, micro_batch in enumerate(batch.micro_batches):
-        model.require_backward_grad_sync = index == n_micro - 1
-        with settings.autocast():
-            share = model(*(t.to(settings.device) for t in micro_batch), reduction="sum") / batch.n_targets
-        share.backward()
-        loss += share.detach().float()
-    return loss
-
-
 def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
     """The micro-batches' forward and backward, by lesson 01's loop or by lesson 03's schedule on
     this rank's stage, then the sharded tail: the norm from the shards, the step on the master
@@ -471,7 +458,7 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
         loss = model_or_pipeline.forward_backward(batch)
     else:
         model, pipeline_groups = model_or_pipeline, ()
-        loss = forward_backward(model, batch, settings)
+        loss = data_parallel.forward_backward(model, batch, settings)
     model.finish_gradient_synchronization()
     grad_norm = clip_sharded_grad_norm_(model, replace(settings, norm_groups=(*pipeline_groups, *settings.norm_groups)))
     model.step(optimizer)
