@@ -27,9 +27,14 @@ import torch.distributed as dist
 from picotron_like.model import GPTConfig, flops_per_token
 
 
+def is_rank0() -> bool:
+    """Rank 0, or no process group at all: who prints and writes files."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def log0(*parts) -> None:
     """Print on rank 0 only (or when no process group exists)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_rank0():
         print(*parts, flush=True)
 
 

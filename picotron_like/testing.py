@@ -201,10 +201,9 @@ def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
     from picotron_like.data import StepBatch
     from picotron_like.model import IGNORE_INDEX
 
-    window = batches.global_batch(step)
-    targets = mask_targets(step, window[:, 1:].clone())
+    targets = mask_targets(step, batches.global_batch(step)[:, 1:].clone())
     M, A = batches.shape.micro_batch_size, batches.shape.grad_accum
-    first = dp_rank * M * A
-    rows = [slice(first + a * M, first + (a + 1) * M) for a in range(A)]
-    micro_batches = [(window[r, :-1].contiguous(), targets[r].contiguous()) for r in rows]
+    first = dp_rank * M * A     # this rank's rows of the global batch, as TokenBatches cuts them
+    micro_batches = [(inputs, targets[first + a * M: first + (a + 1) * M].contiguous())
+                     for a, (inputs, _) in enumerate(batches.micro_batches(step, dp_rank))]
     return StepBatch(micro_batches, int((targets != IGNORE_INDEX).sum()))

@@ -212,7 +212,7 @@ class ProcessGrid:
             raise RuntimeError("ProcessGrid needs an initialised default process group (init_distributed)")
         if shape.world_size != dist.get_world_size():
             raise ConfigError(f"grid {shape} needs {shape.world_size} ranks, world size is {dist.get_world_size()}")
-        shape._check_ep(ep)
+        ep_ranks = shape.ep_group_ranks(ep)     # raises ConfigError, before any group, if ep does not fit
         self.shape = shape
         self.rank = dist.get_rank()
         coords = shape.coords_of(self.rank)
@@ -224,10 +224,10 @@ class ProcessGrid:
         self.pp_group = self._create_groups(("pp",), "pp")
         self.dp_group = self._create_groups(("dp",), "dp")
         self.dp_cp_group = self._create_groups(("dp", "cp"), "dp_cp")
-        self.ep_group = self._create_group_of(shape.ep_group_ranks(ep), "ep")
+        self.ep_group = self._create_group_of(ep_ranks, "ep")
         self.edp_group = self._create_group_of(shape.edp_group_ranks(ep), "edp")
         self.ep_size = ep
-        self.ep_rank = next(ranks for ranks in shape.ep_group_ranks(ep) if self.rank in ranks).index(self.rank)
+        self.ep_rank = next(ranks for ranks in ep_ranks if self.rank in ranks).index(self.rank)
         # The start-up barriers (see _create_groups) are not training traffic.
         comm.meter.reset()
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.metrics import Throughput, log0
+from picotron_like.metrics import Throughput, is_rank0, log0
 from picotron_like.model import GPTConfig, get_config
 from picotron_like.topology import AXES, ConfigError, GridShape, world_size_from_env
 
@@ -113,8 +113,8 @@ class NonFiniteStepGuard:
     AdamW moment into NaN, and zeroing the gradients is not enough (AdamW would still decay the
     weights and move the moments). So while the guard is entered, `optimizer.step` first asks
     whether the last gradient norm a clipping function reported (`note_grad_norm`) was finite; if
-    not, it zeroes the gradients in place (DP buckets keep their views) and returns without
-    stepping. The norm is global (summed over every group the parameters are split across, and
+    not, it returns without stepping (every train_step zeroes the gradients right after its
+    optimizer step, so the bad ones are gone before the next step either way). The norm is global (summed over every group the parameters are split across, and
     identical on data-parallel replicas after the gradient all-reduce), so every rank decides the
     same and no collective is added. The lesson's train_step stays as it is.
     """
@@ -143,10 +143,6 @@ class NonFiniteStepGuard:
     def _guarded_step(self, *args, **kwargs):
         if self._norm_finite:
             return self._step(*args, **kwargs)
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.zero_()
         self._skipped_this_step = True
         return None
 
@@ -405,8 +401,7 @@ class MetricsFile:
     """One JSON object per line and step, written by rank 0 only (every rank holds the same values)."""
 
     def __init__(self, path):
-        is_rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        self.file = open(path, "w", encoding="utf-8") if path is not None and is_rank0 else None
+        self.file = open(path, "w", encoding="utf-8") if path is not None and is_rank0() else None
 
     def write(self, record: dict) -> None:
         if self.file is not None:
