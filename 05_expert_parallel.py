@@ -215,14 +215,15 @@ def expert_parallel_compute(tokens: torch.Tensor, routing: Routing, experts: Gro
     n_local = experts.n_experts
     dispatch = sort_by_expert(routing, n_local * ep.size)
     arriving = exchange_counts(dispatch.counts, ep)                          # [source, local expert]
-    send_splits = dispatch.counts.view(ep.size, n_local).sum(dim=1).tolist()
-    receive_splits = arriving.sum(dim=1).tolist()
+    # The all-to-all takes its split sizes as host integers: one read of each count table.
+    sent_table, arrived_table = dispatch.counts.view(ep.size, n_local).tolist(), arriving.tolist()
+    send_splits, receive_splits = [sum(row) for row in sent_table], [sum(row) for row in arrived_table]
     received = context_parallel.AllToAll.apply(tokens[dispatch.token_rows], ep.group, receive_splits, send_splits)
     # Number each arrived row's (source, expert) block expert-major; a stable sort by that number
     # regroups the rows by expert and keeps each block's rows in order.
     block_key = torch.arange(n_local, device=tokens.device) * ep.size + torch.arange(ep.size, device=tokens.device)[:, None]
     by_expert = block_key.flatten().repeat_interleave(arriving.flatten()).argsort(stable=True)
-    expert_out = run_experts(received[by_expert], arriving.sum(dim=0).tolist(), experts)
+    expert_out = run_experts(received[by_expert], [sum(column) for column in zip(*arrived_table)], experts)
     returned = context_parallel.AllToAll.apply(expert_out[by_expert.argsort()], ep.group, send_splits,
                                                receive_splits)
     return combine(tokens, dispatch, returned)
@@ -509,24 +510,27 @@ class RoutedCall:
 
     layer: int              # index into RoutingMeter.layers (this rank's MoE layers, part by part)
     micro_batch: int        # the layer's forward count since the meter was entered
-    counts: torch.Tensor    # [E] kept assignments per (global) expert
+    counts: torch.Tensor    # [E] kept assignments per (global) expert (on the CPU once the meter is left)
     dropped: int            # assignments dropped by capacity
 
 
 class RoutingMeter:
     """Every MoE forward's routing counts while entered, read by a wrapper around whatever
-    dispatch is plugged into the expert_compute seam: the technique counts nothing itself."""
+    dispatch is plugged into the expert_compute seam: the technique counts nothing itself. The
+    counts stay on the rank's device while training runs (no host synchronisation per layer) and
+    move to the CPU once, when the meter is left."""
 
     def __init__(self, parts):
         self.layers = [layer for part in parts for layer in moe_layers(part)]
         self.part_of = [index for index, part in enumerate(parts) for _ in moe_layers(part)]
         self.calls: list[RoutedCall] = []
+        self._forwards = [0] * len(self.layers)     # per layer: its forwards recorded so far
 
     def _recording(self, index, compute):
         def recorded(tokens, routing, experts):
-            micro_batch = sum(call.layer == index for call in self.calls)
             counts = torch.bincount(routing.expert_ids[routing.kept], minlength=self.layers[index].n_experts)
-            self.calls.append(RoutedCall(index, micro_batch, counts.cpu(), int((~routing.kept).sum())))
+            self.calls.append(RoutedCall(index, self._forwards[index], counts, (~routing.kept).sum()))
+            self._forwards[index] += 1
             return compute(tokens, routing, experts)
         return recorded
 
@@ -539,6 +543,7 @@ class RoutingMeter:
     def __exit__(self, *exc):
         for layer, compute in zip(self.layers, self._computes):
             layer.expert_compute = compute
+        self.calls = [replace(call, counts=call.counts.cpu(), dropped=int(call.dropped)) for call in self.calls]
         return False
 
 
