@@ -151,6 +151,14 @@ def context_parallel_batch(batch: StepBatch, split: SequenceSplit, cp_rank: int)
                      batch.n_targets)
 
 
+def sequence_cut(grid, zigzag: bool):
+    """The shared loop's prepare_batch for this cp rank (context_parallel_batch), or None at cp = 1,
+    where every rank holds whole sequences and there is nothing to cut."""
+    if grid.cp_size == 1:
+        return None
+    return functools.partial(context_parallel_batch, split=SequenceSplit(grid.cp_size, zigzag), cp_rank=grid.cp_rank)
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """What an attention core needs to talk to its cp peers."""
@@ -778,8 +786,8 @@ def main(argv=None):
 
     activations, attention_work = ActivationMeter(*parts), AttentionWork()
     step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings)
-    cut_for_this_rank = functools.partial(context_parallel_batch, split=cp.split, cp_rank=cp.rank)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                       prepare_batch=sequence_cut(grid, args.zigzag),
                        meters=(activations, attention_work))
     report(parts, pipeline, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device,
            compute_dtype)

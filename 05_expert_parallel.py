@@ -793,10 +793,9 @@ def main(argv=None):
     log_groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
     step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings,
                              bias_update_rate=args.bias_update_rate, balancing_log=BalancingLog(parts, log_groups))
-    cut_for_this_rank = functools.partial(context_parallel.context_parallel_batch,
-                                          split=context_parallel.SequenceSplit(grid.cp_size, True), cp_rank=grid.cp_rank)
     with every_step:
-        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut_for_this_rank,
+        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                           prepare_batch=context_parallel.sequence_cut(grid, zigzag=True),
                            meters=(activations, measured_step))
     report(parts, pipeline, optimizer, plan, grid, activations, measured_step, every_step, throughput, device,
            compute_dtype, grouped, args)

@@ -838,12 +838,10 @@ def main(argv=None):
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
     gathered = GatheredParameterMeter(model.module)
-    cut = None
-    if grid.cp_size > 1:
-        cut = partial(context_parallel.context_parallel_batch,
-                      split=context_parallel.SequenceSplit(grid.cp_size, args.zigzag), cp_rank=grid.cp_rank)
     step = partial(train_step, model if pipeline is None else pipeline, optimizer, settings=settings)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=cut, meters=(gathered,))
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                       prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
+                       meters=(gathered,))
     report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device)
     shutdown()
 

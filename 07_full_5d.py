@@ -114,14 +114,6 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return model
 
 
-def context_cut(grid: ProcessGrid, args):
-    """Lesson 04's cut of every sequence into this cp rank's chunks, or None without cp."""
-    if grid.cp_size == 1:
-        return None
-    return partial(context_parallel.context_parallel_batch,
-                   split=context_parallel.SequenceSplit(grid.cp_size, args.zigzag), cp_rank=grid.cp_rank)
-
-
 # ============================================================================ configuration rules
 
 
@@ -188,7 +180,7 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
            throughput, device) -> None:
     """The activations one micro-batch keeps under --recompute, then lesson 06's report (model
     states, ZeRO-3's gathered weights, traffic with the recomputed forward, compute)."""
-    precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
+    precision = model.precision
     shape, tp, sp = plan.shape, grid.tp_size, args.sequence_parallel
     log0(f"\n== activations (one rank, one micro-batch, --recompute {args.recompute}) ==")
     # The formula covers what it can predict exactly: a dense float32 model without a pipeline.
@@ -196,7 +188,7 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
     # measures its gathered weights (which autograd keeps too, so they would read as activations).
     if args.zero_stage == 3:
         log0("not measured under ZeRO-3 (its step measures the gathered weights)")
-    elif pipeline is None and not plan.cfg.n_experts and precision.param_dtype == torch.float32 and args.zero_stage < 3:
+    elif pipeline is None and not plan.cfg.n_experts and precision.param_dtype == torch.float32:
         predicted = {mode: predicted_kept_activation_bytes(plan.cfg, shape.micro_batch_size, shape.seq_len, mode, tp,
                                                            sp, grid.cp_size, args.cp_mode) for mode in RECOMPUTE_MODES}
         log0(f"kept for backward: {activations.peak_bytes / 1e6:.3f} MB measured, "
@@ -230,14 +222,14 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    settings = zero.step_settings(grid, device, zero.precision_from_flags(args.dtype, args.reduce_dtype, device),
-                                  args.max_grad_norm)
+    settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     step = partial(zero.train_step, model if pipeline is None else pipeline, optimizer, settings=settings)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device, prepare_batch=context_cut(grid, args),
+    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                       prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
                        meters=(gathered if args.zero_stage == 3 else activations,))
     report(model, pipeline, optimizer, plan, args, grid, activations, gathered, throughput, device)
     shutdown()

@@ -62,7 +62,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from picotron_like.model import IGNORE_INDEX
 
 SHARD_MAGIC = 20240520
 SHARD_VERSION = 1

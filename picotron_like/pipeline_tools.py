@@ -169,8 +169,10 @@ class TimelineRecorder:
     kernel launches instead of the kernels.
     """
 
-    def __init__(self, pipeline, group, device: torch.device, methods=("forward_step", "backward_step")):
-        self.pipeline, self.group, self.device, self.methods = pipeline, group, device, methods
+    methods = ("forward_step", "backward_step")
+
+    def __init__(self, pipeline, group, device: torch.device):
+        self.pipeline, self.group, self.device = pipeline, group, device
         self.events = []
 
     def _synchronize(self) -> None:

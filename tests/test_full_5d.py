@@ -62,7 +62,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     settings = zero.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
                         vocab_size=cfg.vocab_size)
-    cut = full_5d.context_cut(grid, args) or (lambda batch: batch)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     meter = ActivationMeter(model.module)
     comm.meter.reset()
     results = []

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.metrics import add_traffic, step_bookkeeping_traffic
+from picotron_like.metrics import add_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson

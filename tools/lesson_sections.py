@@ -68,12 +68,11 @@ def main(argv=None) -> None:
     print(f"{'lesson':<26}" + "".join(f"{n:>11}" for n in short) + f"{'total':>8}{'technique':>11}")
     for path in paths:
         counts = sections(path)
-        names_here = names + [n for n in counts if n not in names]
+        extras = [n for n in counts if n not in names]      # a fence with words of its own
         total = sum(counts.values())
         share = 100 * counts["technique"] / total if total else 0.0
-        print(f"{path.name:<26}" + "".join(f"{counts[n]:>11}" for n in names_here[:len(names)])
-              + f"{total:>8}{share:>10.0f}%"
-              + "".join(f"  (+{counts[n]} in '{n}')" for n in names_here[len(names):]))
+        print(f"{path.name:<26}" + "".join(f"{counts[n]:>11}" for n in names)
+              + f"{total:>8}{share:>10.0f}%" + "".join(f"  (+{counts[n]} in '{n}')" for n in extras))
 
 
 if __name__ == "__main__":
