@@ -308,7 +308,8 @@ def main(argv=None):
     activations = ActivationMeter(model)
     throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
                        grid.dp_rank, device, meters=(activations,),
-                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches)
+                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
+                       cfg=plan.cfg)
     report(model, optimizer, plan, activations, throughput, device, args.steps)
     shutdown()
 

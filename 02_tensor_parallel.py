@@ -102,8 +102,8 @@ from picotron_like import comm
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_memory, step_bookkeeping_traffic)
 from picotron_like.model import GPT, IGNORE_INDEX, RMSNorm, SwiGLU, count_parameters
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
-                                    validate_parallel_config)
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
+                                    load_lesson, shutdown, validate_parallel_config)
 from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
                                  plan_run, train)
 
@@ -157,9 +157,10 @@ def take_shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
 
     Slicing the reference weight (not drawing a new one) makes the tp run start from exactly the
     single-device model's parameters. `tp_split_dim` records the cut so that shards can be put
-    back together (checkpoints, tests).
+    back together (checkpoints, tests). `group` may be a GroupLayout (a full-size model's share
+    built on the meta device for the memory plan): cutting needs only the rank and the size.
     """
-    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    rank, tp = group_rank(group), group_size(group)
     shard = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
     shard.tp_split_dim = dim
     return shard
@@ -263,7 +264,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.group = group
         self.weight = take_shard(full.weight, 0, group)
-        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+        self.vocab_start = group_rank(group) * self.weight.shape[0]
 
     def forward(self, tokens):
         local_ids = tokens - self.vocab_start
@@ -367,7 +368,7 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
       (validate_tensor_parallel) and again, identically on every rank, at the first reduce-scatter.
     Returns the same object.
     """
-    validate_tensor_parallel(model.cfg, dist.get_world_size(tp_group))
+    validate_tensor_parallel(model.cfg, group_size(tp_group))
     embedding, norm, column, row = SEQUENCE_PARALLEL_LAYERS if sequence_parallel else TENSOR_PARALLEL_LAYERS
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
@@ -760,8 +761,11 @@ def main(argv=None):
     log0(grid.shape.picture())
 
     activations = ActivationMeter(model)
+    # Validation is lesson 01's forward-only pass: the vocab-parallel loss reduces over tp inside it.
     throughput = train(args, optimizer, partial(data_parallel.train_step, model, optimizer, settings=settings),
-                       plan.batches, grid.dp_rank, device, meters=(activations,))
+                       plan.batches, grid.dp_rank, device, meters=(activations,),
+                       evaluate=partial(data_parallel.evaluate, model, settings=settings),
+                       val_batches=plan.val_batches, cfg=plan.cfg)
     report(model, optimizer, plan, args, activations, throughput, settings.compute_dtype, device)
     shutdown()
 

@@ -255,6 +255,14 @@ def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
 SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule}
 
 
+def forward_units(units) -> list[tuple[Action, ...]]:
+    """A schedule without its backwards, for a forward-only pass (validation). Every rank keeps its
+    forwards in the schedule's order, so the activations still arrive in the order each stage
+    expects them; dropping the gradients only removes waits (the simulator checks it)."""
+    kept = (tuple(action for action in unit if action.kind == "F") for unit in units)
+    return [unit for unit in kept if unit]
+
+
 # ============================================================================ the technique: point-to-point
 
 
@@ -337,6 +345,7 @@ class Pipeline:
         self.device, self.compute_dtype, self.boundary_dtype = device, compute_dtype, boundary_dtype
         units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
+        self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
         self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
                               if isinstance(step, Action) and step.kind == "B"}
 
@@ -357,6 +366,19 @@ class Pipeline:
                 loss += self.forward_step(step, batch, inputs, outputs)
             else:
                 self.backward_step(step, index, inputs, outputs, grads)
+        return loss
+
+    def forward_only(self, batch: StepBatch) -> torch.Tensor:
+        """Forward of every micro-batch and nothing else (validation, under torch.no_grad): the
+        schedule's forwards in its own order, with only their activation transfers. Returns this
+        rank's share of the loss, as forward_backward does."""
+        inputs, outputs = {}, {}
+        loss = torch.zeros((), device=self.device)
+        for step in self.forward_program:
+            if isinstance(step, Action):
+                loss += self.forward_step(step, batch, inputs, outputs)
+            else:
+                self.exchange(step, inputs, outputs, grads={})
         return loss
 
     def forward_step(self, action: Action, batch: StepBatch, inputs, outputs):
@@ -437,6 +459,20 @@ def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSe
     comm.call(dist.all_reduce, loss, group=pipeline.pp_group)
     comm.call(dist.all_reduce, loss, group=pipeline.chunks[0].dp_group)
     return StepResult(loss.item(), grad_norm)
+
+
+@torch.no_grad()
+def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> float:
+    """The global batch's mean loss without gradients: train_step's loss, by a forward-only pass
+    through the stages (activations still travel point to point, no gradient comes back)."""
+    for chunk in pipeline.chunks:
+        chunk.eval()
+    loss = pipeline.forward_only(batch)
+    for chunk in pipeline.chunks:
+        chunk.train()
+    comm.call(dist.all_reduce, loss, group=pipeline.pp_group)
+    comm.call(dist.all_reduce, loss, group=pipeline.chunks[0].dp_group)
+    return loss.item()
 
 
 # ============================================================================ the technique: 3D, with dp and tp
@@ -678,7 +714,9 @@ def main(argv=None):
     # pipeline's forward_step / backward_step.
     activations, timeline = ActivationMeter(*chunks), TimelineRecorder(pipeline, grid.pp_group, device)
     throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1)
+                       grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1,
+                       evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
+                       cfg=cfg)
     report(pipeline, optimizer, plan, args, grid, activations, timeline, throughput, device)
     shutdown()
 

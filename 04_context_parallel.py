@@ -30,6 +30,8 @@ log-sum-exp (lse) of its scores, and two partial results combine exactly as
 
 Backward recomputes each block's attention from the saved lse (no s x s matrix is ever stored)
 and passes the K/V gradients around the ring behind the K/V blocks, until each reaches its owner.
+A block is one call of a fused flash-attention kernel that returns the lse too (--ring-kernel
+fused, the default); --ring-kernel plain spells it out in matmuls, the reference it equals.
 
 Causal balance. With a contiguous split, rank 0's queries see only its own block and the last
 rank's see all of them: the last rank does cp times the work of the first, and the ring moves at
@@ -39,8 +41,8 @@ chunks i and 2·cp−1−i, one early and one late, so every rank does the same 
     contiguous, cp=4:   r0 [0 1] r1 [2 3] r2 [4 5] r3 [6 7]     blocks computed  1 : 2 : 3 : 4
     zigzag,     cp=4:   r0 [0 7] r1 [1 6] r2 [2 5] r3 [3 4]     chunk pairs      9 : 9 : 9 : 9
 
-(A diagonal block is computed whole, then masked; a kernel that skips the masked half makes the
-contiguous split worse still, 1 : 3 : 5 : 7.)
+(These count a diagonal block whole, as the plain block computes it before masking; the fused
+kernel skips its masked half, which makes the contiguous split worse still, 1 : 3 : 5 : 7.)
 
 Ulysses (DeepSpeed). Instead of moving K/V around, re-shard: one all-to-all turns "all heads of
 my tokens" into "my heads of all tokens", attention runs unchanged on whole sequences, and a second
@@ -169,11 +171,15 @@ class ContextParallel:
     prev_rank: int            # global ranks, as torch.distributed's point-to-point calls want them
     next_rank: int
     split: SequenceSplit
+    # How the ring computes one block (see "one block in one fused kernel"). Fused by default: it is
+    # the fast path and never holds a block's scores in memory. Plain spells the block out; it is
+    # the reference the fused kernel is proven equal to, and what a reader follows.
+    ring_kernel: str = "fused"
 
     @classmethod
-    def from_grid(cls, grid: ProcessGrid, zigzag: bool) -> "ContextParallel":
+    def from_grid(cls, grid: ProcessGrid, zigzag: bool, ring_kernel: str = "fused") -> "ContextParallel":
         return cls(grid.cp_group, grid.cp_size, grid.cp_rank, grid.cp_prev_rank, grid.cp_next_rank,
-                   SequenceSplit(grid.cp_size, zigzag))
+                   SequenceSplit(grid.cp_size, zigzag), ring_kernel)
 
 
 # ============================================================================ the technique: attention of one block
@@ -253,6 +259,62 @@ def visible_blocks(split: SequenceSplit, query_rank: int, key_rank: int, chunk: 
     return blocks
 
 
+# ============================================================================ the technique: one block in one fused kernel
+#
+# attention_block spells a block out and pays for it: its scores, (S/cp)^2 float32 numbers per head,
+# are built in memory, masked, exponentiated and multiplied. A flash-attention kernel computes the
+# same output and lse tile by tile, without ever holding the scores. Its backward takes the lse
+# and the output it is given instead of its own: handed the ring's final lse and output for these
+# rows, it computes P = exp(scores - final lse) and delta = rowsum(dO * final O), which are exactly
+# what attention_block_backward uses. So the ring merges fused blocks as it merges plain ones.
+# PyTorch exposes these kernels as aten ops (those F.scaled_dot_product_attention dispatches to,
+# but returning the lse): on the CPU in float32 and bf16, on CUDA (FlashAttention-2) in bf16 and
+# fp16 only, so a float32 run on CUDA keeps the plain blocks. Both take grouped-query K/V as they
+# are (kv-head j serves query heads j*group .. j*group+group-1) and sum dK/dV over each group.
+
+
+def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a flash kernel exists for tensors of this device and dtype."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16))
+
+
+def flash_forward(q, k, v, causal: bool):
+    """(output, lse) from the device's flash kernel: q [b, heads, s_q, d], k/v [b, kv_heads, s_k, d]."""
+    if q.device.type == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def flash_backward(d_out, q, k, v, out, lse, causal: bool):
+    """(dq, dk, dv) from the device's flash kernel, given the output and lse that the probabilities
+    and delta are to be computed from; lse [b, heads, s_q], contiguous (the kernels assume it)."""
+    if q.device.type == "cuda":
+        # None for the cumulative sequence lengths selects the dense (not variable-length) kernel;
+        # without dropout it reads neither the maximum lengths nor the random-number state.
+        no_rng_state = torch.empty(0, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng_state, no_rng_state)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal)
+
+
+def fused_attention_block(q, k, v, causal: bool):
+    """attention_block in one kernel call: the same arguments (q [b, kv_heads, group, s, d], k/v
+    [b, kv_heads, 1, s, d]) and the same results (output and lse, float32)."""
+    b, n_kv, group, s, d = q.shape
+    out, lse = flash_forward(q.reshape(b, n_kv * group, s, d), k.squeeze(2), v.squeeze(2), causal)
+    return out.float().reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def fused_attention_block_backward(q, k, v, d_out, out, lse, causal: bool):
+    """attention_block_backward in one kernel call: the same (dq, dk, dv), from the final output of
+    these rows instead of their delta (the kernel computes delta from it)."""
+    b, n_kv, group, s, d = q.shape
+    d_out, by_head, out = (t.reshape(b, n_kv * group, s, d) for t in (d_out, q, out))
+    d_q, d_k, d_v = flash_backward(d_out, by_head, k.squeeze(2), v.squeeze(2), out,
+                                   lse.reshape(b, n_kv * group, s).contiguous(), causal)
+    return d_q.float().reshape(q.shape), d_k.float(), d_v.float()
+
+
 # ============================================================================ the technique: ring attention
 
 
@@ -293,11 +355,15 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the K/V of the whole cp ring.
 
     Saved for backward: q, k, v, the output and the lse, all of S/cp tokens. Nothing of the
-    other ranks is kept; backward fetches their K/V around the ring again.
+    other ranks is kept; backward fetches their K/V around the ring again. Each block is computed
+    by the fused kernel or the plain functions (cp.ring_kernel), looked up here at call time, so
+    that a meter can wrap them from outside (AttentionWork).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel):
+        ctx.fused = cp.ring_kernel == "fused" and fused_kernel_runs(q.device, q.dtype)
+        block_attention = fused_attention_block if ctx.fused else attention_block
         grouped_q = grouped_by_kv_head(q, k.shape[1])
         chunk = q.shape[2] // len(cp.split.chunk_ids(cp.rank))
         out = torch.zeros(grouped_q.shape, dtype=torch.float32, device=q.device)
@@ -305,7 +371,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack((k, v)).unsqueeze(3)                 # one message per step: [2, b, n_kv, 1, s, d]
         for source, block in kv_blocks_around_the_ring(kv, cp):
             for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
-                block_out, block_lse = attention_block(grouped_q[..., rows, :], block[0][..., cols, :],
+                block_out, block_lse = block_attention(grouped_q[..., rows, :], block[0][..., cols, :],
                                                        block[1][..., cols, :], causal)
                 out[..., rows, :], lse[..., rows] = merge_blocks(out[..., rows, :], lse[..., rows],
                                                                  block_out, block_lse)
@@ -320,7 +386,8 @@ class RingAttention(torch.autograd.Function):
         cp, n_kv = ctx.cp, k.shape[1]
         chunk = q.shape[2] // len(cp.split.chunk_ids(cp.rank))
         grouped_q, d_out = grouped_by_kv_head(q, n_kv), grouped_by_kv_head(d_out.to(q.dtype), n_kv)
-        delta = (d_out.float() * grouped_by_kv_head(out, n_kv).float()).sum(dim=-1)
+        out = grouped_by_kv_head(out, n_kv)
+        delta = None if ctx.fused else (d_out.float() * out.float()).sum(dim=-1)
         d_q = torch.zeros(grouped_q.shape, dtype=torch.float32, device=q.device)
         # dK/dV of a block travel one step behind the block itself: each rank adds the gradient
         # its queries give the block it holds to the running sum that arrived from the previous
@@ -331,9 +398,13 @@ class RingAttention(torch.autograd.Function):
         for source, block in kv_blocks_around_the_ring(torch.stack((k, v)).unsqueeze(3), cp):
             d_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=q.device)
             for rows, cols, causal in visible_blocks(cp.split, cp.rank, source, chunk):
-                block_dq, block_dk, block_dv = attention_block_backward(
-                    grouped_q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :], d_out[..., rows, :],
-                    lse[..., rows], delta[..., rows], causal)
+                block_q, block_k, block_v = grouped_q[..., rows, :], block[0][..., cols, :], block[1][..., cols, :]
+                if ctx.fused:       # the kernel computes delta itself, from the final output
+                    block_dq, block_dk, block_dv = fused_attention_block_backward(
+                        block_q, block_k, block_v, d_out[..., rows, :], out[..., rows, :], lse[..., rows], causal)
+                else:
+                    block_dq, block_dk, block_dv = attention_block_backward(
+                        block_q, block_k, block_v, d_out[..., rows, :], lse[..., rows], delta[..., rows], causal)
                 d_q[..., rows, :] += block_dq
                 d_kv[0][..., cols, :] += block_dk
                 d_kv[1][..., cols, :] += block_dv
@@ -509,6 +580,14 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     return data_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
 
 
+def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 01's forward-only loss, or lesson 03's with a pipeline: the attention cores run their
+    ring (or all-to-all) forward as in training, and the loss shares are summed over dp x cp."""
+    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
+        return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
+    return data_parallel.evaluate(model_or_pipeline, batch, settings)
+
+
 # ============================================================================ configuration rules
 
 
@@ -550,14 +629,15 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 class AttentionWork:
     """Query-key scores this rank's attention forward passes compute, counted from outside.
 
-    While entered, the functions that compute scores, attention_block (the ring) and
-    causal_attention (Ulysses), are replaced in this module by counting wrappers: the technique
-    looks both names up here at call time, so it needs no counter of its own. A call over queries
-    [..., s_q, d] and keys [..., s_k, d] computes every query-key pair; a diagonal block is
-    computed whole and then masked, so it counts in full.
+    While entered, the functions that compute scores, attention_block or fused_attention_block
+    (the ring) and causal_attention (Ulysses), are replaced in this module by counting wrappers:
+    the technique looks these names up here at call time, so it needs no counter of its own. A call
+    over queries [..., s_q, d] and keys [..., s_k, d] counts every query-key pair; a diagonal block
+    counts in full, as the plain function computes it whole and then masks it (a flash kernel
+    skips the tiles above the diagonal; the count, like predicted_attention_work, ignores that).
     """
 
-    counted = ("attention_block", "causal_attention")
+    counted = ("attention_block", "fused_attention_block", "causal_attention")
 
     def __init__(self):
         self.scores = 0
@@ -760,6 +840,9 @@ def parse_args(argv=None):
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
                         help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
                              "--no-zigzag: contiguous split")
+    parser.add_argument("--ring-kernel", choices=("fused", "plain"), default="fused",
+                        help="fused: each K/V block in one flash-attention kernel (CPU: float32 and bf16; CUDA: "
+                             "bf16 and fp16, float32 runs plain); plain: the block's scores spelled out, the reference")
     parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
     add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
     return parser.parse_args(argv)
@@ -770,7 +853,7 @@ def main(argv=None):
     plan = plan_run(args, validate)
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
-    cp = ContextParallel.from_grid(grid, args.zigzag)
+    cp = ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
     compute_dtype = autocast_dtype(args.dtype, device)
     parts = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
                         int(args.bucket_mb * 2**20))
@@ -785,10 +868,13 @@ def main(argv=None):
     log0(grid.shape.picture())
 
     activations, attention_work = ActivationMeter(*parts), AttentionWork()
-    step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings)
+    model_or_pipeline = parts[0] if pipeline is None else pipeline
+    step = functools.partial(train_step, model_or_pipeline, optimizer, settings=settings)
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=sequence_cut(grid, args.zigzag),
-                       meters=(activations, attention_work))
+                       meters=(activations, attention_work),
+                       evaluate=functools.partial(evaluate, model_or_pipeline, settings=settings),
+                       val_batches=plan.val_batches, cfg=plan.cfg)
     report(parts, pipeline, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device,
            compute_dtype)
     shutdown()

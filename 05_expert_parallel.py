@@ -362,6 +362,21 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     return replace(result, extra=balancing_log.step_values())
 
 
+def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 04's forward-only loss (01's, or 03's with a pipeline): the language-model loss alone.
+    The aux and z balancing losses are training objectives that only backward sees (attached to the
+    layers' outputs), so they are not part of the validation loss. Routing adds each forward's
+    choices to expert_load; those of validation tokens are taken back out, or the next router-bias
+    update would balance on tokens the step never trained on."""
+    parts = getattr(model_or_pipeline, "chunks", [model_or_pipeline])
+    layers = [layer for part in parts for layer in moe_layers(part)]
+    loads = [layer.expert_load.clone() for layer in layers]
+    loss = context_parallel.evaluate(model_or_pipeline, batch, settings)
+    for layer, load in zip(layers, loads):
+        layer.expert_load.copy_(load)
+    return loss
+
+
 # ============================================================================ the technique: composing with lessons 01-04
 
 
@@ -492,6 +507,8 @@ class BalancingLog:
             layer.register_forward_hook(self._read)
 
     def _read(self, layer, inputs, output):
+        if not layer.training:      # a validation forward: not part of any step's objective
+            return
         values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
         self.totals += torch.stack([values[name] for name in self.names]).detach().cpu()
 
@@ -528,6 +545,8 @@ class RoutingMeter:
 
     def _recording(self, index, compute):
         def recorded(tokens, routing, experts):
+            if not self.layers[index].training:     # validation: its traffic is not the steps' either
+                return compute(tokens, routing, experts)
             counts = torch.bincount(routing.expert_ids[routing.kept], minlength=self.layers[index].n_experts)
             self.calls.append(RoutedCall(index, self._forwards[index], counts, (~routing.kept).sum()))
             self._forwards[index] += 1
@@ -562,15 +581,16 @@ def rows_sent_and_received(meter: RoutingMeter, ep: ExpertParallel) -> tuple[lis
 
 
 def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
-                               grouped: bool, tp: int = 1) -> int:
-    """Bytes autograd keeps for backward of one MoE layer on one micro-batch of one rank, float32
-    on CPU, with this file's dispatch (DESIGN rule 9; lesson 07's memory plan uses it).
+                               grouped: bool, tp: int = 1, element_bytes: int = 4) -> int:
+    """Bytes autograd keeps for backward of one MoE layer on one micro-batch of one rank, with
+    this file's dispatch (DESIGN rule 9; lesson 07's memory plan uses it).
 
     The routing decides it: of the micro-batch's n = `tokens` tokens (in `sequences` sequences),
     m = `sent` kept assignments leave for the experts and r = `received` rows arrive for this
     rank's experts (r = m at ep = 1). So the prediction takes a real step's counts as input
     (RoutingMeter, rows_sent_and_received). The layer's input, the norm's output that the router
-    keeps, belongs to the dense formula. In bytes:
+    keeps, belongs to the dense formula. In bytes, e = `element_bytes` for the tensors in the
+    compute dtype (4 in float32, 2 under bf16; the router computes in float32 whatever the dtype):
 
       per token      the router's scores (softmax or sigmoid output)                  4E
                      the top-k sort's int64 indices (expert_ids are a view of them)    8E
@@ -578,57 +598,68 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
                      capacity: the bool mask of kept choices (weights * kept)          k
                      sigmoid router with the aux loss: the scores' row sums            4
                      z-loss: the router logits and their logsumexp                    4E + 4
-                     shared expert: SwiGLU's gate, silu(gate), up, product            16 f_shared / tp
+                     shared expert: SwiGLU's gate, silu(gate), up, product            4e f_shared / tp
       per sequence   aux loss: f_i                                                    4E
       per m          int64 (token, choice) pairs 16, their order by expert 8, the
-                     permuted token rows 8; the combine weight 4                      36
-                     the expert output back at the token's rank, and weighted         8h
-      per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   4h + 16f / tp
+                     permuted token rows 8; the combine weight e                      32 + e
+                     the expert output back at the token's rank, and weighted         2e h
+      per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   e (h + 4f / tp)
                      ep > 1: the permutations into and out of expert order, int64     16
       grouped        the int32 offsets of the rank's E/ep experts                     4E/ep
     With tp > 1 each tp rank holds its 1/tp slice of every expert's inner width (f / tp), and
     everything else whole.
     """
     E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden // tp
-    per_token = 12 * E + 4 * k + 4 + 16 * cfg.n_shared_experts * f
+    e = element_bytes
+    per_token = 12 * E + 4 * k + 4 + 4 * e * cfg.n_shared_experts * f
     per_token += (k if cfg.capacity_factor is not None else 0) + (4 * E + 4 if cfg.z_loss_coef else 0)
     per_token += 4 if cfg.router == "sigmoid" and cfg.aux_loss_coef else 0
     per_sequence = 4 * E if cfg.aux_loss_coef else 0
-    per_received = 4 * h + 16 * f + (16 if ep > 1 else 0)
+    per_received = e * (h + 4 * f) + (16 if ep > 1 else 0)
     offsets = 4 * E // ep if grouped else 0
-    return tokens * per_token + sequences * per_sequence + sent * (36 + 8 * h) + received * per_received + offsets
+    return tokens * per_token + sequences * per_sequence + sent * (32 + e + 2 * e * h) + received * per_received + offsets
 
 
-def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None) -> int:
+def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
+                           sequence_parallel: bool = False) -> int:
     """One micro-batch of this rank's model or pipeline stage with a dense MLP: the reference
-    formula, lesson 02's with tp > 1, lesson 03's for a stage, lesson 04's when ring attention runs
-    (cp > 1)."""
+    formula, lesson 02's with tp > 1, lesson 03's for a stage, lesson 04's when context-parallel
+    attention runs (cp > 1; this lesson's is the ring, lesson 07 also asks for Ulysses)."""
     if cp > 1:
-        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, "ring", tp=tp,
-                                                              stage=stage)
+        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, cp_mode, tp=tp,
+                                                              sequence_parallel=sequence_parallel, stage=stage)
     if stage is not None:
-        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp)
+        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp,
+                                                                  sequence_parallel)
     if tp > 1:
-        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, False)
+        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, sequence_parallel)
     return predicted_activation_bytes(cfg, micro_batch, seq_len)
 
 
-def predicted_peak_activation_bytes(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
-                                    grouped: bool, tp: int = 1) -> int:
-    """This rank's activations at their peak in the metered step: per (part, micro-batch), the
-    dense formula with each MoE layer's SwiGLU (16 f / tp bytes per token) replaced by
-    moe_layer_activation_bytes on that layer's counts; then the schedule's peak: the largest
-    micro-batch without a pipeline, lesson 03's live micro-batches with one."""
+def activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
+                                    grouped: bool, tp: int = 1, dense=None, element_bytes: int = 4) -> dict:
+    """This rank's activations per (part, micro-batch) of the metered step: the dense formula
+    with each MoE layer's SwiGLU (4 f / tp elements per token) replaced by
+    moe_layer_activation_bytes on that layer's counts. `dense(stage)` gives a part's dense bytes
+    (default: dense_activation_bytes) and `element_bytes` the rows' dtype: lesson 07 asks for its
+    recompute modes and bf16 that way."""
     micro, tokens = shape.micro_batch_size, shape.micro_batch_size * shape.seq_len // cp
+    dense = dense or functools.partial(dense_activation_bytes, cfg, micro, shape.seq_len, cp, tp)
     sizes = {}
     for part_index, part in enumerate(parts):
-        dense = dense_activation_bytes(cfg, micro, shape.seq_len, cp, tp, part.module if pipeline is not None else None)
+        part_bytes = dense(part.module if pipeline is not None else None)
         for micro_batch in range(shape.grad_accum):
-            sizes[(part_index, micro_batch)] = dense
+            sizes[(part_index, micro_batch)] = part_bytes
     for call, sent, received in zip(meter.calls, *rows_sent_and_received(meter, ep)):
         sizes[(meter.part_of[call.layer], call.micro_batch)] += (
-            moe_layer_activation_bytes(cfg, tokens, micro, sent, received, ep.size, grouped, tp)
-            - 16 * cfg.ffn_hidden // tp * tokens)
+            moe_layer_activation_bytes(cfg, tokens, micro, sent, received, ep.size, grouped, tp, element_bytes)
+            - 4 * element_bytes * cfg.ffn_hidden // tp * tokens)
+    return sizes
+
+
+def schedule_peak(sizes: dict, pipeline) -> int:
+    """The most bytes of (part, micro-batch) activations alive at once: the largest micro-batch
+    without a pipeline, lesson 03's live micro-batches with one."""
     if pipeline is None:
         return max(sizes.values())
     live = peak = 0
@@ -637,6 +668,13 @@ def predicted_peak_activation_bytes(parts, pipeline, cfg, shape, cp: int, meter:
             live += sizes[(step.chunk, step.micro_batch)] * (1 if step.kind == "F" else -1)
             peak = max(peak, live)
     return peak
+
+
+def predicted_peak_activation_bytes(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
+                                    grouped: bool, tp: int = 1) -> int:
+    """This rank's activations at their peak in the metered step (float32)."""
+    return schedule_peak(activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp, meter, ep, grouped, tp),
+                         pipeline)
 
 
 def expert_memory_bytes(cfg, ep: int, n_layers: int, tp: int = 1) -> int:
@@ -791,12 +829,15 @@ def main(argv=None):
 
     activations, measured_step, every_step = ActivationMeter(*parts), RoutingMeter(parts), RoutingMeter(parts)
     log_groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
-    step = functools.partial(train_step, parts[0] if pipeline is None else pipeline, optimizer, settings=settings,
+    model_or_pipeline = parts[0] if pipeline is None else pipeline
+    step = functools.partial(train_step, model_or_pipeline, optimizer, settings=settings,
                              bias_update_rate=args.bias_update_rate, balancing_log=BalancingLog(parts, log_groups))
     with every_step:
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                            prepare_batch=context_parallel.sequence_cut(grid, zigzag=True),
-                           meters=(activations, measured_step))
+                           meters=(activations, measured_step),
+                           evaluate=functools.partial(evaluate, model_or_pipeline, settings=settings),
+                           val_batches=plan.val_batches, cfg=cfg)
     report(parts, pipeline, optimizer, plan, grid, activations, measured_step, every_step, throughput, device,
            compute_dtype, grouped, args)
     shutdown()

@@ -99,6 +99,7 @@ ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from dataclasses import dataclass, replace
 from functools import partial
@@ -111,8 +112,8 @@ from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
 from picotron_like.model import GPT, count_parameters, get_config
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
-                                    validate_parallel_config)
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
+                                    load_lesson, shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, note_grad_norm, plan_run, train)
 
@@ -219,6 +220,10 @@ class ZeroDataParallel(nn.Module):
     ranks of its expert-data-parallel group `expert_group` and no other. So a block with experts
     is two flat units: its dense parameters sharded over `group` (dp x cp), its expert weights over
     `expert_group` (edp). Each unit reduces and gathers over its own group.
+
+    Building the units needs only each group's size and this rank's place in it: a GroupLayout
+    (topology) does instead of a group, so lesson 07's memory plan can build any rank's shards of
+    a full-size model on the meta device, with no process group at all.
     """
 
     def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision(), expert_group=None):
@@ -245,7 +250,7 @@ class ZeroDataParallel(nn.Module):
         units = []
         for params, group in ((dense, self.dp_group), (experts, expert_group)):
             if params:
-                n_shards, rank = (1, 0) if self.stage == 0 else (dist.get_world_size(group), dist.get_rank(group))
+                n_shards, rank = (1, 0) if self.stage == 0 else (group_size(group), group_rank(group))
                 units.append(FlatUnit(params, n_shards, rank, group))
         return units
 
@@ -337,11 +342,29 @@ class ZeroDataParallel(nn.Module):
         for unit in self.units:
             (unit.grad_buffer if self.stage <= 1 else unit.grad_shard).zero_()
 
+    def publish_master(self) -> None:
+        """Every rank's weights from the master, after it changed outside a step (a checkpoint loaded)."""
+        for unit in self.units:
+            self._publish(unit)
+
 
 def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.AdamW:
     """The shared AdamW over this rank's pieces: each piece takes its own parameter's name, so
     the same name rule puts it in the decayed or the undecayed group (padding stays zero)."""
     return build_optimizer([(piece.name, piece.master) for unit in model.units for piece in unit.pieces], lr)
+
+
+def master_pieces(model: ZeroDataParallel):
+    """Each piece of a parameter in this rank's master shards, as (unit, name, shape, start,
+    master): the piece holds elements [start, start + master.numel()) of the (row-major) parameter
+    `name` of shape `shape`, as this rank holds that parameter. Padding is left out. A checkpoint
+    saves these (lesson 07)."""
+    for unit in model.units:
+        shapes = dict(zip(unit.names, unit.shapes))
+        offsets = dict(zip(unit.names, itertools.accumulate((shape.numel() for shape in unit.shapes), initial=0)))
+        for piece in unit.pieces:
+            if piece.param is not None:
+                yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
 
 
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
@@ -468,6 +491,18 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     return StepResult(loss.item(), grad_norm)
 
 
+def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 05's forward-only loss (04's, 03's or 01's, and without experts nothing more). ZeRO-3's
+    hooks gather each unit before its forward and free it after, gradients or not; kept gathered
+    (--no-reshard-after-forward), the units are freed here instead, where backward would have freed
+    them: a step starts from shards, and validation leaves the run as it found it."""
+    loss = expert_parallel.evaluate(model_or_pipeline, batch, settings)
+    if isinstance(model_or_pipeline, ZeroStage3):
+        for unit in model_or_pipeline.units:
+            unit.release_parameters()
+    return loss
+
+
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
                 cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None) -> ZeroDataParallel:
@@ -584,15 +619,17 @@ class ModelStates:
 
 def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
     """The bytes of every storage this rank holds, each counted once, in the first role it has:
-    weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments."""
+    weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments.
+    A storage is told apart by its identity (_cdata), not its address: on the meta device, where
+    the memory plan builds full-size models, every storage has address 0."""
     seen: set[int] = set()
 
     def storage_bytes(tensors) -> int:
         total = 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            if storage.nbytes() and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
+            if storage.nbytes() and storage._cdata not in seen:
+                seen.add(storage._cdata)
                 total += storage.nbytes()
         return total
 
@@ -604,14 +641,23 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
                        storage_bytes(unit.master for unit in model.units), storage_bytes(states))
 
 
-def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0) -> list[int]:
+def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                          experts: bool = False) -> list[int]:
     """Parameters of each unit on one tp rank of pipeline stage `pp_rank`: the embedding (first
-    stage), the stage's blocks, the head (last stage); norm gains stay whole under tp."""
+    stage), the stage's blocks, the head (last stage); norm gains stay whole under tp. With
+    experts (lesson 05's split), a block's dense unit holds the attention, the norms, the router
+    (whole on every tp rank) and the shared expert (split like a dense MLP); experts=True counts
+    each unit's routed experts instead: E/ep of them, each split over tp (none in embedding, head)."""
     h, hd = cfg.hidden, cfg.head_dim
-    block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd + 3 * h * cfg.ffn_hidden) // tp + 2 * h
+    swiglu = 3 * h * cfg.ffn_hidden
+    if experts:
+        block, embedding, head = cfg.n_experts * swiglu // (ep * tp), 0, 0
+    else:
+        mlp = cfg.n_shared_experts * swiglu // tp + h * cfg.n_experts if cfg.n_experts else swiglu // tp
+        block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd) // tp + mlp + 2 * h
+        embedding, head = cfg.vocab_size * h // tp, h + h * cfg.vocab_size // tp
     n_blocks = len(pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp)[pp_rank])
-    return ([cfg.vocab_size * h // tp] * (pp_rank == 0) + [block] * n_blocks
-            + [h + h * cfg.vocab_size // tp] * (pp_rank == pp - 1))
+    return [embedding] * (pp_rank == 0) + [block] * n_blocks + [head] * (pp_rank == pp - 1)
 
 
 def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
@@ -779,7 +825,7 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
     inner = add_traffic(inner, inner_extra or {}) if inner is not None else None
     if inner is None:
         predicted = {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    log0(comm.meter.table(add_traffic(predicted, inner or {}), per=args.steps))
+    log0(comm.meter.table(add_traffic(predicted, inner or {}), per=throughput.steps))   # fewer when resumed
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
 
@@ -838,10 +884,12 @@ def main(argv=None):
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
     gathered = GatheredParameterMeter(model.module)
-    step = partial(train_step, model if pipeline is None else pipeline, optimizer, settings=settings)
+    model_or_pipeline = model if pipeline is None else pipeline
+    step = partial(train_step, model_or_pipeline, optimizer, settings=settings)
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                       meters=(gathered,))
+                       meters=(gathered,), evaluate=partial(evaluate, model_or_pipeline, settings=settings),
+                       val_batches=plan.val_batches, cfg=plan.cfg)
     report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device)
     shutdown()
 

@@ -5,7 +5,7 @@ The problem. Each lesson so far fixes one limit: 01 the time (more ranks, more t
 layer too wide for one device, 03 a model too deep, 04 a sequence too long, 05 experts too many,
 06 optimizer states too big. A real pretraining run hits all of them at once, and one more: the
 activations that backward needs. With the 8b preset, 4096 tokens per sequence and one sequence
-per micro-batch, the blocks save about 27 GB per micro-batch in bf16, however the weights are split.
+per micro-batch, the blocks keep about 31 GB per micro-batch in bf16, however the weights are split.
 
 The idea. Nothing new is parallelised here; the lessons compose, each wrapping the result of the
 one before, in the order their assumptions need (parallelize() below is the plan):
@@ -18,59 +18,132 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> activation recomputation                 (this lesson)
       -> the pipeline schedule over the stage     (03)
 
-Activation recomputation (`--recompute full`, Chen et al. 2016). Each block's forward runs inside
-torch.utils.checkpoint (non-reentrant): autograd keeps only the block's input, and backward runs
-the block's forward again just before its backward. Collectives inside a block (tp's all-reduces,
-cp's ring, ep's all-to-alls) run again in that second forward, in the same order on every rank.
+Activation recomputation trades compute for that memory: keep less in forward, compute the rest
+again in backward. Both modes below use torch.utils.checkpoint (non-reentrant): a checkpointed
+region keeps only its inputs, and runs again when backward first needs something from inside it.
 
-    kept per micro-batch   none: L x (11h + 4f + n_heads + 2) per token   full: L x h per token
-                           (dense, float32; /cp tokens; a block's input /tp under sequence
-                           parallelism) plus, in both, the rotary tables, the embedding's ids
-                           and the head's norm, logits' softmax and targets
-    extra compute          one more forward of every block: about 4/3 of the blocks' FLOPs
-    extra communication    the blocks' forward collectives once more per micro-batch, but the
-                           last (checkpoint stops once what backward saved is rebuilt)
+`--recompute full` (Chen et al. 2016). Each block's forward is one region: autograd keeps only the
+block's input, and backward runs the block's forward again just before its backward. Collectives
+inside a block (tp's all-reduces, cp's ring, ep's all-to-alls) run again in that second forward,
+in the same order on every rank. At its peak backward holds the kept inputs plus one recomputed
+block's activations.
 
-At its peak backward holds the kept inputs plus one recomputed block's activations.
+`--recompute selective` (after Megatron, Korthikanti et al. 2022). Recompute only what is large
+but cheap to compute, and keep what the matmuls and the attention produced: each RMSNorm's
+arithmetic (1/rms and the normalised float32 copy; the norm keeps its input) and SwiGLU's
+silu(gate) (gate and up, matmul outputs, stay kept, and so does their product, down_proj's input).
+That repeats elementwise work only, no matmul and no collective (a tp norm's entry into its
+region stays outside the checkpoint). Megatron's classic choice is the attention core, whose s^2
+scores and softmax dwarf everything else a block keeps; scaled_dot_product_attention never stores
+those (it keeps q, k, v, the output and one log-sum-exp per row and head), so recomputing the core
+here drops only the GQA-repeated K and V, the output and the log-sum-exp (and must keep the
+un-repeated K and V instead), for the attention's s^2 FLOPs again and, under cp, the ring's
+messages again. Measured (tests/test_full_5d.py), per token and layer, with e the compute dtype's
+bytes (4 in float32, 2 in bf16), selective drops 2 (4 (2h + 1) - e h) + e f bytes and the attention
+core e (3h - 2 n_kv d) + 4 n_heads: 1032 against 528 bytes on the test model in float32, 1032
+against 272 in bf16; for the 8b shape and a 4096-token micro-batch in bf16, 10.2 GB against 2.7 GB
+of the 31 GB its blocks keep.
 
-Selective recomputation (Megatron, Korthikanti et al. 2022) is not here yet. It would keep the
-matmul outputs and recompute the cheap but large parts: the two RMSNorms' normalised copies and
-SwiGLU's silu(gate) and product (about 6h + 2f per token of the 11h + 4f). Megatron's classic choice,
-recomputing the attention core, saves its s^2 scores and softmax; scaled_dot_product_attention
-never stores those (it keeps q, k, v, the output and one log-sum-exp per row), so here it would
-save n_heads elements per token and nothing more.
+    kept per micro-batch   per token and layer (dense, float32; /cp tokens; attention's and the
+                           MLP's tensors /tp, the norms' only under sequence parallelism):
+                             none        11h + 4f + n_heads + 2 elements (lessons 02 and 04 adjust
+                                         it for tp, sequence parallelism, ring and Ulysses)
+                             selective   none's less 2(h + 1) + f
+                             full        h: the block's input
+                           plus, in every mode, the rotary tables, the embedding's ids and the
+                           head's norm, input, logits' softmax and targets
+    8b, 4096 tokens, bf16  none 33.4 GB, selective 23.2 GB, full 3.4 GB (predicted)
+    extra compute          selective: the norms' and silu's elementwise work again (memory-bound,
+                           no matmul); full: one more forward of every block, about 4/3 of the
+                           blocks' FLOPs
+    extra communication    selective: none; full: the blocks' forward collectives once more per
+                           micro-batch, but the last (checkpoint stops once what backward saved
+                           is rebuilt)
+
+The report predicts every mode for the run's layout and measures the one that ran, equal byte for
+byte (predicted_kept_activation_bytes). Under a pipeline it is the stage's peak: the micro-batches
+lesson 03's schedule keeps alive at once, each with that stage's layers. With experts, lesson 05's
+moe_layer_activation_bytes on the measured step's routing counts; selective leaves the routed
+experts alone (their SwiGLU runs inside lesson 05's dispatch, between its all-to-alls; a shared
+expert is a plain SwiGLU and is recomputed). In bf16 every element a block keeps takes 2 bytes
+except those computed in float32 on purpose: a norm's float32 input copy, 1/rms and normalised
+copy, attention's log-sum-exp, the router's scores, and outside the blocks the rotary tables and
+the loss's softmax. A norm then keeps 10h + 4 bytes per token against 12h + 4 in float32 while
+everything else halves, so selective saves more in bf16 (30% of the 8b micro-batch, 21% in
+float32). Under ZeRO-3 the prediction is printed but not measured: its step measures the gathered
+weights with the same kind of hook. The formulas are measured on CPU; a CUDA attention kernel may
+keep a few bytes of its own bookkeeping more.
+
+Will it fit? `--plan` answers before anything is launched (no torchrun): the bytes per rank of
+every component for the layout of the usual flags on --gpus GPUs, whether they fit, and the
+layouts that do, fastest first (07_memory_plan.py, which this lesson owns, adds up the lessons'
+own formulas; tests/test_memory_plan.py proves them equal to what each rank holds, and at full
+size to models built on the meta device). A run's report ends with its first steps' memory:
+Adam's states appear inside the first optimizer step; on CUDA the caching allocator reserves
+during step 0 (--memory-snapshot FILE writes its history for pytorch.org/memory_viz).
+
+Checkpoints (--save-dir DIR, --save-every N, --keep-last K, --resume). Every rank describes what
+it holds in the reference GPT's names (reference_slices: the box a tp rank and an ep rank hold, the
+flat range of it a ZeRO shard holds); picotron_like/checkpoint.py writes those slices (float32
+master weights, AdamW's moments and step, router biases, RNG states) and a manifest, and reloads
+them into any layout the world size allows: the run continues at the checkpoint's step, whose
+learning rate and data follow from the step. Same layout: bit for bit (tests/test_checkpoint.py).
+
+The GPU fast paths, each proven equal to the plain path on CPU where the op exists there
+(tests/test_fast_paths.py). Attention never stores its s^2 scores on any path. Without cp and
+under Ulysses the model's causal_attention calls F.scaled_dot_product_attention, whose priority
+on CUDA puts FlashAttention-2 first (bf16 or fp16, head_dim at most 256 and a multiple of 8) and
+takes the memory-efficient kernel in float32. Under the ring each K/V block is one call of that
+same flash kernel through its aten op, which also returns the lse the ring merges with (lesson
+04's fused_attention_block; its CPU twin on CPU; in float32 on CUDA the blocks run as plain
+matmuls). AdamW is fused=True on CUDA (one multi-tensor kernel, elementwise, so a ZeRO shard steps
+as its slice of the whole tensor would), and the per-tensor loop elsewhere. --compile compiles
+each block's forward with torch.compile (TorchInductor), inside recomputation's checkpoint and
+ZeRO-3's hooks; collectives split it and run eagerly. The first step pays for the compilation
+(about 20 CPU-seconds per rank for the tiny preset on a CPU).
 
 Out of scope: FP8, fp16 with loss scaling (bf16 needs none), zero-bubble pipeline schedules.
-Not yet in this version: selective recomputation, the GPU fast paths (fused AdamW, a fused ring
-block, --compile), --profile, and the activation formula under a pipeline, with experts or in bf16.
+What every lesson's run logs comes from the shared loop: each step's loss, gradient norm, learning
+rate, tokens/s, memory and on a GPU the MFU; --val-every, --metrics FILE, --profile DIR.
 
 Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute full
+    torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute selective --dtype bfloat16
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --cp 2 --zero-stage 1 --recompute full
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
+    torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
+    torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
+    torchrun --nproc_per_node=2 07_full_5d.py --dp 2 --zero-stage 3 --save-dir ckpt --resume   # 4 -> 2 ranks
+    python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu B300 --seq-len 8192 --micro-batch-size 1 --grad-accum 8
 
-What to look for: the activation line, kept bytes measured equal to the formula and the saving
-against --recompute none; the traffic table, where recomputation adds the blocks' forward again.
+What to look for: the activation table, the run's mode measured equal to its prediction and every
+mode's prediction with its saving against none; the traffic table, where full recomputation adds
+the blocks' forward collectives again and selective adds none.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from picotron_like.metrics import ActivationMeter, add_traffic, log0, predicted_activation_bytes
-from picotron_like.model import count_parameters
-from picotron_like.topology import ConfigError, ProcessGrid, init_distributed, load_lesson, shutdown
+import picotron_like.checkpoint as checkpoints
+from picotron_like.metrics import ActivationMeter, add_traffic, log0
+from picotron_like.model import RMSNorm, SwiGLU, count_parameters
+from picotron_like.pipeline_tools import is_transfer_batch
+from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
+                                    shutdown)
 from picotron_like.train import batch_shape, plan_run, train
 
-tensor_parallel = load_lesson("02_tensor_parallel")
 context_parallel = load_lesson("04_context_parallel")
+expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 # ============================================================================ the technique: the plan
 
@@ -84,6 +157,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     model = zero.build_model(cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                              args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
                              shape.sequences_per_step)
+    # with --compile, each block's forward compiled, inside recomputation and every wrapper's hooks
+    compile_blocks(model.module, args.compile)
     # activation recomputation, inside every wrapper's hooks (ZeRO-3's gathers stay outside it)
     apply_recompute(model.module, args.recompute)
     # the pipeline schedule over this rank's stage (03), or None
@@ -103,104 +178,400 @@ def recomputed_forward(forward, x, rope):
     return checkpoint(lambda x, cos, sin: forward(x, (cos, sin)), x, cos, sin, use_reentrant=False)
 
 
+def recompute_normalisation(norm: RMSNorm) -> None:
+    """The norm's arithmetic under checkpoint: it keeps its input, and backward computes 1/rms and
+    the normalised copy again. The entry into lesson 02's tensor-parallel region that a tp norm
+    adds after it (enter_region) stays outside: under sequence parallelism that entry is an
+    all-gather, which the second forward would otherwise send again."""
+    normalise = partial(checkpoint, partial(RMSNorm.forward, norm), use_reentrant=False)
+    enter = getattr(norm, "enter_region", None)
+    norm.forward = normalise if enter is None else lambda x: enter(normalise(x))
+
+
+def silu_product(gate, up):
+    return F.silu(gate) * up
+
+
+def recompute_swiglu_product(mlp: SwiGLU) -> None:
+    """SwiGLU's elementwise middle under checkpoint: gate and up (the matmuls' outputs) stay kept,
+    silu(gate) is computed again in backward. Its product stays too: down_proj keeps it as its
+    input, and only recomputing down_proj itself, a matmul, could drop it."""
+    product = partial(checkpoint, silu_product, use_reentrant=False)
+    mlp.forward = lambda x: mlp.down_proj(product(mlp.gate_proj(x), mlp.up_proj(x)))
+
+
 def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Wrap each block's own forward, not its __call__: the hooks earlier lessons put on a block
-    (ZeRO-3 gathers its weights before it, frees them after, gathers them again when its output's
-    gradient arrives) fire once around the checkpointed region and not again when backward
-    recomputes it, by which time ZeRO-3 has gathered the weights for the backward anyway."""
-    if mode == "full":
-        for block in model.layers:
+    """full: wrap each block's own forward, not its __call__: the hooks earlier lessons put on a
+    block (ZeRO-3 gathers its weights before it, frees them after, gathers them again when its
+    output's gradient arrives) fire once around the checkpointed region and not again when
+    backward recomputes it, by which time ZeRO-3 has gathered the weights for the backward anyway.
+    selective: inside every block, the two norms and each SwiGLU's product (a dense MLP's, a
+    shared expert's); the matmuls, the attention core and the routed experts keep what they save."""
+    for block in model.layers:
+        if mode == "full":
             block.forward = partial(recomputed_forward, block.forward)
+        elif mode == "selective":
+            recompute_normalisation(block.attn_norm)
+            recompute_normalisation(block.mlp_norm)
+            for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
+                if isinstance(mlp, SwiGLU):
+                    recompute_swiglu_product(mlp)
     return model
+
+
+# ============================================================================ the technique: compiling each block
+
+
+def compile_blocks(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+    """--compile: torch.compile each block's own forward (TorchInductor fuses its elementwise
+    operations, the norms, rotary, SwiGLU, residual adds, into a few kernels). Applied before
+    recomputation, so that what is compiled is the block's math alone: full recomputation's
+    checkpoint and ZeRO-3's gather hooks wrap it from outside, in eager code, exactly as they wrap
+    an uncompiled block. Selective recomputation's checkpoints lie inside the block: the compiler
+    traces them into the block's graph and recomputes what they mark. A collective inside a block
+    (tp's all-reduces, cp's ring, ep's all-to-alls) splits the compiled code, and runs eagerly in
+    between. Every block runs the same code on same-shaped tensors, so all share one compilation."""
+    for block in model.layers if enabled else ():
+        block.forward = torch.compile(block.forward)
+    return model
+
+
+# ============================================================================ the technique: checkpoints
+
+
+def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
+    """What this rank holds, each tensor as a slice of the reference GPT's tensor of the same
+    name: the layout's description, from which picotron_like.checkpoint saves, and reshards into
+    any other layout.
+
+    Names: every lesson keeps the reference's (03 numbers a stage's layers as the whole model).
+    Boxes: lesson 02 cut a split parameter into tp equal parts along its tp_split_dim, tp rank r
+    keeping part r; lesson 05 gave ep rank r experts [r E/ep, (r+1) E/ep) along dim 0. Elements:
+    lesson 06's master shards hold a flat range of each box (master_pieces). Replicas are written
+    once: a norm gain every tp rank holds (by tp rank 0), a unit ZeRO-0 keeps whole on each rank
+    of its group (by the group's rank 0), the router biases (by dp, cp and tp rank 0)."""
+    slices = []
+    for unit, name, shape, start, master in zero.master_pieces(model):
+        param = unit.params[unit.names.index(name)]
+        offsets = [0] * len(shape)
+        if getattr(param, "tp_split_dim", None) is not None:
+            offsets[param.tp_split_dim] = grid.tp_rank * shape[param.tp_split_dim]
+        if expert_parallel.is_expert_parameter(name):
+            offsets[0] = grid.ep_rank * shape[0]
+        whole_on_every_rank = unit.shard_numel == unit.padded_numel and group_size(unit.group) > 1
+        write = ((grid.tp_rank == 0 or not getattr(param, "tp_replicated", False))
+                 and (not whole_on_every_rank or group_rank(unit.group) == 0))
+        slices.append(checkpoints.HeldSlice(name, tuple(offsets), tuple(shape), start, start + master.numel(),
+                                            master, write))
+    persistent = model.module.state_dict().keys()
+    first_replica = grid.dp_rank == grid.cp_rank == grid.tp_rank == 0
+    for name, buffer in model.module.named_buffers():
+        if name in persistent:
+            slices.append(checkpoints.HeldSlice(name, (0,) * buffer.dim(), tuple(buffer.shape), 0, buffer.numel(),
+                                                buffer, first_replica))
+    return slices
+
+
+def run_identity(args, shape) -> dict:
+    """What a checkpoint's run and the resuming run must share for the data to continue where it
+    stopped: TokenBatches reads step s's windows at [s G, (s+1) G) of a stream its seed orders."""
+    return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step}
+
+
+def checkpoint_to_resume(args, cfg, shape) -> dict | None:
+    """The manifest of --resume's checkpoint, checked against this run (None: start at step 0).
+    Called before any process group (validate): a bad checkpoint is one error line. Refuses too a
+    run that would later overwrite a checkpoint in --save-dir, or has no step left to train."""
+    manifest = None
+    if args.resume is not None:
+        directory = checkpoints.resolve(args.resume, args.save_dir)
+        if directory is not None:
+            manifest = checkpoints.read_manifest(directory, cfg, run_identity(args, shape))
+    start = manifest["step"] if manifest else 0
+    if manifest and start >= args.steps:
+        raise checkpoints.CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
+                                          f"nothing left to train; raise --steps")
+    saved = checkpoints.list_checkpoints(args.save_dir) if args.save_dir else []
+    later = [path for step, path in saved if step > start]
+    if later:
+        raise checkpoints.CheckpointError(f"{later[-1]}: this run starts at step {start} and would overwrite it; "
+                                          f"resume from it (--resume), or choose another --save-dir")
+    return manifest
+
+
+def resume(manifest, model, optimizer, grid: ProcessGrid) -> int:
+    """Load the checkpoint into this rank's slices, whatever layout wrote it, then every weight
+    from the master (ZeRO's all-gathers); returns the step to continue from (0: no checkpoint)."""
+    if manifest is None:
+        return 0
+    checkpoints.load(manifest, reference_slices(model, grid), optimizer)
+    model.publish_master()
+    layout = ", ".join(f"{key} {value}" for key, value in manifest["layout"].items())
+    log0(f"resumed from {manifest['directory']} at step {manifest['step']} (written with {layout})")
+    return manifest["step"]
+
+
+def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
+    """train()'s after_step: a checkpoint every --save-every steps and after the last (None
+    without --save-dir)."""
+    if args.save_dir is None:
+        return None
+    slices = reference_slices(model, grid)
+    info = {"model": asdict(cfg), "run": run_identity(args, shape),
+            "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
+                       "ep": grid.ep_size, "zero_stage": args.zero_stage,
+                       "dtype": str(model.precision.param_dtype).removeprefix("torch.")},
+            "schedule": {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps, "data": args.data}}
+
+    def after_step(step: int) -> None:
+        done = step + 1
+        if done == args.steps or (args.save_every and done % args.save_every == 0):
+            checkpoints.save(args.save_dir, done, slices, optimizer, info, args.keep_last)
+
+    return after_step
 
 
 # ============================================================================ configuration rules
 
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
-    """Lesson 06's rules, which include those of 01-05; recomputation adds none of its own."""
+    """Lesson 06's rules, which include those of 01-05; recomputation adds none of its own; the
+    checkpoint flags and the checkpoint --resume names, checked before any process group."""
     if args.recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"--recompute {args.recompute}: choose one of {', '.join(RECOMPUTE_MODES)}")
     zero.validate(cfg, grid, shape, args, world_size)
+    checkpoints.check_flags(args)
+    checkpoint_to_resume(args, cfg, shape)
 
 
 # ============================================================================ measuring the three challenges
 
 
 def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompute: str, tp: int = 1,
-                                    sequence_parallel: bool = False, cp: int = 1, cp_mode: str = "ring") -> int:
-    """One micro-batch's saved activations on one rank (dense, float32, no pipeline). none: lessons
-    04 / 02 / 0's formulas. full: what lies outside the blocks (those formulas with no layer:
-    embedding ids, head), the rotary tables once (every block's checkpoint saves the same two) and
-    each block's input, b x s/cp tokens x h (/tp under sequence parallelism)."""
-    s = seq_len // cp
-    if recompute == "none":
-        if cp > 1:
-            return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, cp_mode, tp=tp,
-                                                                  sequence_parallel=sequence_parallel)
-        if tp > 1:
-            return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, s, tp, sequence_parallel)
-        return predicted_activation_bytes(cfg, micro_batch, s)
-    if tp > 1:
-        outside = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, s, tp, sequence_parallel, n_layers=0)
+                                    sequence_parallel: bool = False, cp: int = 1, cp_mode: str = "ring", stage=None,
+                                    compute_dtype: torch.dtype = torch.float32) -> int:
+    """One micro-batch of this rank's model, or of its pipeline stage `stage`, with dense MLPs (a
+    model with experts: lesson 05 then swaps each MoE layer's SwiGLU for its routed bytes).
+
+    --recompute none is the earlier lessons' float32 formula (lesson 05's dense_activation_bytes
+    picks 04's, 03's, 02's or the reference's). Its difference between two layers and one is one
+    block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
+    elements, with T_n the tokens a norm sees (/tp under sequence parallelism):
+      none       the earlier formula's block
+      selective  that, less each norm's 1/rms and normalised copy (2 (h + 1) per T_n) and
+                 silu(gate) (f / tp; with experts the shared expert's, f_shared / tp)
+      full       the block's input, h per T_n
+    In the compute dtype e (2 bytes under bf16) autograd keeps every such element in e bytes but
+    those computed in float32 on purpose: a norm's float32 input copy, 1/rms and normalised copy
+    (2h + 1; under selective the norm keeps its input itself, in e) and attention's log-sum-exp
+    (n_heads / tp per token). Outside the blocks only the head's matmul input is in e."""
+    h, e = cfg.hidden, compute_dtype.itemsize
+    tokens = micro_batch * seq_len // cp
+    norm_tokens = tokens // tp if sequence_parallel else tokens
+    swiglu_inner = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
+    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+
+    def none(cfg, stage=None):
+        return expert_parallel.dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, cp_mode,
+                                                      sequence_parallel)
+
+    block = none(replace(cfg, n_layers=2)) - none(replace(cfg, n_layers=1))
+    outside = none(cfg, stage) - layers * block
+    if stage is None or stage.lm_head is not None:
+        outside -= (4 - e) * h * norm_tokens
+    log_sum_exp = cfg.n_heads // tp * tokens
+    elements, in_float32 = {
+        "none": (block // 4, 2 * (2 * h + 1) * norm_tokens + log_sum_exp),
+        "selective": (block // 4 - 2 * (h + 1) * norm_tokens - swiglu_inner * tokens, log_sum_exp),
+        "full": (h * norm_tokens, 0)}[recompute]
+    return outside + layers * (e * elements + (4 - e) * in_float32)
+
+
+def forward_routing(routing, pipeline, n_micro: int) -> None:
+    """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
+    in the forward, and again when backward recomputes its block. The meter numbers a layer's
+    calls in the order they came, which is this rank's order of forward and backward actions
+    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program): keep the
+    calls made at the F actions, numbered by their micro-batch."""
+    actions = ([(step.kind, step.micro_batch) for step in pipeline.program if not is_transfer_batch(step)]
+               if pipeline is not None else [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"])
+    routing.calls = [replace(call, micro_batch=actions[call.micro_batch][1]) for call in routing.calls
+                     if actions[call.micro_batch][0] == "F"]
+
+
+def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
+    """This rank's kept activations at their peak in the metered step under `recompute`: each
+    micro-batch's bytes (with experts, lesson 05's on the step's routing counts; under full a
+    block keeps its input only, whatever the routing), then the schedule's peak (lesson 05's walk
+    over lesson 03's program)."""
+
+    def dense(stage):
+        return predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
+                                               args.sequence_parallel, grid.cp_size, args.cp_mode, stage,
+                                               model.precision.param_dtype)
+
+    if cfg.n_experts and recompute != "full":
+        grouped = False     # lesson 06 builds lesson 05's experts as a loop, not as grouped matmuls
+        sizes = expert_parallel.activation_bytes_by_micro_batch(
+            [model], pipeline, cfg, shape, grid.cp_size, routing, expert_parallel.ExpertParallel.from_grid(grid),
+            grouped, grid.tp_size, dense, model.precision.param_dtype.itemsize)
     else:
-        outside = predicted_activation_bytes(cfg, micro_batch, s, n_layers=0) - 4 * s * cfg.head_dim
-    block_input = micro_batch * s * cfg.hidden // (tp if sequence_parallel else 1)
-    return outside + 4 * (s * cfg.head_dim + cfg.n_layers * block_input)
+        stage = model.module if pipeline is not None else None
+        sizes = {(0, micro_batch): dense(stage) for micro_batch in range(shape.grad_accum)}
+    return expert_parallel.schedule_peak(sizes, pipeline)
+
+
+def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
+    """Every mode's prediction for this run's metered step, whichever mode ran (`routing`: its
+    RoutingMeter, or None without experts; under full its recomputed calls are dropped first)."""
+    if routing is not None and args.recompute == "full":
+        forward_routing(routing, pipeline, shape.grad_accum)
+    return {mode: predicted_peak_kept_bytes(mode, model, pipeline, cfg, shape, args, grid, routing)
+            for mode in RECOMPUTE_MODES}
 
 
 def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, recompute: str, cp_mode: str,
-                                sequence_parallel: bool) -> dict:
-    """Payload bytes per step that the second forward adds (float32): each block's forward
+                                sequence_parallel: bool, element_bytes: int = 4) -> dict:
+    """Payload bytes per step that the second forward adds, each message in the weights' dtype
+    (the residual stream's: `element_bytes`). selective: nothing, its checkpoints hold local
+    arithmetic only (a tp norm's entry into its region stays outside). full: each block's forward
     collectives that the saved tensors need, once more per micro-batch. Non-reentrant checkpoint
     stops recomputing once the last saved tensor is rebuilt, so the block's last collective (the
     MLP's row-parallel sum, whose output nothing in the block saves) does not run again. tp: the
     attention's row-parallel output (all-reduced, or reduce-scattered with the two norms' outputs
     all-gathered under sequence parallelism); cp ring: cp - 1 K/V blocks; Ulysses: q, k, v out
     and the output back (o_proj saves its input)."""
-    if recompute == "none":
+    if recompute != "full":
         return {}
     runs = n_layers * shape.grad_accum
     tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
     tp, cp, d = grid.tp_size, grid.cp_size, cfg.head_dim
     extra = []
     if tp > 1:
-        row = runs * tokens * cfg.hidden * 4
+        row = runs * tokens * cfg.hidden * element_bytes
         extra.append({("all_gather_single", "tp"): 2 * row, ("reduce_scatter_single", "tp"): row}
                      if sequence_parallel else {("all_reduce", "tp"): row})
     if cp > 1 and cp_mode == "ring":
-        kv = runs * (cp - 1) * 2 * tokens * cfg.n_kv_heads // tp * d * 4
+        kv = runs * (cp - 1) * 2 * tokens * cfg.n_kv_heads // tp * d * element_bytes
         extra.append({("isend", "cp"): kv, ("irecv", "cp"): kv})
     elif cp > 1:
-        extra.append({("all_to_all_single", "cp"): runs * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp * d * 4})
+        extra.append({("all_to_all_single", "cp"):
+                      runs * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp * d * element_bytes})
     return add_traffic(*extra)
 
 
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,
-           throughput, device) -> None:
-    """The activations one micro-batch keeps under --recompute, then lesson 06's report (model
-    states, ZeRO-3's gathered weights, traffic with the recomputed forward, compute)."""
-    precision = model.precision
-    shape, tp, sp = plan.shape, grid.tp_size, args.sequence_parallel
-    log0(f"\n== activations (one rank, one micro-batch, --recompute {args.recompute}) ==")
-    # The formula covers what it can predict exactly: a dense float32 model without a pipeline.
-    # Both meters are saved-tensor hooks, of which only the innermost sees anything: ZeRO-3's run
-    # measures its gathered weights (which autograd keeps too, so they would read as activations).
+           routing, throughput, device) -> None:
+    """The activations this rank keeps for backward at their peak in the metered step, measured for
+    the run's --recompute and predicted for every mode, then lesson 06's report (model states,
+    ZeRO-3's gathered weights, traffic with the recomputed forward, compute)."""
+    precision, shape = model.precision, plan.shape
+    predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
+    where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
+    log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
+         f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
+    log0(f"{'--recompute':<14}{'measured MB':>13}{'predicted MB':>14}{'saved vs none':>15}")
+    for mode in RECOMPUTE_MODES:
+        # Both meters are saved-tensor hooks, of which only the innermost sees anything: ZeRO-3's
+        # run measures its gathered weights (which autograd keeps too: they would read as activations).
+        measured = f"{activations.peak_bytes / 1e6:.3f}" if mode == args.recompute and args.zero_stage < 3 else "-"
+        saved = f"{100 * (1 - predicted[mode] / predicted['none']):.1f} %" if mode != "none" else "-"
+        log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
     if args.zero_stage == 3:
-        log0("not measured under ZeRO-3 (its step measures the gathered weights)")
-    elif pipeline is None and not plan.cfg.n_experts and precision.param_dtype == torch.float32:
-        predicted = {mode: predicted_kept_activation_bytes(plan.cfg, shape.micro_batch_size, shape.seq_len, mode, tp,
-                                                           sp, grid.cp_size, args.cp_mode) for mode in RECOMPUTE_MODES}
-        log0(f"kept for backward: {activations.peak_bytes / 1e6:.3f} MB measured, "
-             f"{predicted[args.recompute] / 1e6:.3f} MB predicted; --recompute none {predicted['none'] / 1e6:.3f} MB, "
-             f"full {predicted['full'] / 1e6:.3f} MB: {predicted['none'] / predicted['full']:.1f}x less kept")
-    else:
-        log0(f"kept for backward: {activations.peak_bytes / 1e6:.3f} MB measured (the formula covers dense float32 "
-             f"runs without a pipeline)")
+        log0("(not measured under ZeRO-3: its step measures the gathered weights)")
+    if args.compile:
+        log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
     extra = predicted_recompute_traffic(plan.cfg, shape, grid, len(model.module.layers), args.recompute,
-                                        args.cp_mode, sp)
+                                        args.cp_mode, args.sequence_parallel, precision.param_dtype.itemsize)
     zero.report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
                 inner_extra=extra)
+
+
+class FirstStepsMemory:
+    """What this rank holds after each phase of its first steps, observed from outside: the step
+    function and the optimizer's step are wrapped, nothing inside them counts. Everywhere: the
+    bytes of the tensors the model and optimizer hold, by role (lesson 06's measured_model_states);
+    on CUDA also the caching allocator's allocated bytes, its peak during the step, and its
+    reserved bytes. With `snapshot` (CUDA, recording since start_memory_history), PyTorch's
+    allocator history up to the end of those steps is written there, for pytorch.org/memory_viz."""
+
+    def __init__(self, model, optimizer, device, n_steps: int = 3, snapshot: str | None = None):
+        self.model, self.optimizer, self.device, self.n_steps = model, optimizer, device, n_steps
+        self.snapshot = snapshot if device.type == "cuda" else None
+        self.rows = [("built", self._sample())]
+        self.steps_seen = 0
+        self._step = optimizer.step
+        optimizer.step = self._observed_optimizer_step
+
+    def _sample(self) -> dict:
+        states = zero.measured_model_states(self.model, self.optimizer)
+        sample = {"parameters": states.parameters, "gradients": states.gradients, "master": states.master_weights,
+                  "Adam": states.optimizer_states, "total": states.total}
+        if self.device.type == "cuda":
+            sample.update(allocated=torch.cuda.memory_allocated(self.device),
+                          peak=torch.cuda.max_memory_allocated(self.device),
+                          reserved=torch.cuda.memory_reserved(self.device))
+        return sample
+
+    def _observed_optimizer_step(self, *args, **kwargs):
+        if self.steps_seen < self.n_steps:
+            self.rows.append((f"step {self.steps_seen}: before optimizer.step", self._sample()))
+        return self._step(*args, **kwargs)
+
+    def observe(self, step_fn):
+        """step_fn, sampled after each of the first n_steps steps (the snapshot written after the last)."""
+        def observed(batch):
+            if self.steps_seen >= self.n_steps:
+                return step_fn(batch)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            result = step_fn(batch)
+            self.rows.append((f"step {self.steps_seen}: after", self._sample()))
+            self.steps_seen += 1
+            if self.steps_seen == self.n_steps:
+                self._write_snapshot()
+            return result
+        return observed
+
+    def _write_snapshot(self) -> None:
+        """Write the history once and stop recording: what follows the first steps repeats them."""
+        if self.snapshot:
+            torch.cuda.memory._dump_snapshot(self.snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            log0(f"allocator history written to {self.snapshot} (one file per rank; open it at "
+                 f"https://pytorch.org/memory_viz)")
+            self.snapshot = None
+
+    def report(self) -> None:
+        """The rows (rank 0's) and what they show; a run shorter than n_steps writes its snapshot here."""
+        self._write_snapshot()
+        columns = list(self.rows[0][1])
+        log0("\n== memory over the first steps (rank 0, MB) ==")
+        log0(f"{'phase':<34}" + "".join(f"{name:>12}" for name in columns))
+        for phase, sample in self.rows:
+            log0(f"{phase:<34}" + "".join(f"{sample[name] / 1e6:>12.3f}" for name in columns))
+        log0("Adam's two float32 moments appear inside the first optimizer.step(): AdamW creates its states "
+             "lazily, so\nuntil then a run holds 8 bytes per master element less than in every later step. ZeRO "
+             "allocates its\ngradient buffers when it builds its units (a plain PyTorch model gets its .grad at the "
+             "first backward);\nthe per-parameter gradients autograd writes live only until their unit is "
+             "flattened and reduced.")
+        if self.device.type == "cuda":
+            log0("On CUDA, 'peak' is the step's high-water mark (activations included). The caching allocator "
+                 "reserves\nblocks during the first step and keeps them: 'reserved' grows at step 0 and then "
+                 "stays, so the first\nstep is the one to watch for out-of-memory.")
+
+
+def start_memory_history(path: str | None, device) -> str | None:
+    """--memory-snapshot: start recording the allocator's history (CUDA only), before the model is
+    built; one file per rank (FILE.rankN.pickle). Returns this rank's path, or None."""
+    if path is None:
+        return None
+    if device.type != "cuda":
+        log0("--memory-snapshot: the allocator history is a CUDA feature; nothing is recorded on the CPU")
+        return None
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    stem = path.removesuffix(".pickle")
+    return f"{stem}.rank{torch.distributed.get_rank()}.pickle"
 
 
 # ============================================================================ main
@@ -211,27 +582,63 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     zero.add_flags(parser)
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
-                        help="full: keep only each block's input and run its forward again in backward")
+                        help="selective: compute the norms' arithmetic and SwiGLU's silu again in backward (no "
+                             "matmul, no collective); full: keep only each block's input and run its forward again")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block's forward (the first step compiles: ~20 s or more on a CPU)")
+    checkpoints.add_checkpoint_flags(parser)
+    add_plan_flags(parser)
     return parser.parse_args(argv)
+
+
+def add_plan_flags(parser) -> None:
+    parser.add_argument("--plan", action="store_true",
+                        help="no training, no torchrun: print this layout's memory per rank on --gpus GPUs, whether "
+                             "it fits, and the layouts that fit, fastest first (the layout from the usual flags)")
+    parser.add_argument("--gpus", type=int, default=8, help="with --plan: the number of GPUs (the world size)")
+    parser.add_argument("--gpu", default="B300",
+                        help="with --plan: the GPU, whose memory, peak FLOP/s and bandwidths 07_memory_plan.GPUS "
+                             "gives: B300, B200, H200, H100, A100-80GB, A100-40GB")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="with --plan: the GPU's memory in GiB, instead of the table's")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
+    parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
+    parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
+                        help="CUDA: record the allocator's history over the first steps and write it to "
+                             "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plan:
+        load_lesson("07_memory_plan").print_memory_plan(args)
+        return
     plan = plan_run(args, validate)
+    manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
+    snapshot = start_memory_history(args.memory_snapshot, device)
     grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
+    start_step = resume(manifest, model, optimizer, grid)
     settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
-    step = partial(zero.train_step, model if pipeline is None else pipeline, optimizer, settings=settings)
+    routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
+    model_or_pipeline = model if pipeline is None else pipeline
+    first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot)
+    step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings))
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                       meters=(gathered if args.zero_stage == 3 else activations,))
-    report(model, pipeline, optimizer, plan, args, grid, activations, gathered, throughput, device)
+                       meters=(gathered if args.zero_stage == 3 else activations, *([routing] if routing else [])),
+                       evaluate=partial(zero.evaluate, model_or_pipeline, settings=settings),
+                       val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
+                       after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+    report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device)
+    first_steps.report()
     shutdown()
 
 

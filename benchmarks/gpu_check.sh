@@ -28,3 +28,23 @@ run 04_context_parallel.py --cp 1 --grad-accum 1 $common
 # CUDA), then looped against grouped experts in bf16.
 run 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 15 --warmup-steps 3 --dtype bfloat16 --aux-loss-coef 1e-2
 run benchmarks/moe_grouped_vs_loop.py --ep-degrees 1 --preset tiny-moe --n-layers 8 --seq-len 1024 --dtype bfloat16
+# Lesson 07 at world size 1: the trainer's CUDA paths (ZeRO's flat bf16 buffers, recomputation),
+# then its overhead against a plain loop and each recompute mode's time and memory.
+run 07_full_5d.py --zero-stage 1 --recompute selective $common --grad-accum 1
+run benchmarks/trainer_overhead.py --preset 125m --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 12 --dtype bfloat16
+
+# ---- one 8-GPU node (B300, H100 or H200): lesson 07 with the 8b preset in layouts that fit ----
+# Each rank builds its share of the reference model on the CPU before moving it to its GPU (a
+# minute or two, and up to 32 GB of host memory per rank for the tp-only layout).
+if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
+  run8() {
+    echo "== 8 GPUs: $*" | tee -a "$out/gpu_check.txt"
+    timeout 900 torchrun --standalone --nproc_per_node=8 "$@" 2>&1 | grep -v '^W[0-9]' | tee -a "$out/gpu_check.txt"
+  }
+  big="--preset 8b --seq-len 4096 --micro-batch-size 1 --steps 12 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
+  # dp 2 x pp 2 x tp 2 with sequence parallelism, ZeRO-1, selective recompute: ~20 GB of model
+  # states per rank, activations of two live micro-batches on the first stage.
+  run8 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big
+  # dp 8, ZeRO-3, full recompute: 16 GB of model states per rank, weights gathered per block.
+  run8 07_full_5d.py --dp 8 --zero-stage 3 --recompute full --grad-accum 1 $big
+fi

@@ -11,11 +11,13 @@ goes through ``comm.call``); the rest is here:
   states and activations, counted from the tensors a rank holds and predicted by formula;
 - ``step_bookkeeping_traffic``: the two float32 scalars every training step all-reduces (its loss
   and its gradient norm), so that no report adds them by hand;
-- ``Throughput`` and ``log_compute_report``: tokens per second, and on a known GPU the MFU.
+- ``Throughput`` and ``log_compute_report``: tokens per second, and on a known GPU the MFU;
+- ``StepMemory``: each step's peak memory (CUDA), or the process's peak resident set (CPU).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections import defaultdict
@@ -190,15 +192,56 @@ def add_traffic(*predictions: dict) -> dict:
 
 # ----------------------------------------------------------------------------- compute
 
-# Dense bf16 tensor-core peak of the GPUs the README names, in FLOP/s, for MFU.
+# Dense bf16 tensor-core peak of the GPUs the README names, in FLOP/s, for MFU (SXM parts; a
+# PCIe card or a power-capped one peaks lower: --peak-tflops gives the right number).
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
+    """The device's peak FLOP/s for MFU: `override_tflops` (--peak-tflops) or the table's entry for
+    the GPU's name; None on a CPU or an unknown GPU, where no MFU is printed."""
     if device.type != "cuda":
         return None
+    if override_tflops is not None:
+        return override_tflops * 1e12
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def model_flops_utilisation(tokens_per_s: float, n_ranks: int, model_flops_per_token: int, peak: float) -> float:
+    """The fraction of the devices' peak that the model's own FLOPs use: every rank shares the tokens."""
+    return tokens_per_s / n_ranks * model_flops_per_token / peak
+
+
+class StepMemory:
+    """The memory of one step, as far as the device lets it be measured.
+
+    CUDA: the peak of allocated tensor memory during the step on this rank (the allocator's
+    counter, reset when the step starts): weights, gradients, optimizer states and activations,
+    without the allocator's cached blocks. CPU: no such counter exists; the peak resident set
+    size of the whole process since it started is what the kernel reports (it includes the Python
+    interpreter and torch's libraries, and it never goes down), so that is what is shown, by name.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start_step(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def read(self) -> dict[str, int]:
+        """{"max_memory_allocated_bytes": ...} on CUDA, {"max_rss_bytes": ...} where the OS reports
+        it, {} otherwise. Call after the step (Throughput.end_step synchronises CUDA first)."""
+        if self.device.type == "cuda":
+            return {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device)}
+        try:
+            import resource
+        except ImportError:         # Windows: no getrusage
+            return {}
+        # ru_maxrss is in kilobytes on Linux and in bytes on macOS.
+        scale = 1 if sys.platform == "darwin" else 1024
+        return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}
 
 
 class Throughput:
@@ -210,6 +253,7 @@ class Throughput:
         self.tokens = 0
         self.seconds = 0.0
         self.skipped_steps = 0   # steps whose gradient norm was not finite (set by train.train)
+        self.peak_flops = None   # the device's peak FLOP/s for MFU, --peak-tflops included (set by train.train)
         self._start = None
 
     def start_step(self) -> None:
@@ -242,7 +286,7 @@ def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq
     tokens_per_s = throughput.tokens_per_second
     log0("\n== compute ==")
     log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / n_ranks:,.0f}")
-    peak = peak_flops(device)
+    peak = throughput.peak_flops or peak_flops(device)
     if peak:
-        mfu = tokens_per_s / n_ranks * flops_per_token(cfg, seq_len) / peak
+        mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(cfg, seq_len), peak)
         log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")

@@ -642,8 +642,12 @@ def reference_init(name: str, shape, cfg: GPTConfig, seed: int) -> torch.Tensor:
 
 @torch.no_grad()
 def init_reference_parameters(model: nn.Module, seed: int) -> None:
+    """Every parameter set to its reference value. A model built on the meta device (under
+    ``with torch.device("meta"):``) has shapes and no values: nothing is drawn, so a full-size
+    model's shares can be built and counted without the memory of the full tensors."""
     for name, param in model.named_parameters():
-        param.copy_(reference_init(name, param.shape, model.cfg, seed))
+        if not param.is_meta:
+            param.copy_(reference_init(name, param.shape, model.cfg, seed))
 
 
 # ----------------------------------------------------------------------------- formulas

@@ -204,17 +204,44 @@ def world_size_from_env() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
-class ProcessGrid:
-    """This rank's coordinates, its neighbours and the process group of every axis."""
+@dataclass(frozen=True)
+class GroupLayout:
+    """A process group as one rank sees it, without the group: its place in it and the group's size.
 
-    def __init__(self, shape: GridShape, ep: int = 1):
-        if not dist.is_initialized():
+    Cutting a rank's share of a model (which rows of a tensor-parallel weight, which experts,
+    which shard of a ZeRO unit) needs nothing more, so the builders accept one wherever they take
+    a group (group_rank, group_size): the memory plan builds a full-size model's shares on the
+    meta device for any rank of any layout, without launching a single process.
+    """
+
+    rank: int
+    size: int
+
+
+def group_rank(group) -> int:
+    return group.rank if isinstance(group, GroupLayout) else dist.get_rank(group)
+
+
+def group_size(group) -> int:
+    return group.size if isinstance(group, GroupLayout) else dist.get_world_size(group)
+
+
+class ProcessGrid:
+    """This rank's coordinates, its neighbours and the process group of every axis.
+
+    With `rank` given, no process group is needed or made: every group is a GroupLayout, and the
+    grid describes that rank of the layout for the builders (ProcessGrid(shape, ep, rank=5)).
+    """
+
+    def __init__(self, shape: GridShape, ep: int = 1, rank: int | None = None):
+        self.without_groups = rank is not None
+        if not self.without_groups and not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs an initialised default process group (init_distributed)")
-        if shape.world_size != dist.get_world_size():
+        if not self.without_groups and shape.world_size != dist.get_world_size():
             raise ConfigError(f"grid {shape} needs {shape.world_size} ranks, world size is {dist.get_world_size()}")
         ep_ranks = shape.ep_group_ranks(ep)     # raises ConfigError, before any group, if ep does not fit
         self.shape = shape
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank() if rank is None else rank
         coords = shape.coords_of(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
         self.dp_size, self.pp_size, self.cp_size, self.tp_size = shape.dp, shape.pp, shape.cp, shape.tp
@@ -228,8 +255,8 @@ class ProcessGrid:
         self.edp_group = self._create_group_of(shape.edp_group_ranks(ep), "edp")
         self.ep_size = ep
         self.ep_rank = next(ranks for ranks in ep_ranks if self.rank in ranks).index(self.rank)
-        # The start-up barriers (see _create_groups) are not training traffic.
-        comm.meter.reset()
+        if not self.without_groups:
+            comm.meter.reset()      # the start-up barriers (see _create_groups) are not training traffic
 
         def neighbour(axis, step):
             moved = dict(coords, **{axis: (coords[axis] + step) % getattr(shape, axis)})
@@ -245,6 +272,9 @@ class ProcessGrid:
         return self._create_group_of(self.shape.group_ranks(axes), name)
 
     def _create_group_of(self, all_ranks: list[list[int]], name: str):
+        if self.without_groups:
+            members = next(ranks for ranks in all_ranks if self.rank in ranks)
+            return GroupLayout(members.index(self.rank), len(members))
         mine = None
         for ranks in all_ranks:
             # Every rank calls new_group for every group, in the same order: it is collective.

@@ -19,28 +19,31 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
   with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
   tokens and divided by the global batch's target count (``StepBatch.n_targets``);
 - ``train``: the loop (learning rate, step, one log line per step, throughput), which also skips
-  a step whose gradient norm is not finite (``NonFiniteStepGuard``), writes ``--metrics`` and
-  runs ``--val-every`` validation through a lesson's ``evaluate(batch) -> float``.
+  a step whose gradient norm is not finite (``NonFiniteStepGuard``), writes ``--metrics``,
+  runs ``--val-every`` validation through a lesson's ``evaluate(batch) -> float``, logs each
+  step's memory and MFU, and traces a few steps with ``--profile``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.metrics import Throughput, is_rank0, log0
-from picotron_like.model import GPTConfig, get_config
+from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
+from picotron_like.model import GPTConfig, flops_per_token, get_config
 from picotron_like.topology import AXES, ConfigError, GridShape, world_size_from_env
 
 # ----------------------------------------------------------------------------- optimisation
@@ -58,9 +61,20 @@ def build_optimizer(model, lr: float, weight_decay: float = 0.1,
     for name, param in model.named_parameters() if isinstance(model, torch.nn.Module) else model:
         (no_decay if name.endswith("norm.weight") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False keeps the update a plain per-tensor loop on every backend, so a sharded run
-    # performs the same float operations on each slice as the reference does on the whole tensor.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, foreach=False)
+    device = next(iter(decay + no_decay), torch.empty(0)).device
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw_implementation(device))
+
+
+def adamw_implementation(device: torch.device) -> dict:
+    """AdamW's keyword for how it runs over the tensors: fused on CUDA, a plain loop elsewhere.
+
+    foreach=False updates one tensor at a time with ordinary tensor operations, so a sharded run
+    performs the same float operations on each slice as the reference does on the whole tensor:
+    the CPU proofs rely on it. On CUDA that loop launches several small kernels per tensor, one
+    Python call each; fused=True updates all tensors in one multi-tensor kernel. Its arithmetic
+    is elementwise too, so a shard still steps as its slice of the whole tensor would.
+    """
+    return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": False}
 
 
 def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
@@ -221,6 +235,11 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                         help="validation token shard(s), a path or glob; default: the built-in corpus's val split")
     parser.add_argument("--val-batches", type=int, default=2,
                         help="global batches of validation data, the same ones at every validation")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write a torch.profiler trace of a few steps per rank to DIR (Perfetto, TensorBoard)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the GPU's peak dense bf16 TFLOP/s for MFU; default: from its name (A100, H100, H200, "
+                             "B200, B300); MFU is shown on CUDA only")
 
 
 _AXIS_HELP = {
@@ -267,6 +286,7 @@ _FLAG_RULES = [
     ("bucket_mb", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     ("val_every", lambda v: v >= 0, "0 (off) or more"),
     ("val_batches", lambda v: v >= 1, "at least 1"),
+    ("peak_tflops", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     *((axis, lambda v: v >= 1, "at least 1") for axis in AXES),
 ]
 
@@ -367,13 +387,54 @@ def exit_with_error(error: Exception) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
+# How each StepMemory reading is named in the step line: what it measures, not just "memory".
+_MEMORY_LABELS = {"max_memory_allocated_bytes": "peak mem", "max_rss_bytes": "max rss"}
+
+
 def log_step(step: int, result: StepResult, tokens: int, seconds: float, lr: float | None = None,
-             skipped: bool = False) -> None:
+             skipped: bool = False, mfu: float | None = None, memory: dict | None = None) -> None:
     extra = "".join(f"{name} {value:.4g} | " for name, value in result.extra.items())
     lr_part = f"lr {lr:.2e} | " if lr is not None else ""
     skip_part = "skipped: non-finite grad norm | " if skipped else ""
+    mfu_part = f" | MFU {100 * mfu:4.1f} %" if mfu is not None else ""
+    memory_part = "".join(f" | {_MEMORY_LABELS[key]} {value / 1e9:.2f} GB" for key, value in (memory or {}).items())
     log0(f"step {step:>4} | loss {result.loss:.4f} | grad norm {result.grad_norm:7.3f} | {skip_part}{lr_part}"
-         f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms")
+         f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms{mfu_part}{memory_part}")
+
+
+def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
+    """--profile DIR: a torch.profiler trace of a few steps, one file per rank in DIR
+    (rank<N>.<time>.pt.trace.json), which Perfetto and TensorBoard's profiler plugin open.
+
+    It skips the first step (one-off costs: allocations, the first collective of each group),
+    warms up on the next and records up to three; a shorter run records what it has. CPU activity
+    always, the CUDA kernels too on a GPU. (PyTorch's profiler library itself prints a
+    "profiler_start" and a "profiler_stop" line per rank on stderr: they are not errors.)
+    """
+    if directory is None:
+        return None
+    wait = 1 if steps >= 3 else 0
+    warmup = 1 if steps - wait >= 2 else 0
+    active = min(3, steps - wait - warmup)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(directory), worker_name=f"rank{rank}"))
+
+
+@contextmanager
+def traffic_not_counted():
+    """Leave the collectives run inside out of the communication meter: every lesson's report
+    compares the traffic of its training steps with their formula, and validation is not training."""
+    traffic, devices = copy.deepcopy(comm.meter.traffic), copy.deepcopy(comm.meter.devices)
+    try:
+        yield
+    finally:
+        comm.meter.traffic.clear()
+        comm.meter.traffic.update(traffic)
+        comm.meter.devices.clear()
+        comm.meter.devices.update(devices)
 
 
 def validation_loss(evaluate: Callable, val_batches: TokenBatches, n_batches: int, dp_rank: int,
@@ -400,8 +461,8 @@ def _json_number(value):
 class MetricsFile:
     """One JSON object per line and step, written by rank 0 only (every rank holds the same values)."""
 
-    def __init__(self, path):
-        self.file = open(path, "w", encoding="utf-8") if path is not None and is_rank0() else None
+    def __init__(self, path, append: bool = False):
+        self.file = open(path, "a" if append else "w", encoding="utf-8") if path is not None and is_rank0() else None
 
     def write(self, record: dict) -> None:
         if self.file is not None:
@@ -415,7 +476,9 @@ class MetricsFile:
 
 def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
           prepare_batch: Callable | None = None, meters=(), meter_step: int = 0,
-          evaluate: Callable | None = None, val_batches: TokenBatches | None = None) -> Throughput:
+          evaluate: Callable | None = None, val_batches: TokenBatches | None = None,
+          cfg: GPTConfig | None = None, start_step: int = 0,
+          after_step: Callable[[int], None] | None = None) -> Throughput:
     """The loop every lesson shares: learning rate, one step, one log line; returns the throughput
     (with `.skipped_steps`, the steps whose gradient norm was not finite).
 
@@ -426,19 +489,30 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     `meter_step` only: they observe the technique from outside and cost nothing on other steps.
     With --val-every N > 0 and a lesson's `evaluate(batch) -> float` (the global batch's mean
     loss, no gradients), the loss over --val-batches batches of `val_batches` is logged every N
-    steps and after the last one. With --metrics FILE, rank 0 writes each step's values there.
+    steps and after the last one, its collectives left out of the communication meter. With
+    --metrics FILE, rank 0 writes each step's values there. Each step also logs this rank's memory
+    (StepMemory) and, given the model's `cfg` on a GPU of known peak (or --peak-tflops), its MFU;
+    --profile DIR records a few steps with torch.profiler (step_profiler). A resumed run starts
+    at `start_step` (the learning rate and the data follow from the step alone) and appends to the
+    metrics file; `after_step(step)` runs after each step, once it is logged (checkpoints).
     """
     throughput = Throughput()
     tokens = batches.shape.tokens_per_step
     val_every = getattr(args, "val_every", 0) if evaluate is not None and val_batches is not None else 0
-    metrics = MetricsFile(getattr(args, "metrics", None))
-    with NonFiniteStepGuard(optimizer) as guard:
-        for step in range(args.steps):
+    metrics = MetricsFile(getattr(args, "metrics", None), append=start_step > 0)
+    memory = StepMemory(device)
+    throughput.peak_flops = peak_flops(device, getattr(args, "peak_tflops", None))
+    n_ranks = dist.get_world_size() if dist.is_initialized() else 1
+    model_flops = flops_per_token(cfg, batches.shape.seq_len) if cfg is not None else None
+    profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, device)
+    with NonFiniteStepGuard(optimizer) as guard, profiler if profiler is not None else nullcontext():
+        for step in range(start_step, args.steps):
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)
             batch = batches.step_batch(step, dp_rank)
             if prepare_batch is not None:
                 batch = prepare_batch(batch)
+            memory.start_step()
             throughput.start_step()
             with ExitStack() as observing:
                 for meter in meters if step == meter_step else ():
@@ -446,13 +520,23 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                 result = step_fn(batch)
             seconds = throughput.end_step(tokens, device)
             skipped = guard.step_was_skipped()
-            log_step(step, result, tokens, seconds, lr, skipped)
+            mfu = (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
+                   if model_flops is not None and throughput.peak_flops else None)
+            step_memory = memory.read()
+            log_step(step, result, tokens, seconds, lr, skipped, mfu, step_memory)
             record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped, **result.extra}
+                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
+                      **({"mfu": mfu} if mfu is not None else {}), **step_memory, **result.extra}
             if val_every and ((step + 1) % val_every == 0 or step == args.steps - 1):
-                record["val_loss"] = validation_loss(evaluate, val_batches, args.val_batches, dp_rank, prepare_batch)
+                with traffic_not_counted():
+                    record["val_loss"] = validation_loss(evaluate, val_batches, args.val_batches, dp_rank,
+                                                         prepare_batch)
                 log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
             metrics.write(record)
+            if profiler is not None:
+                profiler.step()
+            if after_step is not None:
+                after_step(step)
     metrics.close()
     throughput.skipped_steps = guard.skipped_steps
     return throughput

@@ -1,12 +1,15 @@
 """Lesson 07 proven: the composed trainer equal to one device, and recomputation changing nothing but memory.
 
-One spawn of 4 gloo ranks runs several layouts, each with --recompute none and full, built by
-07's own parallelize() from its own flags. Recomputation repeats the same float operations in the
-same order, so full and none agree to float32 rounding (lesson 06's tolerances: 1e-6 on gradients
-before and after clipping, 1e-5 on losses, 1e-2 lr on parameters after AdamW). Dense layouts are
-also compared with the one-device reference; the experts' layout with its none run, which lesson
-06's tests prove equal to lesson 05 and so to one device. Activations kept for backward and the
-recomputed forward's traffic are compared with their formulas byte for byte.
+One spawn of 4 gloo ranks runs several layouts, each with --recompute none, selective and full,
+built by 07's own parallelize() from its own flags. Recomputation repeats the same float
+operations in the same order, so selective, full and none agree to rounding (lesson 06's
+tolerances: 1e-6 on gradients before and after clipping, 1e-5 on losses, 1e-2 lr on parameters
+after AdamW). Dense float32 layouts are also compared with the one-device reference; the experts'
+layout and the bf16 one with their none run (lesson 06's tests prove those equal to lesson 05 and
+to one device). Activations kept for backward, at their peak in a step (a pipeline stage's, a
+layout with experts on its step's routing, bf16), and the recomputed forward's traffic are
+compared with their formulas byte for byte. One process measures the alternative selective
+recomputation that lesson 07's docstring rejects: the attention core.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import ExitStack
 from dataclasses import replace
+from functools import partial
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import ActivationMeter
-from picotron_like.model import get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
 from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gradients
@@ -31,12 +37,16 @@ CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2
 MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED, MAX_GRAD_NORM = 32, 2, 8, 3, 3e-3, 7, 1.0
 CPU = torch.device("cpu")
+MODES = ("none", "selective", "full")
+BF16 = ("--dtype", "bfloat16")
 # name: (grid, ep, ZeRO stage, model, extra flags)
 LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "dp2 x tp2 SP ZeRO-2": (GridShape(dp=2, tp=2), 1, 2, CFG, ("--sequence-parallel",)),
            "pp2 x cp2 ZeRO-1": (GridShape(pp=2, cp=2), 1, 1, CFG, ()),
            "dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG, ()),
-           "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, ())}
+           "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, ()),
+           "dp2 x cp2 moe ep2 ZeRO-1 bf16": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, BF16),
+           "pp2 x tp2 SP ZeRO-1 bf16": (GridShape(pp=2, tp=2), 1, 1, CFG, ("--sequence-parallel", *BF16))}
 
 
 def lesson():
@@ -51,6 +61,7 @@ def flags(grid: GridShape, stage: int, recompute: str, extra=()) -> list[str]:
 
 
 def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
+    """Three steps as 07's main runs them, step 0 metered (activations and, with experts, routing)."""
     full_5d = lesson()
     zero = full_5d.zero
     args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra))
@@ -59,33 +70,37 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
-    settings = zero.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
+    settings = zero.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
                         vocab_size=cfg.vocab_size)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    meter = ActivationMeter(model.module)
+    meters = [ActivationMeter(model.module)]
+    routing = full_5d.expert_parallel.RoutingMeter([model]) if cfg.n_experts else None
+    meters += [routing] if routing else []
     comm.meter.reset()
     results = []
     for step in range(STEPS):
-        with meter if step == 0 else torch.enable_grad():
+        with ExitStack() as metered:
+            for meter in meters if step == 0 else ():
+                metered.enter_context(meter)
             results.append(zero.train_step(model if pipeline is None else pipeline, optimizer,
                                            cut(data.step_batch(step, grid.dp_rank)), settings))
-    shape = data.shape
+    traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
+    shape, e = data.shape, model.precision.param_dtype.itemsize
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "kept": meter.peak_bytes, "pipeline": pipeline is not None,
-            "predicted_kept": full_5d.predicted_kept_activation_bytes(cfg, MICRO, SEQ, recompute, grid.tp_size,
-                                                                       args.sequence_parallel, grid.cp_size),
-            "traffic": {key: value.payload_bytes for key, value in comm.meter.traffic.items()},
+            "kept": meters[0].peak_bytes, "traffic": traffic,
+            "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
             "predicted_extra": {key: STEPS * value for key, value in full_5d.predicted_recompute_traffic(
-                cfg, shape, grid, len(model.module.layers), recompute, "ring", args.sequence_parallel).items()}}
+                cfg, shape, grid, len(model.module.layers), recompute, args.cp_mode, args.sequence_parallel,
+                e).items()}}
 
 
 def every_layout() -> dict:
     runs = {}
     for name, (shape, ep, stage, cfg, extra) in LAYOUTS.items():
         grid = ProcessGrid(shape, ep=ep)
-        for recompute in ("none", "full"):
+        for recompute in MODES:
             runs[name, recompute] = run(grid, stage, recompute, cfg, extra)
     return runs
 
@@ -101,38 +116,86 @@ def assert_close(run: dict, expected: dict, where: str) -> None:
                                    msg=f"{where} param {name}")
 
 
-def test_layouts_equal_one_device_with_and_without_recomputation():
-    """Each layout: full == none (gradients before and after clipping, losses, norms, parameters
-    after 3 AdamW steps); dense ones == one device (a stage's parameters on pipeline ranks; tp
-    ranks hold shards, so their losses and norms); kept activations equal to the formula without a
-    pipeline (ZeRO-0 to 2) and smaller under full; the recomputed forward's extra traffic on tp and
-    cp equal to its formula."""
+def test_layouts_equal_one_device_with_each_recompute_mode():
+    """Each layout: selective == none and full == none (gradients before and after clipping,
+    losses, norms, parameters after 3 AdamW steps); dense float32 ones == one device (a stage's
+    parameters on pipeline ranks; tp ranks hold shards, so their losses and norms); the kept
+    activations at their peak equal to the formula in every mode (ZeRO-0 to 2: ZeRO-3's step
+    measures its gathered weights), every run predicting the same bytes for each mode, full <
+    selective < none; the recomputed forward's extra traffic equal to its formula: none under
+    selective, on any group, and tp's and cp's under full."""
     one_device = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, GLOBAL_SEQUENCES // MICRO, 1),
                               seed=SEED, vocab_size=CFG.vocab_size)
     reference = train_reference(CFG, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
-    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=240)):
-        for name, (shape, _, stage, cfg, _) in LAYOUTS.items():
-            none, full, where = runs[name, "none"], runs[name, "full"], f"rank={rank} {name}"
-            assert_close(full, none, f"{where} full vs none")
-            if cfg is CFG and shape.tp == 1:
+    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
+        for name, (shape, _, stage, cfg, extra) in LAYOUTS.items():
+            none, where = runs[name, "none"], f"rank={rank} {name}"
+            for recompute in ("selective", "full"):
+                assert_close(runs[name, recompute], none, f"{where} {recompute} vs none")
+            if cfg is CFG and not extra and shape.tp == 1:
                 assert_close(none, reference, f"{where} vs one device")
-            elif cfg is CFG:
+            elif cfg is CFG and "--dtype" not in extra:
                 torch.testing.assert_close(torch.tensor(none["losses"]), torch.tensor(reference["losses"]),
                                            rtol=0, atol=1e-5)
-            if cfg is CFG and not none["pipeline"] and stage < 3:
-                assert none["kept"] == none["predicted_kept"] and full["kept"] == full["predicted_kept"], where
-            assert full["kept"] < none["kept"], where
-            added = {key: full["traffic"].get(key, 0) - none["traffic"].get(key, 0)
-                     for key in full["traffic"] if key[1] in ("tp", "cp")}
-            if cfg is CFG:
-                assert {k: v for k, v in added.items() if v} == full["predicted_extra"], where
+            predicted = none["predicted_kept"]
+            assert predicted["full"] < predicted["selective"] < predicted["none"], where
+            for recompute in MODES:
+                run_ = runs[name, recompute]
+                assert run_["predicted_kept"] == predicted, f"{where} {recompute}"
+                if stage < 3:
+                    assert run_["kept"] == predicted[recompute], f"{where} {recompute}: {run_['kept']} measured"
+                added = {key: run_["traffic"].get(key, 0) - none["traffic"].get(key, 0) for key in run_["traffic"]
+                         if key[1] in ("tp", "cp", "ep")}
+                if recompute == "selective" or cfg is CFG:
+                    expected = run_["predicted_extra"]
+                    assert {key: value for key, value in added.items() if value and key[1] != "ep"} == expected, where
+                    assert not any(added.get(key) for key in added if key[1] == "ep") or recompute == "full", where
+
+
+def measured_kept_bytes(recompute: str, dtype: torch.dtype) -> int:
+    """One micro-batch of the reference GPT (bf16: weights in bf16 under autocast, as lesson 06
+    keeps them), loss summed as a training step asks for it, its kept activations under 07's mode
+    or under "attention core": Megatron's
+    selective choice, each block's attention core checkpointed."""
+    model = GPT(CFG, seed=SEED).to(dtype)
+    if recompute == "attention core":
+        for block in model.layers:
+            block.attn.attention_core = partial(checkpoint, block.attn.attention_core, use_reentrant=False)
+    else:
+        lesson().apply_recompute(model, recompute)
+    generator = torch.Generator().manual_seed(SEED)
+    inputs, targets = (torch.randint(CFG.vocab_size, (MICRO, SEQ), generator=generator) for _ in range(2))
+    with ActivationMeter(model) as meter, torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+        model(inputs, targets, reduction="sum").backward()
+    return meter.peak_bytes
+
+
+def test_selective_recomputes_what_saves_most_for_no_matmul():
+    """On one process, in float32 and bf16: each mode keeps what the formula says, and the
+    measured saving of 07's selective choice (the norms' 1/rms and normalised copies and SwiGLU's
+    silu(gate), per token and layer 2 (4 (2h + 1) - e h) + e f bytes) against Megatron's
+    (checkpointing the attention core, which here drops the GQA-repeated K and V, the output and
+    the log-sum-exp but must keep the un-repeated K and V: e (3h - 2 n_kv d) + 4 n_heads bytes).
+    07's docstring quotes these two numbers."""
+    h, f, d = CFG.hidden, CFG.ffn_hidden, CFG.head_dim
+    token_layers = MICRO * SEQ * CFG.n_layers
+    for dtype in (torch.float32, torch.bfloat16):
+        e = dtype.itemsize
+        kept = {mode: measured_kept_bytes(mode, dtype) for mode in (*MODES, "attention core")}
+        for mode in MODES:
+            assert kept[mode] == lesson().predicted_kept_activation_bytes(CFG, MICRO, SEQ, mode,
+                                                                          compute_dtype=dtype), (dtype, mode)
+        selective, core = kept["none"] - kept["selective"], kept["none"] - kept["attention core"]
+        assert selective == token_layers * (2 * (4 * (2 * h + 1) - e * h) + e * f), dtype
+        assert core == token_layers * (e * (3 * h - 2 * CFG.n_kv_heads * d) + 4 * CFG.n_heads), dtype
+        assert selective > core, dtype
 
 
 def test_torchrun_script_trains_and_refuses_bad_configurations():
     """The lesson as a user runs it (dp2 x tp2, ZeRO-1, recompute full): loss falling, kept
-    activations equal to the formula, every traffic row equal to its prediction; bad
-    configurations refused in one line, before any process group."""
+    activations measured equal to the formula and every mode predicted, every traffic row equal
+    to its prediction; bad configurations refused in one line, before any process group."""
     process = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
          str(REPO_ROOT / "07_full_5d.py"), "--dp", "2", "--tp", "2", "--zero-stage", "1", "--recompute", "full",
@@ -142,7 +205,10 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     assert process.returncode == 0, stdout + process.stderr
     losses = [float(x) for x in re.findall(r"^step +\d+ \| loss (\d+\.\d+)", stdout, re.M)]
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < losses[0] - 0.5, stdout
-    assert re.search(r"kept for backward: (\S+) MB measured, \1 MB predicted", stdout), stdout
+    kept = {mode: (measured, predicted) for mode, measured, predicted
+            in re.findall(r"^(none|selective|full) +(\S+) +(\S+) +\S+(?: %)?$", stdout, re.M)}
+    assert list(kept) == ["none", "selective", "full"], stdout
+    assert kept["full"][0] == kept["full"][1] and kept["none"][0] == kept["selective"][0] == "-", stdout
     rows = re.findall(r"^\S+ +(?:dp_cp|tp) +\S+ +(\S+) +(\S+) +\S+$", stdout, re.M)
     assert len(rows) == 4 and all(measured == predicted for measured, predicted in rows), stdout
 

@@ -1,6 +1,7 @@
 """Lesson 07 proven on every axis at once: dp x pp x cp x tp = 2 x 2 x 2 x 2 on 16 gloo ranks, a
 mixture-of-experts model with its experts over ep = 2, ZeRO-1 and full recomputation, equal to
-one device.
+one device; and odd mixes on 6 ranks (dp = 3: every flat ZeRO unit padded, shards of unequal
+content) with ZeRO-2 and ZeRO-3 and each recompute mode, equal to one device too.
 
 One spawn of 16 ranks holds every 16-rank check (a spawn of 16 processes on a two-core machine
 costs more than the training itself). Routing flips are handled as in lesson 05's tests (see
@@ -17,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from picotron_like.testing import run_ranks
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid, load_lesson
 from test_expert_parallel import (BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, PARAM_TOLERANCE, SEED, SEQ, STEPS,
                                   TOLERANCE, Variant, batches, forced_reference, record_choices)
-from test_zero import gathered, observe_gradients
+from test_zero import ADAM_EPS, CFG, gathered, observe_gradients
 
 ALL_AXES = Variant(GridShape(dp=2, pp=2, cp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)))
 
@@ -98,3 +100,73 @@ def test_every_axis_at_once_equals_one_device():
                                        msg=f"{where} param {name}")
         names_seen.update(result["params"])
     assert names_seen == set(reference["params"]), "every reference parameter is held by some rank"
+
+
+# ----------------------------------------------------------------------------- odd mixes on 6 ranks
+
+ODD_SEQUENCES = 12                # a global batch that dp = 2 and dp = 3 both cut into micro-batches of 2
+ODD_SEQ = 48                      # zigzag cuts a sequence into 2 * cp chunks: a multiple of 4 and of 6
+# name: (grid, ZeRO stage, recompute, extra flags)
+ODD_LAYOUTS = {"dp3 x tp2 SP ZeRO-2 selective": (GridShape(dp=3, tp=2), 2, "selective", ("--sequence-parallel",)),
+               "dp3 x cp2 ZeRO-3 full": (GridShape(dp=3, cp=2), 3, "full", ()),
+               "dp3 x cp2 ulysses ZeRO-2 none": (GridShape(dp=3, cp=2), 2, "none", ("--cp-mode", "ulysses")),
+               "dp3 x pp2 ZeRO-1 selective": (GridShape(dp=3, pp=2), 1, "selective", ()),
+               "dp2 x cp3 ZeRO-3 selective": (GridShape(dp=2, cp=3), 3, "selective", ())}
+
+
+def odd_data(dp: int) -> TokenBatches:
+    return TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, ODD_SEQ, ODD_SEQUENCES // (MICRO * dp), dp),
+                        seed=SEED, vocab_size=CFG.vocab_size)
+
+
+def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra) -> dict:
+    full_5d = load_lesson("07_full_5d")
+    zero = full_5d.zero
+    grid = ProcessGrid(grid_shape)
+    data = odd_data(grid.dp_size)
+    args = full_5d.parse_args(["--dp", str(grid_shape.dp), "--pp", str(grid_shape.pp), "--cp", str(grid_shape.cp),
+                               "--tp", str(grid_shape.tp), "--zero-stage", str(stage), "--recompute", recompute,
+                               "--seq-len", str(ODD_SEQ), "--micro-batch-size", str(MICRO), "--grad-accum",
+                               str(data.shape.grad_accum), "--seed", str(SEED), "--lr", str(LR), *extra])
+    model, pipeline = full_5d.parallelize(CFG, grid, args, CPU)
+    optimizer = zero.build_sharded_optimizer(model, LR)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    seen = observe_gradients(model, optimizer)
+    settings = zero.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
+    results = [zero.train_step(model if pipeline is None else pipeline, optimizer,
+                               cut(data.step_batch(step, grid.dp_rank)), settings) for step in range(STEPS)]
+    return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
+            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,
+            "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()}}
+
+
+def every_odd_layout() -> dict:
+    return {name: odd_layout_run(*layout) for name, layout in ODD_LAYOUTS.items()}
+
+
+def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device():
+    """6 ranks, five layouts with dp or cp = 3, ZeRO-1/2/3, ring and Ulysses, and recompute none,
+    selective and full: each rank's gradients before and after clipping, its parameters after 3
+    AdamW steps (its stage's, its tp shard) and every loss and norm equal one device's."""
+    reference = train_reference(CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
+    assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+    for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400)):
+        for name, (grid_shape, *_) in ODD_LAYOUTS.items():
+            result, where = runs[name], f"rank={rank} {name}"
+
+            def local(full: torch.Tensor, parameter: str) -> torch.Tensor:
+                split_dim = result["split_dims"][parameter]
+                return full if split_dim is None else full.chunk(grid_shape.tp, dim=split_dim)[result["tp_rank"]]
+
+            for key in ("losses", "norms"):
+                torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0,
+                                           atol=1e-5, msg=f"{where} {key}")
+            for key in ("grads", "clipped_grads"):
+                for parameter, grad in result[key].items():
+                    torch.testing.assert_close(grad, local(reference[key][parameter], parameter), **TOLERANCE,
+                                               msg=f"{where} {key} {parameter}")
+            for parameter, value in result["params"].items():
+                torch.testing.assert_close(value, local(reference["params"][parameter], parameter),
+                                           **PARAM_TOLERANCE, msg=f"{where} param {parameter}")

@@ -5,6 +5,8 @@ import argparse
 import contextlib
 import io
 import json
+import math
+import sys
 from dataclasses import replace
 from functools import partial
 
@@ -13,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import train
-from picotron_like.metrics import ActivationMeter, measured_memory, predicted_activation_bytes, predicted_memory
+from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
+                                   predicted_activation_bytes, predicted_memory)
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import GPT, count_parameters, get_config
+from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid, load_lesson, validate_parallel_config
 from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate
@@ -129,6 +132,7 @@ def plan(flags: str, monkeypatch, world_size: int = 2, seen_shapes=None):
     ("--global-batch-tokens 1000", "global batch of 1000 tokens is not a whole number of micro-steps of "
                                    "micro_batch_size*seq_len*dp = 8*128*2 = 2048 tokens; use 2048 tokens"),
     ("--dp 3", "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2"),
+    ("--peak-tflops 0", "--peak-tflops 0.0 must be a positive number"),
 ])
 def test_each_bad_flag_is_one_clear_line(flags, message, monkeypatch):
     """Checked before any process group exists; one line per problem names the value, the rule and
@@ -172,9 +176,10 @@ def snapshot(model, optimizer) -> dict:
     return state
 
 
-def lesson01_loop(metrics_path):
+def lesson01_loop(metrics_path, profile_dir):
     """Lesson 01 at dp = 2 through the shared loop: rank 0 poisons one gradient element at step
-    NAN_STEP (before the all-reduce, so both ranks receive it); validation runs every 2 steps."""
+    NAN_STEP (before the all-reduce, so both ranks receive it); validation runs every 2 steps;
+    every rank writes a profiler trace."""
     lesson = load_lesson("01_data_parallel")
     rank = dist.get_rank()
     grid = ProcessGrid(GridShape(dp=2))
@@ -204,11 +209,12 @@ def lesson01_loop(metrics_path):
         return result
 
     args = argparse.Namespace(steps=LOOP_STEPS, lr=3e-3, warmup_steps=1, metrics=metrics_path if rank == 0 else None,
-                              val_every=2, val_batches=VAL_BATCHES)
+                              val_every=2, val_batches=VAL_BATCHES, profile=profile_dir)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         throughput = train.train(args, optimizer, step_fn, batches, grid.dp_rank, torch.device("cpu"),
-                                 evaluate=partial(lesson.evaluate, model, settings=settings), val_batches=val_batches)
+                                 evaluate=partial(lesson.evaluate, model, settings=settings), val_batches=val_batches,
+                                 cfg=LOOP_CFG)
     # One device on every validation token of the same batches, with the weights the run ended with.
     windows = torch.cat([val_batches.global_batch(index) for index in range(VAL_BATCHES)])
     with torch.no_grad():
@@ -225,14 +231,15 @@ def lesson01_loop(metrics_path):
 def loop_run(tmp_path_factory):
     """One 2-rank spawn shared by the loop's tests below."""
     metrics_path = tmp_path_factory.mktemp("metrics") / "metrics.jsonl"
-    return run_ranks(2, lesson01_loop, str(metrics_path)), metrics_path
+    profile_dir = tmp_path_factory.mktemp("profile")
+    return run_ranks(2, lesson01_loop, str(metrics_path), str(profile_dir)), metrics_path, profile_dir
 
 
 def test_a_step_with_a_non_finite_gradient_norm_is_skipped_on_every_rank(loop_run):
     """A NaN in one gradient element of one rank: after the all-reduce every rank's norm is NaN,
     so every rank skips the same step: parameters and AdamW states exactly as before it, gradients
     zeroed; the next steps train on (finite loss, parameters moved, the ranks still identical)."""
-    results, _ = loop_run
+    results = loop_run[0]
     for rank, result in enumerate(results):
         before, after = result["seen"]["before"], result["seen"]["after"]
         assert before.keys() == after.keys() and any(key.startswith("adam") for key in before)
@@ -258,7 +265,7 @@ def test_the_step_line_shows_the_learning_rate(loop_run):
 
 
 def test_metrics_file_has_one_json_line_per_step(loop_run):
-    results, metrics_path = loop_run
+    results, metrics_path, _ = loop_run
     records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(LOOP_STEPS))
     assert [r["skipped"] for r in records] == [step == NAN_STEP for step in range(LOOP_STEPS)]
@@ -277,12 +284,55 @@ def test_validation_loss_at_dp2_equals_one_device(loop_run):
     """The same val batches, the same weights: the dp = 2 token-weighted loss (summed token losses
     over the global count, all-reduced) equals one device's mean over every validation token.
     Tolerance: float32 sums of the same ~2000 token losses in another order, a few ulp of ~5."""
-    results, metrics_path = loop_run
+    results, metrics_path, _ = loop_run
     for result in results:
         assert result["distributed_val"] == pytest.approx(result["one_device"], rel=1e-6, abs=0)
     last = json.loads(metrics_path.read_text().splitlines()[-1])
     assert last["val_loss"] == pytest.approx(results[0]["one_device"], rel=1e-6, abs=0)
     assert f"val loss {last['val_loss']:.4f}" in results[0]["printed"]
+
+
+def test_the_step_line_and_metrics_show_what_memory_the_cpu_can_measure(loop_run):
+    """On a CPU: the process's peak resident set, named as such, in the line and the metrics; no MFU
+    (there is no peak to divide by). The peak only grows: the kernel cannot reset it."""
+    results, metrics_path, _ = loop_run
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    lines = [line for line in results[0]["printed"].splitlines() if "| loss" in line]
+    rss = [record["max_rss_bytes"] for record in records]
+    assert rss == sorted(rss) and rss[0] > 50e6
+    for record, line in zip(records, lines):
+        assert "mfu" not in record and "MFU" not in line and "max_memory_allocated_bytes" not in record
+        assert line.endswith(f" ms | max rss {record['max_rss_bytes'] / 1e9:.2f} GB"), line
+
+
+def test_the_step_line_on_a_gpu():
+    """The step line's shape on CUDA, from the values the loop hands log_step there."""
+    result = train.StepResult(loss=2.5, grad_norm=0.75)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.log_step(3, result, tokens=4096, seconds=0.5, lr=3e-4, mfu=0.4123,
+                       memory={"max_memory_allocated_bytes": 12.345e9})
+    assert printed.getvalue() == ("step    3 | loss 2.5000 | grad norm   0.750 | lr 3.00e-04 |      8192 tok/s |"
+                                  "   500.0 ms | MFU 41.2 % | peak mem 12.35 GB\n")
+
+
+def test_mfu_needs_a_gpu_and_its_peak():
+    cpu = torch.device("cpu")
+    assert peak_flops(cpu) is None and peak_flops(cpu, override_tflops=100.0) is None
+    flops = flops_per_token(get_config("tiny"), 128)
+    assert model_flops_utilisation(1e6, 8, flops, 989e12) == pytest.approx(1e6 / 8 * flops / 989e12)
+
+
+def test_profile_writes_a_trace_per_rank(loop_run):
+    """--profile DIR: one Chrome-trace JSON file per rank (what Perfetto and TensorBoard read), with
+    the recorded steps' operators in it."""
+    profile_dir = loop_run[2]
+    for rank in range(2):
+        (trace,) = profile_dir.glob(f"rank{rank}.*.pt.trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        names = {event.get("name", "") for event in events}
+        assert any(name.startswith("ProfilerStep#") for name in names), rank
+        assert any("aten::" in name for name in names), rank
 
 
 def test_validation_flags(monkeypatch):
@@ -292,3 +342,37 @@ def test_validation_flags(monkeypatch):
     assert run.val_batches.paths == [builtin_corpus_paths()[1]] and run.val_batches.shape == run.shape
     with pytest.raises(Stopped, match="--val-every -1 must be 0"):
         plan("--val-every -1", monkeypatch)
+
+
+# ----------------------------------------------------------------------------- the loss-curve picture
+
+
+def write_metrics(path, losses, val_every=2):
+    with open(path, "w") as file:
+        for step, loss in enumerate(losses):
+            record = {"step": step, "loss": loss, "grad_norm": None if step == 1 else 1.0}
+            if (step + 1) % val_every == 0:
+                record["val_loss"] = loss + 0.1
+            file.write(json.dumps(record) + "\n")
+
+
+def test_plot_draws_every_metrics_file(tmp_path):
+    pytest.importorskip("matplotlib")
+    from picotron_like import plot
+    write_metrics(tmp_path / "a.jsonl", [5.0, 4.0, 3.5, 3.2])
+    write_metrics(tmp_path / "b.jsonl", [5.1, 4.2, 3.9])
+    assert math.isnan(plot.read_metrics(tmp_path / "a.jsonl")[1]["grad_norm"])    # JSON null
+    plot.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "-o", str(tmp_path / "loss.png")])
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
+    """matplotlib is an optional extra: without it, one error line naming the install command."""
+    from picotron_like import plot
+    write_metrics(tmp_path / "a.jsonl", [5.0, 4.0])
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # what `import matplotlib` meets when it is absent
+    with pytest.raises(SystemExit) as stopped:
+        plot.main([str(tmp_path / "a.jsonl"), "-o", str(tmp_path / "loss.png")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == 'error: the loss plot needs matplotlib, an optional extra: pip install -e ".[plot]"\n'
+    assert not (tmp_path / "loss.png").exists()

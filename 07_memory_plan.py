@@ -1,0 +1,366 @@
+"""
+Lesson 07's memory plan: will a model fit a layout, and which layout to pick, before anything is launched.
+
+    python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu B300 --seq-len 8192 --micro-batch-size 1 --grad-accum 8
+
+Booking 8 x B300 for a run that dies at its first step of an out-of-memory error is the expensive
+way to find out. Every byte a rank of lesson 07's trainer holds has a formula in the lesson that
+owns it, so the plan adds them up for any layout of the usual flags on --gpus GPUs, no process
+group, no GPU:
+
+    parameters, gradients,        lesson 06's formula (predicted_model_states) on its unit counts
+    master weights, Adam states   (unit_parameter_counts: the stage's units, tp's slices, experts
+                                  over ep, sharded over dp x cp or, for experts, edp)
+    activations                   lesson 07's per micro-batch (recompute mode, compute dtype, the
+                                  stage), times the micro-batches lesson 03's schedule keeps live;
+                                  with experts lesson 05's per-layer bytes for balanced routing
+    gathered weights (ZeRO-3)     lesson 06's prefetch window
+    communication buffers         estimated here: ZeRO's flattened gradients in flight, a pipeline
+                                  boundary's tensors, ring attention's K/V blocks
+
+It prints them for the fullest rank (the pipeline stage that holds most), the verdict against 90%
+of the GPU's memory (the rest: CUDA context, NCCL, allocator fragmentation), and every layout that
+fits the same global batch, ranked by an estimated step time: compute at half the GPU's peak,
+recomputation's extra forward, lesson 03's bubble, and the communication nothing hides, from the
+lessons' traffic formulas at NVLink or network bandwidth; its assumptions are printed with it.
+
+Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
+holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
+stages and recompute modes; at real scale its model states equal those of the sharded 8b model on
+8 and 64 GPUs and of Mixtral-8x7B on 64, built rank by rank on the meta device by lesson 06's own
+build_model from a ProcessGrid that knows only the rank (topology.GroupLayout): nothing is drawn.
+The communication buffers and the step time are estimates, and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import torch
+
+from picotron_like.metrics import PEAK_BF16_FLOPS, add_traffic
+from picotron_like.model import count_parameters, flops_per_token, get_config
+from picotron_like.pipeline_tools import peak_live_micro_batches
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.train import batch_shape, check_flag_ranges, exit_with_error, grid_from_args
+
+tensor_parallel = load_lesson("02_tensor_parallel")
+pipeline_parallel = load_lesson("03_pipeline_parallel")
+context_parallel = load_lesson("04_context_parallel")
+expert_parallel = load_lesson("05_expert_parallel")
+zero = load_lesson("06_zero")
+full_5d = load_lesson("07_full_5d")
+
+# What the plan assumes of each GPU: its memory in GiB (as sold: an H100's 80 GB are 80 x 2^30
+# bytes), its NVLink bandwidth within a node and its network bandwidth to other nodes, in GB/s
+# per direction (HGX boards; a PCIe card has less of all three). --gpu-memory-gb overrides the first.
+GPUS = {"B300": (288, 900, 100), "B200": (180, 900, 50), "H200": (141, 450, 50), "H100": (80, 450, 50),
+        "A100-80GB": (80, 300, 25), "A100-40GB": (40, 300, 25)}
+# The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
+# NCCL's buffers, and the blocks the caching allocator holds but cannot hand out (fragmentation).
+PLAN_MARGIN = 0.10
+# The step-time estimate's assumptions, printed with it.
+MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak, for the model's FLOPs
+RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step's compute (plan_assumptions)
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """One layout's memory on the fullest rank (its pipeline stage `pp_rank`), component by
+    component in bytes, and its estimated step time in seconds by cause."""
+
+    grid: GridShape
+    ep: int
+    args: argparse.Namespace
+    pp_rank: int
+    memory: dict
+    live_micro_batches: int
+    seconds: dict
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+@lru_cache(maxsize=None)
+def stage_outline(cfg, pp: int, pp_rank: int):
+    """Lesson 03's stage, built on the meta device: its layers and whether it holds the embedding
+    and the head, which is what the activation formulas read from it (no tensor is drawn)."""
+    with torch.device("meta"):
+        (stage,) = pipeline_parallel.build_stage_chunks(cfg, 0, pp, pp_rank)
+    return stage
+
+
+@lru_cache(maxsize=None)
+def live_micro_batches(schedule: str, pp: int, n_micro: int, pp_rank: int) -> int:
+    """Micro-batches whose activations stage `pp_rank` keeps at once: lesson 03's program, walked."""
+    return peak_live_micro_batches(pipeline_parallel.pipeline_programs(schedule, pp, n_micro)[pp_rank])
+
+
+def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[int, int]:
+    """(kept bytes at the schedule's peak, micro-batches live then) on pipeline stage `pp_rank`:
+    one micro-batch by this lesson's formula (recompute mode, compute dtype, the stage), and with
+    experts lesson 05's per-layer bytes for balanced routing: each of the k T assignments of the T
+    tokens goes to an expert that receives k T / E, so capacity drops none and every ep rank
+    receives as many rows as it sends (a skewed router keeps more on its busiest rank)."""
+    stage = stage_outline(cfg, grid.pp, pp_rank) if grid.pp > 1 else None
+    e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
+    one = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
+                                                  args.sequence_parallel, grid.cp, args.cp_mode, stage,
+                                                  precision.param_dtype)
+    if cfg.n_experts and args.recompute != "full":
+        tokens = micro * shape.seq_len // grid.cp
+        routed = cfg.experts_per_token * tokens
+        layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+        moe_layer = expert_parallel.moe_layer_activation_bytes(cfg, tokens, micro, routed, routed, ep, False, tp, e)
+        one += layers * (moe_layer - 4 * e * cfg.ffn_hidden // tp * tokens)
+    live = live_micro_batches(args.schedule, grid.pp, shape.grad_accum, pp_rank) if grid.pp > 1 else 1
+    return one * live, live
+
+
+def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_units: list[int]) -> int:
+    """Communication buffers at the backward's peak, an estimate (the CPU cannot measure them):
+    ZeRO flattens each unit's gradients (g bytes) from autograd's per-parameter ones (p bytes) to
+    reduce them, one unit at a time at stages 0-1; at stages 2-3 the previous unit's buffer and its
+    reduced shard are still in flight meanwhile. A pipeline stage receives one activation and one
+    gradient at the boundary; ring attention holds the K/V block it computes on and the one arriving."""
+    p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    largest = max(flat_units)
+    n = 1 if args.zero_stage == 0 else grid.dp * grid.cp
+    buffers = largest * (p + g) + (largest * g + largest // n * g if args.zero_stage >= 2 else 0)
+    tokens = shape.micro_batch_size * shape.seq_len // grid.cp
+    if grid.pp > 1:
+        buffers += 2 * p * tokens * cfg.hidden // (grid.tp if args.sequence_parallel else 1)
+    if grid.cp > 1 and args.cp_mode == "ring":
+        buffers += 2 * 2 * tokens * cfg.n_kv_heads // grid.tp * cfg.head_dim * p
+    return buffers
+
+
+def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[dict, int]:
+    """Pipeline stage `pp_rank`'s bytes per rank by component (every rank of a stage holds the
+    same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
+    on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
+    n, tp = grid.dp * grid.cp, grid.tp
+    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
+    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
+    states = (zero.predicted_model_states(dense, n, args.zero_stage, precision)
+              + zero.predicted_model_states(experts, n // ep, args.zero_stage, precision))
+    gathered = (zero.predicted_gathered_peak(dense, n, precision.param_dtype.itemsize, args.reshard_after_forward,
+                                             args.prefetch, experts, n // ep) if args.zero_stage == 3 else 0)
+    activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank)
+    memory = {"parameters": states.parameters, "gradients": states.gradients,
+              "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
+              "activations": activations, "gathered weights (ZeRO-3)": gathered,
+              "communication buffers (estimated)": planned_buffer_bytes(
+                  cfg, args, grid, shape, precision, [count for count in dense + experts if count])}
+    return memory, live
+
+
+def group_bandwidth(grid: GridShape, groups: list[list[int]], gpu: str, gpus_per_node: int) -> float:
+    """Bytes/s a rank of these groups sends at: NVLink when each group sits inside one node, else the network."""
+    _, nvlink, network = GPUS[gpu]
+    inside = all(len({rank // gpus_per_node for rank in members}) == 1 for members in groups)
+    return (nvlink if inside else network) * 1e9
+
+
+def wire_bytes(traffic: dict, n: int) -> float:
+    """A ring's bytes per rank for payloads by (collective, group): an all-reduce sends 2 (n-1)/n
+    of its payload, a gather, scatter or all-to-all (n-1)/n, a send all of it."""
+    ring = (n - 1) / n
+    factors = {"all_reduce": 2 * ring, "all_gather_single": ring, "reduce_scatter_single": ring,
+               "all_to_all_single": ring, "isend": 1.0}
+    return sum(payload * factors.get(kind, 0.0) for (kind, _), payload in traffic.items())
+
+
+def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str, gpus_per_node: int,
+                           pp_rank: int) -> dict:
+    """Step time by cause (see plan_assumptions): the model's FLOPs on this rank at a fixed share of
+    the GPU's peak; recomputation's extra forward; lesson 03's bubble; the communication that
+    nothing hides, by the lessons' traffic formulas for this stage, at its group's bandwidth."""
+    layout = ProcessGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
+    peak = next(flops for name, flops in PEAK_BF16_FLOPS.items() if gpu.startswith(name))
+    compute = flops_per_token(cfg, shape.seq_len) * shape.tokens_per_step / grid.world_size / (peak * MATMUL_EFFICIENCY)
+    recompute = compute * RECOMPUTE_COST[args.recompute]
+    bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum)
+    stage = stage_outline(cfg, grid.pp, pp_rank)
+    micro, m, e, tp, cp = shape.micro_batch_size, shape.grad_accum, precision.param_dtype.itemsize, grid.tp, grid.cp
+    bandwidth = partial(group_bandwidth, grid, gpu=gpu, gpus_per_node=gpus_per_node)
+    exposed = 0.0
+    recomputed = full_5d.predicted_recompute_traffic(cfg, shape, layout, len(stage.layer_ids), args.recompute,
+                                                     args.cp_mode, args.sequence_parallel, e)
+
+    def on_axis(traffic: dict, axis: str) -> dict:
+        return {key: value for key, value in add_traffic(traffic, recomputed).items() if key[1] == axis}
+
+    if tp > 1:      # on the critical path: every block waits for its all-reduces
+        traffic = tensor_parallel.predicted_tp_traffic(
+            cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
+            len(stage.layer_ids), stage.tok_embeddings is not None, stage.lm_head is not None)
+        exposed += wire_bytes(on_axis(traffic, "tp"), tp) / bandwidth(grid.group_ranks(("tp",)))
+    if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
+        traffic = context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, cp, "ulysses", m, e, tp,
+                                                        len(stage.layer_ids))
+        exposed += wire_bytes(on_axis(traffic, "cp"), cp) / bandwidth(grid.group_ranks(("cp",)))
+    if cfg.n_experts and ep > 1:    # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
+        routed = cfg.experts_per_token * micro * shape.seq_len // cp
+        traffic = {("all_to_all_single", "ep"): m * len(stage.layer_ids) * 4 * routed * cfg.hidden * e}
+        exposed += wire_bytes(traffic, ep) / bandwidth(grid.ep_group_ranks(ep))
+    n = grid.dp * cp
+    if n > 1:
+        dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
+        experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
+        traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
+                                                          args.reshard_after_forward),
+                              zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
+                                                          args.reshard_after_forward, "edp") if cfg.n_experts else {})
+        groups = {"dp_cp": (n, grid.group_ranks(("dp", "cp"))), "edp": (n // ep, grid.edp_group_ranks(ep))}
+        seconds = defaultdict(float)
+        for (kind, group), payload in traffic.items():
+            size, members = groups[group]
+            seconds[kind] += wire_bytes({(kind, group): payload}, size) / bandwidth(members)
+        backward = 2 / 3 * compute
+        # Gradients reduce during backward: at stages 0-1 the last micro-batch's only, at 2-3 every one's.
+        reduce_window = backward / m if args.zero_stage <= 1 else backward
+        exposed += max(0.0, seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter_single", 0.0) - reduce_window)
+        # ZeRO-3 prefetches each unit's gather behind the unit before it; stages 1-2 gather after the step.
+        gather = seconds.get("all_gather_single", 0.0)
+        exposed += max(0.0, gather - compute) if args.zero_stage == 3 else gather
+    if grid.pp > 1:
+        boundary = micro * shape.seq_len // cp // (tp if args.sequence_parallel else 1) * cfg.hidden
+        sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, 1)
+        exposed += sent / bandwidth(grid.group_ranks(("pp",)))
+    return {"compute": compute, "recompute": recompute, "bubble": bubble, "communication": exposed}
+
+
+def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str, gpus_per_node: int) -> PlannedLayout:
+    """The layout's fullest pipeline stage (with pp = 1, every rank holds the same)."""
+    stages = [planned_memory(cfg, args, grid, ep, shape, precision, pp_rank) for pp_rank in range(grid.pp)]
+    pp_rank = max(range(grid.pp), key=lambda rank: sum(stages[rank][0].values()))
+    seconds = max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, gpu, gpus_per_node, rank)
+                   for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
+    memory, live = stages[pp_rank]
+    return PlannedLayout(grid, ep, args, pp_rank, memory, live, seconds)
+
+
+def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
+    """Every layout of `world_size` ranks that lesson 07 accepts, for the same global batch (the
+    flags' sequences per step) and micro-batch size: each grid (tp within a node), ZeRO stage,
+    recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp."""
+    sequences = batch_shape(args, grid_from_args(args, world_size).dp).sequences_per_step
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    for tp, pp, cp in itertools.product(divisors, repeat=3):
+        if world_size % (tp * pp * cp) or tp > gpus_per_node:
+            continue
+        grid = GridShape(dp=world_size // (tp * pp * cp), pp=pp, cp=cp, tp=tp)
+        if sequences % (grid.dp * args.micro_batch_size):
+            continue
+        accum = sequences // (grid.dp * args.micro_batch_size)
+        for ep in [d for d in divisors if (grid.dp * cp) % d == 0 and cfg.n_experts % d == 0] if cfg.n_experts else [1]:
+            for stage, sequence_parallel in itertools.product(range(4), (False, True) if tp > 1 else (False,)):
+                candidate = argparse.Namespace(**{**vars(args), "dp": grid.dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                                  "zero_stage": stage, "sequence_parallel": sequence_parallel,
+                                                  "grad_accum": accum, "global_batch_tokens": None})
+                shape = batch_shape(candidate, grid.dp)
+                try:
+                    full_5d.validate(cfg, grid, shape, candidate, world_size)
+                except (ConfigError, ValueError):
+                    continue
+                for recompute in full_5d.RECOMPUTE_MODES:
+                    yield grid, ep, argparse.Namespace(**{**vars(candidate), "recompute": recompute}), shape
+
+
+def layout_name(planned: PlannedLayout) -> str:
+    grid, args = planned.grid, planned.args
+    parts = [f"dp{grid.dp}"] + [f"{axis}{getattr(grid, axis)}" for axis in ("pp", "cp", "tp")
+                                if getattr(grid, axis) > 1]
+    parts += [f"ep{planned.ep}"] * (planned.ep > 1) + ["sp"] * args.sequence_parallel
+    return " ".join(parts)
+
+
+def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
+    _, nvlink, network = GPUS[gpu]
+    return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
+            f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
+            f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
+            f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
+            "bubble: lesson 03's (pp - 1) / m of the compute, stages of equal time",
+            f"communication: ring wire bytes at {nvlink} GB/s within a node of {gpus_per_node}, {network} GB/s "
+            f"per GPU between nodes; tp, Ulysses, ep and pp exposed, ring attention hidden, gradient reduction "
+            f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
+            f"ZeRO-1/2's gather after the step exposed",
+            "experts: balanced routing (every expert receives k T / E of the tokens)"]
+
+
+def print_memory_plan(args) -> None:
+    """--plan: this layout's memory per rank, whether it fits, and the layouts that fit, fastest first."""
+    gpu = args.gpu
+    try:
+        if gpu not in GPUS:
+            raise ConfigError(f"--gpu {gpu}: the plan knows {', '.join(GPUS)}; pick the closest and set its memory "
+                              f"with --gpu-memory-gb")
+        check_flag_ranges(args)
+        if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
+            raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
+        cfg = get_config(args.preset, n_layers=args.n_layers)
+        grid = grid_from_args(args, args.gpus)
+        ep = zero.expert_degree(args.ep, cfg, grid)
+        shape = batch_shape(args, grid.dp)
+        full_5d.validate(cfg, grid, shape, args, args.gpus)
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+    # The plan is for the GPU: --dtype auto is bf16 there.
+    precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
+    capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu][0]) * GIB
+    usable = capacity * (1 - PLAN_MARGIN)
+    planned = plan_layout(cfg, args, grid, ep, shape, precision, gpu, args.gpus_per_node)
+    print(f"memory plan: {args.preset} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "
+          f"{gpu} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: {usable / GIB:.1f} GiB)")
+    print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, ZeRO-{args.zero_stage}, "
+          f"recompute {args.recompute}, weights {str(precision.param_dtype).removeprefix('torch.')}, gradients "
+          f"{str(precision.reduce_dtype).removeprefix('torch.')}, "
+          f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size} x {shape.grad_accum} micro-batches x dp "
+          f"{grid.dp} = {shape.tokens_per_step:,} tokens per step")
+    if shape.seq_len != cfg.seq_len:
+        print(f"note: {args.preset} is sized for --seq-len {cfg.seq_len}")
+    where = f"pipeline stage {planned.pp_rank} of {grid.pp}, " if grid.pp > 1 else ""
+    live = f"{planned.live_micro_batches} micro-batch{'es' if planned.live_micro_batches > 1 else ''}"
+    print(f"\nper rank ({where}the fullest rank; activations of {live} live at the peak)")
+    print(f"  {'component':<40}{'GiB':>8}")
+    for name, size in planned.memory.items():
+        print(f"  {name:<40}{size / GIB:>8.2f}")
+    total = planned.peak_bytes
+    print(f"  {'total':<40}{total / GIB:>8.2f}")
+    verdict = (f"fits: {total / GIB:.1f} of {usable / GIB:.1f} GiB, {(usable - total) / GIB:.1f} GiB to spare"
+               if total <= usable else f"does not fit: {total / GIB:.1f} GiB, {(total - usable) / GIB:.1f} GiB over "
+                                       f"the {usable / GIB:.1f} GiB planned")
+    print(verdict)
+    by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
+                                              shape, precision, planned.pp_rank)[0]
+               for mode in full_5d.RECOMPUTE_MODES}
+    print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
+    fitting = []
+    for candidate_grid, candidate_ep, candidate_args, candidate_shape in candidate_layouts(cfg, args, args.gpus,
+                                                                                       args.gpus_per_node):
+        candidate = plan_layout(cfg, candidate_args, candidate_grid, candidate_ep, candidate_shape, precision, gpu,
+                                args.gpus_per_node)
+        if candidate.peak_bytes <= usable:
+            fitting.append(candidate)
+    fitting.sort(key=lambda c: (sum(c.seconds.values()), c.peak_bytes))
+    # One row per grid: its fastest ZeRO stage and recompute mode (the lighter one when they tie).
+    best = list({layout_name(candidate): candidate for candidate in reversed(fitting)}.values())[::-1]
+    print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
+          f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
+          f"by the estimate below:")
+    print(f"  {'layout':<24}{'ZeRO':>5}  {'recompute':<10}{'GiB':>7}{'step s':>9}{'compute':>9}{'recomp':>8}"
+          f"{'bubble':>8}{'comm':>8}")
+    for candidate in best[:args.plan_top]:
+        s = candidate.seconds
+        print(f"  {layout_name(candidate):<24}{candidate.args.zero_stage:>5}  {candidate.args.recompute:<10}"
+              f"{candidate.peak_bytes / GIB:>7.1f}{sum(s.values()):>9.3f}{s['compute']:>9.3f}{s['recompute']:>8.3f}"
+              f"{s['bubble']:>8.3f}{s['communication']:>8.3f}")
+    print("assumptions:\n" + "\n".join(f"  - {line}" for line in plan_assumptions(gpu, args.gpus_per_node)))

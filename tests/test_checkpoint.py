@@ -1,0 +1,251 @@
+"""Checkpoints proven: lesson 07 resumed exactly in its own layout, closely in others, after kill -9, and
+damaged checkpoints refused.
+
+One spawn of 4 gloo ranks trains a base run (dp2 x tp2, ZeRO-1) that saves at step 2 and 4, then
+resumes its step-2 checkpoint in the same layout and in three others (pp 2; dp 4 with ZeRO-3;
+cp 2 with ZeRO-0), and a mixture-of-experts run (dp 4, ep 4, router biases moved away from zero
+so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3. The same
+layout must give the uninterrupted run's losses bit for bit: the same float operations on the
+same values. Another layout sums in another order: the losses agree to 1e-5, the tolerance of
+every equality test of the suite against one device. A torchrun run killed with SIGKILL resumes
+(on 2 ranks, with the other checks of a world size of 2) and ends with the exact parameters of a
+run never killed; the 4-rank checkpoint also resumes on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+import picotron_like.checkpoint as checkpoints
+from picotron_like.model import GPT, moe_layers
+from picotron_like.testing import run_ranks
+from picotron_like.topology import REPO_ROOT, ProcessGrid, load_lesson
+from picotron_like.train import plan_run, train
+
+CPU = torch.device("cpu")
+COMMON = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256",
+          "--seed", "3", "--lr", "3e-3", "--warmup-steps", "2"]
+BASE = ["--dp", "2", "--tp", "2", "--zero-stage", "1"]
+OTHER_LAYOUTS = {"pp 2 (dp 2, tp 1)": ["--pp", "2", "--dp", "2", "--zero-stage", "1"],
+                 "ZeRO-3 (dp 4, tp 1)": ["--dp", "4", "--zero-stage", "3"],
+                 "ZeRO-0 (cp 2, dp 2)": ["--cp", "2", "--dp", "2", "--zero-stage", "0"]}
+MOE_BASE = ["--preset", "tiny-moe", "--dp", "4", "--ep", "4", "--zero-stage", "1"]
+MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--zero-stage", "3"]
+KILL_RUN = ["--dp", "2", "--zero-stage", "2", "--steps", "8", "--save-every", "1", "--keep-last", "2"]
+CROSS_LAYOUT = dict(rtol=0, atol=1e-5)   # the suite's loss tolerance against one device
+
+
+def lesson():
+    return load_lesson("07_full_5d")
+
+
+def trainer(argv: list[str], world_size: int, router_bias: bool = False) -> dict:
+    """07's main() without the process group, the report and the exit; returns each step's loss
+    and gradient norm. `router_bias`: set the MoE layers' biases to a pattern before training."""
+    os.environ["WORLD_SIZE"] = str(world_size)
+    full_5d = lesson()
+    zero = full_5d.zero
+    args = full_5d.parse_args([*COMMON, *argv])
+    plan = plan_run(args, full_5d.validate)
+    manifest = full_5d.checkpoint_to_resume(args, plan.cfg, plan.shape)
+    grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
+    model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
+    if router_bias:
+        for layer in moe_layers(model.module):
+            layer.router_bias.copy_(torch.linspace(-0.3, 0.3, layer.n_experts))
+    optimizer = zero.build_sharded_optimizer(model, args.lr)
+    settings = zero.step_settings(grid, CPU, model.precision, args.max_grad_norm)
+    start_step = full_5d.resume(manifest, model, optimizer, grid)
+    results = []
+
+    def step(batch):
+        results.append(zero.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
+        return results[-1]
+
+    train(args, optimizer, step, plan.batches, grid.dp_rank, CPU,
+          prepare_batch=full_5d.context_parallel.sequence_cut(grid, args.zigzag), start_step=start_step,
+          after_step=full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step}
+
+
+def four_rank_runs(directory: str) -> dict:
+    base, moe = f"{directory}/base", f"{directory}/moe"
+    runs = {"base": trainer([*BASE, "--steps", "4", "--save-every", "2", "--save-dir", base], 4),
+            "same layout": trainer([*BASE, "--steps", "4", "--resume", f"{base}/step_00000002"], 4)}
+    for name, layout in OTHER_LAYOUTS.items():
+        runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{base}/step_00000002"], 4)
+    runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
+    runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("checkpoints")
+    return directory, run_ranks(4, four_rank_runs, str(directory), timeout_s=300)[0]
+
+
+def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
+    """Same layout: the losses and gradient norms of steps 2-3 equal the uninterrupted run's
+    exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
+    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding."""
+    _, runs = saved
+    base = runs["base"]
+    assert runs["same layout"]["start"] == 2 and len(runs["same layout"]["losses"]) == 2
+    assert runs["same layout"]["losses"] == base["losses"][2:], (runs["same layout"], base)
+    assert runs["same layout"]["norms"] == base["norms"][2:]
+    for name in OTHER_LAYOUTS:
+        torch.testing.assert_close(torch.tensor(runs[name]["losses"]), torch.tensor(base["losses"][2:]),
+                                   **CROSS_LAYOUT, msg=name)
+        torch.testing.assert_close(torch.tensor(runs[name]["norms"]), torch.tensor(base["norms"][2:]),
+                                   rtol=1e-5, atol=0, msg=name)
+    moe_base, moe_other = runs["moe base"], runs["moe other"]
+    torch.testing.assert_close(torch.tensor(moe_other["losses"]), torch.tensor(moe_base["losses"][2:]), **CROSS_LAYOUT)
+
+
+def test_export_loads_into_the_reference_gpt_with_the_same_loss(saved, tmp_path, monkeypatch):
+    """The step-2 checkpoint as one state dict: GPT loads it strictly, and its loss on step 2's
+    global batch is the loss the base run logged at step 2 (computed with the same weights)."""
+    directory, runs = saved
+    out = tmp_path / "model.pt"
+    checkpoints.main(["export", str(directory / "base" / "step_00000002"), str(out)])
+    manifest = checkpoints.read_manifest(directory / "base" / "step_00000002")
+    model = GPT(manifest["cfg"], seed=0)
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    plan = plan_run(lesson().parse_args([*COMMON, *BASE]), lesson().validate)
+    window = plan.batches.global_batch(2)
+    with torch.no_grad():
+        loss = model(window[:, :-1], window[:, 1:]).item()
+    assert abs(loss - runs["base"]["losses"][2]) < 1e-5, (loss, runs["base"]["losses"][2])
+
+
+def damaged_copy(source, target, damage) -> str:
+    shutil.copytree(source, target)
+    damage(target)
+    return str(target)
+
+
+def test_damaged_checkpoints_are_refused_with_one_line(saved, tmp_path, monkeypatch, capsys):
+    """Torn (no manifest), truncated, foreign (another format; a rank file of another step with
+    the same size), another model shape, another global batch: each refused with a line naming the
+    file and the problem, by the checks every rank makes before any collective (read_manifest) or,
+    for contents, when the file is read. A writer's leftover .partial directory is never a
+    candidate; a run that would overwrite a newer checkpoint, or has no step left, is refused."""
+    directory, _ = saved
+    good = directory / "base" / "step_00000002"
+    cfg = checkpoints.read_manifest(good)["cfg"]
+
+    def truncate(path):
+        with open(path / "rank_00001.pt", "r+b") as file:
+            file.truncate(1000)
+
+    cases = {
+        "torn": (lambda path: (path / "manifest.json").unlink(), "manifest.json: missing: the checkpoint is torn"),
+        "truncated": (truncate, "rank_00001.pt: truncated or replaced: 1000 bytes, the manifest says"),
+        "foreign": (lambda path: (path / "manifest.json").write_text(json.dumps({"format": "safetensors index"})),
+                    "manifest.json: foreign: not a picotron_like checkpoint manifest"),
+        "gone": (lambda path: (path / "rank_00003.pt").unlink(), "rank_00003.pt: missing: the checkpoint is torn"),
+    }
+    for name, (damage, message) in cases.items():
+        path = damaged_copy(good, tmp_path / name, damage)
+        with pytest.raises(checkpoints.CheckpointError) as refused:
+            checkpoints.read_manifest(path, cfg)
+        assert str(refused.value).startswith(f"{path}/{message}") and "\n" not in str(refused.value), name
+
+    with pytest.raises(checkpoints.CheckpointError, match="model shape differs: hidden 128 in the checkpoint, 64 here"):
+        checkpoints.read_manifest(good, replace(cfg, hidden=64))
+    with pytest.raises(checkpoints.CheckpointError, match=r"sequences_per_step 8, this run has 16: the data would"):
+        checkpoints.read_manifest(good, cfg, {"sequences_per_step": 16})
+
+    # Same size, other contents: only the sha256 can tell, checked when the file is read.
+    swapped = damaged_copy(good, tmp_path / "swapped", lambda path: shutil.copy(
+        directory / "base" / "step_00000004" / "rank_00001.pt", path / "rank_00001.pt"))
+    checkpoints.read_manifest(swapped, cfg)
+    with pytest.raises(SystemExit) as exit_code:
+        checkpoints.main(["export", swapped, str(tmp_path / "never.pt")])
+    assert exit_code.value.code == 2
+    assert capsys.readouterr().err == (f"error: {swapped}/rank_00001.pt: contents differ from the manifest's sha256: "
+                                       f"a file from another checkpoint, or damaged\n")
+    assert not (tmp_path / "never.pt").exists()
+
+    # The trainer's own rules: a leftover .partial is ignored, overwriting and finished runs refused.
+    (directory / "base" / "step_00000009.partial").mkdir()
+    assert checkpoints.resolve("latest", directory / "base") == directory / "base" / "step_00000004"
+    full_5d = lesson()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for argv, message in [(["--steps", "6", "--save-dir", str(directory / "base")],
+                           "step_00000004: this run starts at step 0 and would overwrite it"),
+                          (["--steps", "4", "--save-dir", str(directory / "base"), "--resume"],
+                           "step_00000004: already at step 4, --steps 4: nothing left to train")]:
+        args = full_5d.parse_args([*COMMON, *BASE, *argv])
+        plan_shape = plan_run(full_5d.parse_args([*COMMON, *BASE]), full_5d.validate).shape
+        with pytest.raises(checkpoints.CheckpointError, match=message):
+            full_5d.checkpoint_to_resume(args, cfg, plan_shape)
+
+
+def two_rank_runs(four_rank_checkpoint: str, killed: str, uninterrupted: str) -> dict:
+    return {"killed, resumed": trainer([*KILL_RUN, "--save-dir", killed, "--resume"], 2),
+            "never killed": trainer([*KILL_RUN, "--save-dir", uninterrupted], 2),
+            "world size 4 -> 2": trainer(["--tp", "2", "--zero-stage", "1", "--steps", "4", "--resume",
+                                          four_rank_checkpoint], 2)}
+
+
+def worker_pids(parent: int) -> list[int]:
+    """torchrun's workers (its child processes, read from /proc): torchrun starts each in a session
+    of its own, so killing torchrun's process group would leave them running."""
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                fields = file.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(entry))
+    return children
+
+
+def test_killed_run_resumes_to_the_same_parameters_and_four_ranks_resume_on_two(saved, tmp_path):
+    """torchrun (2 ranks, ZeRO-2, a checkpoint every step, the last 2 kept) killed with SIGKILL,
+    every process at once, once step 3's checkpoint exists: mid-step, mid-save or mid-deletion; a
+    .partial directory may be left. --resume continues from the newest complete checkpoint; the
+    final checkpoint's parameters (exported) equal those of a run never killed, exactly. The
+    4-rank base checkpoint resumes on 2 ranks (tp 2)."""
+    directory, runs = saved
+    killed, uninterrupted = tmp_path / "killed", tmp_path / "uninterrupted"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO_ROOT / "07_full_5d.py"), *COMMON, *KILL_RUN, "--save-dir", str(killed)]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.monotonic() + 180
+    while not (killed / "step_00000003").exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in [*worker_pids(process.pid), process.pid]:     # as a lost node: every process at once
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    done = [step for step, path in checkpoints.list_checkpoints(killed)]
+    assert 3 <= max(done) < 8, f"the kill must land mid-run: checkpoints {done}"
+
+    results = run_ranks(2, two_rank_runs, str(directory / "base" / "step_00000002"), str(killed),
+                        str(uninterrupted), timeout_s=240)[0]
+    assert results["killed, resumed"]["start"] == max(done)
+    assert [step for step, _ in checkpoints.list_checkpoints(uninterrupted)] == [7, 8]     # --keep-last 2
+    resumed = checkpoints.export(killed, tmp_path / "resumed.pt")
+    never_killed = checkpoints.export(uninterrupted, tmp_path / "never_killed.pt")
+    assert resumed.keys() == never_killed.keys()
+    for name in resumed:
+        assert torch.equal(resumed[name], never_killed[name]), name
+    assert results["killed, resumed"]["losses"] == results["never killed"]["losses"][max(done):]
+    torch.testing.assert_close(torch.tensor(results["world size 4 -> 2"]["losses"]),
+                               torch.tensor(runs["base"]["losses"][2:]), **CROSS_LAYOUT)

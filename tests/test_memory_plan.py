@@ -1,0 +1,176 @@
+"""Lesson 07's memory plan (07_memory_plan.py) proven: equal to what a rank holds, component by component.
+
+Small scale, on 4 gloo ranks: five layouts built by 07's own parallelize() from its own flags
+train two steps; the plan's parameters, gradients, master weights and Adam states equal the bytes
+of the tensors each rank holds (lesson 06's measured_model_states, after a step: Adam's moments
+exist then), its activations the bytes autograd keeps at their peak (ActivationMeter), ZeRO-3's
+prefetch window the gathered weights at their peak. The first steps' rows show Adam's states
+appearing inside the first optimizer step, and nowhere else.
+
+Real scale, without the hardware: the 8b preset on 8 and 64 GPUs and Mixtral-8x7B on 64, each
+rank's share built by lesson 06's build_model on the meta device from a ProcessGrid that knows
+only its rank (no process group, no tensor drawn), one meta AdamW step for the optimizer's states;
+its model-state bytes equal the plan's for the chosen ranks (first and last pipeline stages).
+
+Every comparison is of integers, exactly: a byte off is a wrong formula.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from dataclasses import replace
+from functools import partial
+
+import pytest
+import torch
+
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.metrics import ActivationMeter
+from picotron_like.model import get_config
+from picotron_like.testing import run_ranks
+from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
+
+CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
+MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+SEQ, MICRO, GLOBAL_SEQUENCES, LR, SEED = 32, 2, 8, 3e-3, 7
+CPU = torch.device("cpu")
+STATES = ("parameters", "gradients", "master weights (fp32)", "Adam states (fp32)")
+# name: (grid, ep, model, flags)
+LAYOUTS = {
+    "dp2 x tp2 SP ZeRO-1 selective": (GridShape(dp=2, tp=2), 1, CFG,
+                                      ("--zero-stage", "1", "--recompute", "selective", "--sequence-parallel")),
+    "pp2 x dp2 ZeRO-1 none": (GridShape(dp=2, pp=2), 1, CFG, ("--zero-stage", "1", "--recompute", "none")),
+    "dp4 ZeRO-3 full": (GridShape(dp=4), 1, CFG, ("--zero-stage", "3", "--recompute", "full")),
+    "dp2 x cp2 ZeRO-2 bf16 none": (GridShape(dp=2, cp=2), 1, CFG,
+                                   ("--zero-stage", "2", "--recompute", "none", "--dtype", "bfloat16")),
+    "moe dp2 x cp2 ep2 ZeRO-1 full": (GridShape(dp=2, cp=2), 2, MOE_CFG, ("--zero-stage", "1", "--recompute", "full")),
+}
+
+
+def lesson():
+    return load_lesson("07_full_5d")
+
+
+def memory_plan():
+    return load_lesson("07_memory_plan")
+
+
+def layout_args(grid: GridShape, ep: int, flags) -> object:
+    accum = GLOBAL_SEQUENCES // (MICRO * grid.dp)
+    return lesson().parse_args(["--dp", str(grid.dp), "--tp", str(grid.tp), "--pp", str(grid.pp), "--cp", str(grid.cp),
+                                "--ep", str(ep), "--seq-len", str(SEQ), "--micro-batch-size", str(MICRO),
+                                "--grad-accum", str(accum), "--seed", str(SEED), "--lr", str(LR), *flags])
+
+
+def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
+    """Two steps of the layout on this rank: its model states after them, its kept activations
+    (or ZeRO-3's gathered weights) at their peak in the first, the first steps' rows, and the plan."""
+    full_5d = lesson()
+    zero = full_5d.zero
+    grid, args = ProcessGrid(shape, ep=ep), layout_args(shape, ep, flags)
+    model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
+    optimizer = zero.build_sharded_optimizer(model, LR)
+    first_steps = full_5d.FirstStepsMemory(model, optimizer, CPU, n_steps=2)
+    settings = zero.step_settings(grid, CPU, model.precision, 1.0)
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, shape.dp), seed=SEED,
+                        vocab_size=cfg.vocab_size)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
+    meter = (zero.GatheredParameterMeter if args.zero_stage == 3 else ActivationMeter)(model.module)
+    step = first_steps.observe(partial(zero.train_step, model if pipeline is None else pipeline, optimizer,
+                                       settings=settings))
+    for index in range(2):
+        with meter if index == 0 else nullcontext():
+            step(cut(data.step_batch(index, grid.dp_rank)))
+    states = zero.measured_model_states(model, optimizer)
+    planned, live = memory_plan().planned_memory(cfg, args, shape, ep, data.shape, model.precision, grid.pp_rank)
+    return {"states": dict(zip(STATES, (states.parameters, states.gradients, states.master_weights,
+                                        states.optimizer_states))),
+            "meter": meter.peak_bytes, "first_steps": first_steps.rows, "planned": planned, "live": live}
+
+
+def every_layout() -> dict:
+    return {name: measure(*layout) for name, layout in LAYOUTS.items()}
+
+
+def test_plan_equals_what_each_rank_holds_component_by_component():
+    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
+        for name, (shape, _, _, flags) in LAYOUTS.items():
+            run, where = runs[name], f"rank {rank}, {name}"
+            planned = run["planned"]
+            assert run["states"] == {key: planned[key] for key in STATES}, where
+            if "ZeRO-3" in name:
+                assert run["meter"] == planned["gathered weights (ZeRO-3)"] > 0, where
+            else:
+                assert run["meter"] == planned["activations"] > 0, where
+                assert planned["gathered weights (ZeRO-3)"] == 0, where
+            # 1F1B: the first stage keeps both micro-batches before its first backward, the last one.
+            assert run["live"] == (2 - shape.coords_of(rank)["pp"] if shape.pp > 1 else 1), where
+            phases = dict(run["first_steps"])
+            assert phases["built"]["Adam"] == phases["step 0: before optimizer.step"]["Adam"] == 0, where
+            for phase in ("step 0: after", "step 1: before optimizer.step", "step 1: after"):
+                assert phases[phase]["Adam"] == planned["Adam states (fp32)"], f"{where} {phase}"
+            assert len({sample["parameters"] for sample in phases.values()}) == 1, where
+
+
+# (preset, grid, ep, ZeRO stage, weights, gradients, ranks): the first and the last pipeline stage,
+# and a rank inside every other axis.
+REAL_SCALE = [
+    ("8b", GridShape(dp=8), 1, 1, torch.bfloat16, torch.bfloat16, (5,)),
+    ("8b", GridShape(dp=2, pp=2, tp=2), 1, 1, torch.bfloat16, torch.float32, (0, 7)),
+    ("8b", GridShape(tp=8), 1, 0, torch.bfloat16, torch.bfloat16, (3,)),
+    ("8b", GridShape(dp=8, tp=8), 1, 3, torch.bfloat16, torch.bfloat16, (13,)),
+    ("8b", GridShape(dp=2, pp=4, cp=2, tp=4), 1, 1, torch.float32, torch.float32, (0, 63)),
+    ("mixtral-8x7b", GridShape(dp=32, tp=2), 8, 3, torch.bfloat16, torch.bfloat16, (5,)),
+    ("mixtral-8x7b", GridShape(dp=4, pp=4, cp=2, tp=2), 8, 1, torch.bfloat16, torch.bfloat16, (1, 62)),
+]
+
+
+@pytest.mark.parametrize("preset, shape, ep, stage, weights, gradients, ranks", REAL_SCALE,
+                         ids=[f"{case[0]}-{case[1].world_size}gpus-{case[1]}-ZeRO{case[3]}" for case in REAL_SCALE])
+def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, ep, stage, weights, gradients, ranks):
+    full_5d = lesson()
+    zero = full_5d.zero
+    cfg = get_config(preset)
+    precision = zero.Precision(weights, gradients)
+    args = full_5d.parse_args(["--zero-stage", str(stage), "--seq-len", "4096", "--micro-batch-size", "1"])
+    batch = BatchShape(1, 4096, 1, shape.dp)
+    meta = torch.device("meta")
+    for rank in ranks:
+        grid = ProcessGrid(shape, ep=ep, rank=rank)
+        with meta:
+            model = zero.build_model(cfg, SEED, grid, stage, precision, meta, sequences_per_step=shape.dp)
+        optimizer = zero.build_sharded_optimizer(model, LR)
+        # AdamW creates its moments at its first step, from the parameters it steps: one step on
+        # meta gradients makes them, shaped as a real run's (every tensor here is shape only).
+        masters = [master for group in optimizer.param_groups for master in group["params"]]
+        for master in masters:
+            master.grad = torch.zeros_like(master)
+        optimizer.step()
+        states = zero.measured_model_states(model, optimizer)
+        planned, _ = memory_plan().planned_memory(cfg, args, shape, ep, batch, precision, grid.pp_rank)
+        measured = dict(zip(STATES, (states.parameters, states.gradients, states.master_weights,
+                                     states.optimizer_states)))
+        assert measured == {key: planned[key] for key in STATES}, f"rank {rank} ({grid})"
+        assert all(param.is_meta for param in model.parameters()), "nothing may be drawn at full size"
+
+
+def test_plan_prints_the_8b_preset_on_one_b300_node_and_refuses_a_bad_layout(capsys):
+    full_5d = lesson()
+    flags = ["--plan", "--preset", "8b", "--gpus", "8", "--gpu", "B300", "--seq-len", "8192",
+             "--micro-batch-size", "1", "--grad-accum", "8", "--zero-stage", "1", "--plan-top", "3"]
+    full_5d.main(flags)
+    out = capsys.readouterr().out
+    bf16 = full_5d.zero.Precision(torch.bfloat16, torch.bfloat16)
+    planned = memory_plan().plan_layout(get_config("8b"), full_5d.parse_args(flags), GridShape(dp=8), 1,
+                                        BatchShape(1, 8192, 8, 8), bf16, "B300", 8)
+    assert f"  {'total':<40}{planned.peak_bytes / 2**30:>8.2f}" in out
+    assert "fits:" in out and "assumptions:" in out
+    listed = out.split("fastest first")[1].splitlines()[2:5]
+    assert len(listed) == 3 and all(line.startswith("  dp") for line in listed), out
+    bad = subprocess.run([sys.executable, str(REPO_ROOT / "07_full_5d.py"), "--plan", "--preset", "8b", "--gpus", "6",
+                          "--tp", "4"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert bad.returncode == 2 and bad.stderr.startswith("error:") and "world size is 6" in bad.stderr, bad.stderr
