@@ -161,6 +161,9 @@ def sequence_cut(grid, zigzag: bool):
     return functools.partial(context_parallel_batch, split=SequenceSplit(grid.cp_size, zigzag), cp_rank=grid.cp_rank)
 
 
+RING_KERNELS = ("fused", "plain")
+
+
 @dataclass(frozen=True)
 class ContextParallel:
     """What an attention core needs to talk to its cp peers."""
@@ -171,9 +174,9 @@ class ContextParallel:
     prev_rank: int            # global ranks, as torch.distributed's point-to-point calls want them
     next_rank: int
     split: SequenceSplit
-    # How the ring computes one block (see "one block in one fused kernel"). Fused by default: it is
-    # the fast path and never holds a block's scores in memory. Plain spells the block out; it is
-    # the reference the fused kernel is proven equal to, and what a reader follows.
+    # How the ring computes one block (RING_KERNELS; see "one block in one fused kernel"). Fused by
+    # default: it is the fast path and never holds a block's scores in memory. Plain spells the
+    # block out; it is the reference the fused kernel is proven equal to, and what a reader follows.
     ring_kernel: str = "fused"
 
     @classmethod
@@ -840,7 +843,7 @@ def parse_args(argv=None):
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
                         help="zigzag split (rank i holds chunks i and 2cp-1-i) balancing causal work; "
                              "--no-zigzag: contiguous split")
-    parser.add_argument("--ring-kernel", choices=("fused", "plain"), default="fused",
+    parser.add_argument("--ring-kernel", choices=RING_KERNELS, default="fused",
                         help="fused: each K/V block in one flash-attention kernel (CPU: float32 and bf16; CUDA: "
                              "bf16 and fp16, float32 runs plain); plain: the block's scores spelled out, the reference")
     parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")

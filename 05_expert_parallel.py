@@ -424,12 +424,12 @@ def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
 
 
 def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
-                zigzag: bool = True) -> list[nn.Module]:
+                zigzag: bool = True, ring_kernel: str = "fused") -> list[nn.Module]:
     """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> dense layers split
     over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
     tp) and dispatched -> balancing made global. Unwrapped: lesson 06 shards them with ZeRO."""
     ep = ExpertParallel.from_grid(grid)
-    cp = context_parallel.ContextParallel.from_grid(grid, zigzag)
+    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel)
     tp_group = grid.tp_group if grid.tp_size > 1 else None
     if grid.pp_size > 1:
         parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
@@ -620,6 +620,14 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
     return tokens * per_token + sequences * per_sequence + sent * (32 + e + 2 * e * h) + received * per_received + offsets
 
 
+def moe_layer_bytes_over_dense(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
+                               grouped: bool, tp: int = 1, element_bytes: int = 4) -> int:
+    """What one MoE layer adds to the dense formula, which counts a dense SwiGLU in its place
+    (gate, up, silu(gate) and their product: 4 f / tp elements per token)."""
+    return (moe_layer_activation_bytes(cfg, tokens, sequences, sent, received, ep, grouped, tp, element_bytes)
+            - 4 * element_bytes * cfg.ffn_hidden // tp * tokens)
+
+
 def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
                            sequence_parallel: bool = False) -> int:
     """One micro-batch of this rank's model or pipeline stage with a dense MLP: the reference
@@ -639,8 +647,7 @@ def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int
 def activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
                                     grouped: bool, tp: int = 1, dense=None, element_bytes: int = 4) -> dict:
     """This rank's activations per (part, micro-batch) of the metered step: the dense formula
-    with each MoE layer's SwiGLU (4 f / tp elements per token) replaced by
-    moe_layer_activation_bytes on that layer's counts. `dense(stage)` gives a part's dense bytes
+    with each MoE layer's SwiGLU replaced by moe_layer_activation_bytes on that layer's counts. `dense(stage)` gives a part's dense bytes
     (default: dense_activation_bytes) and `element_bytes` the rows' dtype: lesson 07 asks for its
     recompute modes and bf16 that way."""
     micro, tokens = shape.micro_batch_size, shape.micro_batch_size * shape.seq_len // cp
@@ -651,9 +658,8 @@ def activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp: int, meter:
         for micro_batch in range(shape.grad_accum):
             sizes[(part_index, micro_batch)] = part_bytes
     for call, sent, received in zip(meter.calls, *rows_sent_and_received(meter, ep)):
-        sizes[(meter.part_of[call.layer], call.micro_batch)] += (
-            moe_layer_activation_bytes(cfg, tokens, micro, sent, received, ep.size, grouped, tp, element_bytes)
-            - 4 * element_bytes * cfg.ffn_hidden // tp * tokens)
+        sizes[(meter.part_of[call.layer], call.micro_batch)] += moe_layer_bytes_over_dense(
+            cfg, tokens, micro, sent, received, ep.size, grouped, tp, element_bytes)
     return sizes
 
 

@@ -370,7 +370,8 @@ def master_pieces(model: ZeroDataParallel):
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
     """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
     an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
-    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the same factor. Norm gains replicated over tp count once.
+    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the
+    same factor. Norm gains replicated over tp count once.
     Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
     each expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp,
     every slice of it: the tp sum adds the slices) once."""
@@ -505,14 +506,16 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
-                cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None) -> ZeroDataParallel:
+                cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None,
+                ring_kernel: str = "fused") -> ZeroDataParallel:
     """The reference GPT, or with pp > 1 this rank's stage (lesson 03, one chunk) -> tensor
     parallel (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep and
     dispatched, balancing over the step's `sequences_per_step` (lesson 05) -> ZeRO over the
     dp x cp ranks, which hold the same weights (experts: over edp). With experts, lesson 05 builds
     the same chain (its tp splits each expert column/row) and ZeRO wraps it."""
     if cfg.n_experts:
-        (model,) = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag)
+        (model,) = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag,
+                                               ring_kernel)
         return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
     if grid.pp_size > 1:
         (model,) = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
@@ -523,7 +526,7 @@ def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precis
         model = tensor_parallel.apply_tensor_parallel(model, grid.tp_group, sequence_parallel)
     if grid.cp_size > 1:
         model = context_parallel.apply_context_parallel(
-            model, context_parallel.ContextParallel.from_grid(grid, zigzag), cp_mode)
+            model, context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel), cp_mode)
     return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
 
 
@@ -859,6 +862,8 @@ def add_flags(parser) -> None:
     parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
+    parser.add_argument("--ring-kernel", choices=context_parallel.RING_KERNELS, default="fused",
+                        help="with --cp-mode ring: each K/V block in one flash kernel, or spelled out (lesson 04)")
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
 
 
@@ -873,7 +878,7 @@ def main(argv=None):
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
     model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                         args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                        plan.shape.sequences_per_step)
+                        plan.shape.sequences_per_step, args.ring_kernel)
     pipeline = build_pipeline(model, grid, args.schedule, plan.shape, plan.cfg, device, precision,
                               args.sequence_parallel)
     optimizer = build_sharded_optimizer(model, args.lr)

@@ -15,6 +15,7 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> context-parallel attention               (04)
       -> experts sharded over ep and dispatched   (05)
       -> ZeRO over the dp x cp ranks              (06; stage 0 is lesson 01's all-reduce)
+      -> each block compiled (--compile)          (this lesson)
       -> activation recomputation                 (this lesson)
       -> the pipeline schedule over the stage     (03)
 
@@ -88,6 +89,9 @@ flat range of it a ZeRO shard holds); picotron_like/checkpoint.py writes those s
 master weights, AdamW's moments and step, router biases, RNG states) and a manifest, and reloads
 them into any layout the world size allows: the run continues at the checkpoint's step, whose
 learning rate and data follow from the step. Same layout: bit for bit (tests/test_checkpoint.py).
+A checkpoint pins the model's shapes, the seed and the global batch (another value is refused);
+the rest may change between runs, and a resumed run prints a `note:` line for each setting
+(learning-rate schedule, clipping, dtypes, data) or model field (rope_theta, router) that did.
 
 The GPU fast paths, each proven equal to the plain path on CPU where the op exists there
 (tests/test_fast_paths.py). Attention never stores its s^2 scores on any path. Without cp and
@@ -95,12 +99,13 @@ under Ulysses the model's causal_attention calls F.scaled_dot_product_attention,
 on CUDA puts FlashAttention-2 first (bf16 or fp16, head_dim at most 256 and a multiple of 8) and
 takes the memory-efficient kernel in float32. Under the ring each K/V block is one call of that
 same flash kernel through its aten op, which also returns the lse the ring merges with (lesson
-04's fused_attention_block; its CPU twin on CPU; in float32 on CUDA the blocks run as plain
-matmuls). AdamW is fused=True on CUDA (one multi-tensor kernel, elementwise, so a ZeRO shard steps
-as its slice of the whole tensor would), and the per-tensor loop elsewhere. --compile compiles
-each block's forward with torch.compile (TorchInductor), inside recomputation's checkpoint and
-ZeRO-3's hooks; collectives split it and run eagerly. The first step pays for the compilation
-(about 20 CPU-seconds per rank for the tiny preset on a CPU).
+04's fused_attention_block; its CPU twin on CPU; in float32 on CUDA, or with --ring-kernel plain,
+the blocks run as plain matmuls). AdamW is fused=True on CUDA (one multi-tensor kernel,
+elementwise, so a ZeRO shard steps as its slice of the whole tensor would), and the per-tensor
+loop elsewhere. --compile compiles each block's forward with torch.compile (TorchInductor),
+inside recomputation's checkpoint and ZeRO-3's hooks; collectives split it and run eagerly.
+The first step pays for the compilation (about 20 CPU-seconds per rank for the tiny preset on
+a CPU).
 
 Out of scope: FP8, fp16 with loss scaling (bf16 needs none), zero-bubble pipeline schedules.
 What every lesson's run logs comes from the shared loop: each step's loss, gradient norm, learning
@@ -135,8 +140,7 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like.metrics import ActivationMeter, add_traffic, log0
 from picotron_like.model import RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
-from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
-                                    shutdown)
+from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
 from picotron_like.train import batch_shape, plan_run, train
 
 context_parallel = load_lesson("04_context_parallel")
@@ -156,7 +160,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     # -> experts over ep (05) -> ZeRO over dp x cp (06): lesson 06's build_model composes these
     model = zero.build_model(cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                              args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                             shape.sequences_per_step)
+                             shape.sequences_per_step, args.ring_kernel)
     # with --compile, each block's forward compiled, inside recomputation and every wrapper's hooks
     compile_blocks(model.module, args.compile)
     # activation recomputation, inside every wrapper's hooks (ZeRO-3's gathers stay outside it)
@@ -231,8 +235,9 @@ def compile_blocks(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     traces them into the block's graph and recomputes what they mark. A collective inside a block
     (tp's all-reduces, cp's ring, ep's all-to-alls) splits the compiled code, and runs eagerly in
     between. Every block runs the same code on same-shaped tensors, so all share one compilation."""
-    for block in model.layers if enabled else ():
-        block.forward = torch.compile(block.forward)
+    if enabled:
+        for block in model.layers:
+            block.forward = torch.compile(block.forward)
     return model
 
 
@@ -278,6 +283,15 @@ def run_identity(args, shape) -> dict:
     return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step}
 
 
+def run_settings(args, precision) -> dict:
+    """What a resuming run may change, but is told about when it does (resume's notes): the
+    learning-rate schedule, clipping, the dtypes the weights and gradients are held in, the data."""
+    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
+            "max_grad_norm": args.max_grad_norm, "data": args.data or "the built-in corpus",
+            "dtype": str(precision.param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
+
+
 def checkpoint_to_resume(args, cfg, shape) -> dict | None:
     """The manifest of --resume's checkpoint, checked against this run (None: start at step 0).
     Called before any process group (validate): a bad checkpoint is one error line. Refuses too a
@@ -299,15 +313,18 @@ def checkpoint_to_resume(args, cfg, shape) -> dict | None:
     return manifest
 
 
-def resume(manifest, model, optimizer, grid: ProcessGrid) -> int:
+def resume(manifest, model, optimizer, grid: ProcessGrid, settings: dict) -> int:
     """Load the checkpoint into this rank's slices, whatever layout wrote it, then every weight
-    from the master (ZeRO's all-gathers); returns the step to continue from (0: no checkpoint)."""
+    from the master (ZeRO's all-gathers); returns the step to continue from (0: no checkpoint).
+    Says which of this run's `settings` (run_settings) and model fields differ from the writer's."""
     if manifest is None:
         return 0
     checkpoints.load(manifest, reference_slices(model, grid), optimizer)
     model.publish_master()
     layout = ", ".join(f"{key} {value}" for key, value in manifest["layout"].items())
     log0(f"resumed from {manifest['directory']} at step {manifest['step']} (written with {layout})")
+    for difference in checkpoints.unpinned_differences(manifest, settings):
+        log0(f"note: {difference}: this run's applies from step {manifest['step']}")
     return manifest["step"]
 
 
@@ -319,9 +336,8 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     slices = reference_slices(model, grid)
     info = {"model": asdict(cfg), "run": run_identity(args, shape),
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                       "ep": grid.ep_size, "zero_stage": args.zero_stage,
-                       "dtype": str(model.precision.param_dtype).removeprefix("torch.")},
-            "schedule": {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps, "data": args.data}}
+                       "ep": grid.ep_size, "zero_stage": args.zero_stage},
+            "settings": run_settings(args, model.precision)}
 
     def after_step(step: int) -> None:
         done = step + 1
@@ -335,10 +351,8 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
-    """Lesson 06's rules, which include those of 01-05; recomputation adds none of its own; the
-    checkpoint flags and the checkpoint --resume names, checked before any process group."""
-    if args.recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"--recompute {args.recompute}: choose one of {', '.join(RECOMPUTE_MODES)}")
+    """Lesson 06's rules, which include those of 01-05 (recomputation and compiling add none);
+    the checkpoint flags and the checkpoint --resume names, checked before any process group."""
     zero.validate(cfg, grid, shape, args, world_size)
     checkpoints.check_flags(args)
     checkpoint_to_resume(args, cfg, shape)
@@ -493,12 +507,14 @@ class FirstStepsMemory:
     bytes of the tensors the model and optimizer hold, by role (lesson 06's measured_model_states);
     on CUDA also the caching allocator's allocated bytes, its peak during the step, and its
     reserved bytes. With `snapshot` (CUDA, recording since start_memory_history), PyTorch's
-    allocator history up to the end of those steps is written there, for pytorch.org/memory_viz."""
+    allocator history up to the end of those steps is written there, for pytorch.org/memory_viz.
+    A run resumed at `first_step` numbers its rows from there; its first row holds the checkpoint."""
 
-    def __init__(self, model, optimizer, device, n_steps: int = 3, snapshot: str | None = None):
+    def __init__(self, model, optimizer, device, n_steps: int = 3, snapshot: str | None = None, first_step: int = 0):
         self.model, self.optimizer, self.device, self.n_steps = model, optimizer, device, n_steps
         self.snapshot = snapshot if device.type == "cuda" else None
-        self.rows = [("built", self._sample())]
+        self.first_step = first_step
+        self.rows = [("built" if first_step == 0 else f"built, resumed at step {first_step}", self._sample())]
         self.steps_seen = 0
         self._step = optimizer.step
         optimizer.step = self._observed_optimizer_step
@@ -515,7 +531,7 @@ class FirstStepsMemory:
 
     def _observed_optimizer_step(self, *args, **kwargs):
         if self.steps_seen < self.n_steps:
-            self.rows.append((f"step {self.steps_seen}: before optimizer.step", self._sample()))
+            self.rows.append((f"step {self.first_step + self.steps_seen}: before optimizer.step", self._sample()))
         return self._step(*args, **kwargs)
 
     def observe(self, step_fn):
@@ -526,7 +542,7 @@ class FirstStepsMemory:
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
             result = step_fn(batch)
-            self.rows.append((f"step {self.steps_seen}: after", self._sample()))
+            self.rows.append((f"step {self.first_step + self.steps_seen}: after", self._sample()))
             self.steps_seen += 1
             if self.steps_seen == self.n_steps:
                 self._write_snapshot()
@@ -550,15 +566,18 @@ class FirstStepsMemory:
         log0(f"{'phase':<34}" + "".join(f"{name:>12}" for name in columns))
         for phase, sample in self.rows:
             log0(f"{phase:<34}" + "".join(f"{sample[name] / 1e6:>12.3f}" for name in columns))
-        log0("Adam's two float32 moments appear inside the first optimizer.step(): AdamW creates its states "
-             "lazily, so\nuntil then a run holds 8 bytes per master element less than in every later step. ZeRO "
-             "allocates its\ngradient buffers when it builds its units (a plain PyTorch model gets its .grad at the "
-             "first backward);\nthe per-parameter gradients autograd writes live only until their unit is "
-             "flattened and reduced.")
+        adam = ("Adam's two float32 moments appear inside the first optimizer.step(): AdamW creates its states "
+                "lazily, so\nuntil then a run holds 8 bytes per master element less than in every later step."
+                if self.first_step == 0 else
+                "Adam's two float32 moments came back with the checkpoint, before the first step: every row "
+                "holds them.")
+        log0(adam + " ZeRO allocates its\ngradient buffers when it builds its units (a plain PyTorch model gets "
+                    "its .grad at the first backward);\nthe per-parameter gradients autograd writes live only "
+                    "until their unit is flattened and reduced.")
         if self.device.type == "cuda":
             log0("On CUDA, 'peak' is the step's high-water mark (activations included). The caching allocator "
-                 "reserves\nblocks during the first step and keeps them: 'reserved' grows at step 0 and then "
-                 "stays, so the first\nstep is the one to watch for out-of-memory.")
+                 "reserves\nblocks during the first step and keeps them: 'reserved' grows at step "
+                 f"{self.first_step} and then stays, so the first\nstep is the one to watch for out-of-memory.")
 
 
 def start_memory_history(path: str | None, device) -> str | None:
@@ -586,6 +605,9 @@ def parse_args(argv=None):
                              "matmul, no collective); full: keep only each block's input and run its forward again")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block's forward (the first step compiles: ~20 s or more on a CPU)")
+    parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
+                        help="CUDA: record the allocator's history over the first steps and write it to "
+                             "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
     checkpoints.add_checkpoint_flags(parser)
     add_plan_flags(parser)
     return parser.parse_args(argv)
@@ -604,9 +626,6 @@ def add_plan_flags(parser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
-    parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
-                        help="CUDA: record the allocator's history over the first steps and write it to "
-                             "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
 
 
 def main(argv=None):
@@ -621,7 +640,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    start_step = resume(manifest, model, optimizer, grid)
+    start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
@@ -629,7 +648,7 @@ def main(argv=None):
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
     model_or_pipeline = model if pipeline is None else pipeline
-    first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot)
+    first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
     step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings))
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),

@@ -55,6 +55,8 @@ expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 full_5d = load_lesson("07_full_5d")
 
+# ============================================================================ the technique: the memory plan
+
 # What the plan assumes of each GPU: its memory in GiB (as sold: an H100's 80 GB are 80 x 2^30
 # bytes), its NVLink bandwidth within a node and its network bandwidth to other nodes, in GB/s
 # per direction (HGX boards; a PCIe card has less of all three). --gpu-memory-gb overrides the first.
@@ -63,28 +65,7 @@ GPUS = {"B300": (288, 900, 100), "B200": (180, 900, 50), "H200": (141, 450, 50),
 # The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
 # NCCL's buffers, and the blocks the caching allocator holds but cannot hand out (fragmentation).
 PLAN_MARGIN = 0.10
-# The step-time estimate's assumptions, printed with it.
-MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak, for the model's FLOPs
-RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step's compute (plan_assumptions)
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class PlannedLayout:
-    """One layout's memory on the fullest rank (its pipeline stage `pp_rank`), component by
-    component in bytes, and its estimated step time in seconds by cause."""
-
-    grid: GridShape
-    ep: int
-    args: argparse.Namespace
-    pp_rank: int
-    memory: dict
-    live_micro_batches: int
-    seconds: dict
-
-    @property
-    def peak_bytes(self) -> int:
-        return sum(self.memory.values())
 
 
 @lru_cache(maxsize=None)
@@ -117,8 +98,7 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
         tokens = micro * shape.seq_len // grid.cp
         routed = cfg.experts_per_token * tokens
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-        moe_layer = expert_parallel.moe_layer_activation_bytes(cfg, tokens, micro, routed, routed, ep, False, tp, e)
-        one += layers * (moe_layer - 4 * e * cfg.ffn_hidden // tp * tokens)
+        one += layers * expert_parallel.moe_layer_bytes_over_dense(cfg, tokens, micro, routed, routed, ep, False, tp, e)
     live = live_micro_batches(args.schedule, grid.pp, shape.grad_accum, pp_rank) if grid.pp > 1 else 1
     return one * live, live
 
@@ -159,6 +139,13 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in dense + experts if count])}
     return memory, live
+
+
+# ============================================================================ the technique: the step-time estimate
+
+# The estimate's assumptions, printed with it (plan_assumptions).
+MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak, for the model's FLOPs
+RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step's compute
 
 
 def group_bandwidth(grid: GridShape, groups: list[list[int]], gpu: str, gpus_per_node: int) -> float:
@@ -210,26 +197,8 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
         routed = cfg.experts_per_token * micro * shape.seq_len // cp
         traffic = {("all_to_all_single", "ep"): m * len(stage.layer_ids) * 4 * routed * cfg.hidden * e}
         exposed += wire_bytes(traffic, ep) / bandwidth(grid.ep_group_ranks(ep))
-    n = grid.dp * cp
-    if n > 1:
-        dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
-        experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
-        traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
-                                                          args.reshard_after_forward),
-                              zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
-                                                          args.reshard_after_forward, "edp") if cfg.n_experts else {})
-        groups = {"dp_cp": (n, grid.group_ranks(("dp", "cp"))), "edp": (n // ep, grid.edp_group_ranks(ep))}
-        seconds = defaultdict(float)
-        for (kind, group), payload in traffic.items():
-            size, members = groups[group]
-            seconds[kind] += wire_bytes({(kind, group): payload}, size) / bandwidth(members)
-        backward = 2 / 3 * compute
-        # Gradients reduce during backward: at stages 0-1 the last micro-batch's only, at 2-3 every one's.
-        reduce_window = backward / m if args.zero_stage <= 1 else backward
-        exposed += max(0.0, seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter_single", 0.0) - reduce_window)
-        # ZeRO-3 prefetches each unit's gather behind the unit before it; stages 1-2 gather after the step.
-        gather = seconds.get("all_gather_single", 0.0)
-        exposed += max(0.0, gather - compute) if args.zero_stage == 3 else gather
+    if grid.dp * cp > 1:
+        exposed += exposed_zero_seconds(cfg, args, grid, ep, precision, m, compute, pp_rank, bandwidth)
     if grid.pp > 1:
         boundary = micro * shape.seq_len // cp // (tp if args.sequence_parallel else 1) * cfg.hidden
         sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, 1)
@@ -237,8 +206,69 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     return {"compute": compute, "recompute": recompute, "bubble": bubble, "communication": exposed}
 
 
+def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int, compute: float, pp_rank: int,
+                         bandwidth) -> float:
+    """Lesson 06's traffic over dp x cp (experts: over edp) for stage `pp_rank`, less what the
+    step hides: the gradient reduction behind backward, ZeRO-3's gathers behind compute."""
+    n, tp = grid.dp * grid.cp, grid.tp
+    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
+    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
+    traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
+                                                      args.reshard_after_forward),
+                          zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
+                                                      args.reshard_after_forward, "edp") if cfg.n_experts else {})
+    groups = {"dp_cp": (n, grid.group_ranks(("dp", "cp"))), "edp": (n // ep, grid.edp_group_ranks(ep))}
+    seconds = defaultdict(float)
+    for (kind, group), payload in traffic.items():
+        size, members = groups[group]
+        seconds[kind] += wire_bytes({(kind, group): payload}, size) / bandwidth(members)
+    backward = 2 / 3 * compute
+    # Gradients reduce during backward: at stages 0-1 the last micro-batch's only, at 2-3 every one's.
+    reduce_window = backward / m if args.zero_stage <= 1 else backward
+    exposed = max(0.0, seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter_single", 0.0) - reduce_window)
+    # ZeRO-3 prefetches each unit's gather behind the unit before it; stages 1-2 gather after the step.
+    gather = seconds.get("all_gather_single", 0.0)
+    return exposed + (max(0.0, gather - compute) if args.zero_stage == 3 else gather)
+
+
+def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
+    _, nvlink, network = GPUS[gpu]
+    return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
+            f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
+            f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
+            f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
+            "bubble: lesson 03's (pp - 1) / m of the compute, stages of equal time",
+            f"communication: ring wire bytes at {nvlink} GB/s within a node of {gpus_per_node}, {network} GB/s "
+            f"per GPU between nodes; tp, Ulysses, ep and pp exposed, ring attention hidden, gradient reduction "
+            f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
+            f"ZeRO-1/2's gather after the step exposed",
+            "experts: balanced routing (every expert receives k T / E of the tokens)"]
+
+
+# ============================================================================ the technique: the layouts that fit
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """One layout's memory on the fullest rank (its pipeline stage `pp_rank`), component by
+    component in bytes, and its estimated step time in seconds by cause."""
+
+    grid: GridShape
+    ep: int
+    args: argparse.Namespace
+    pp_rank: int
+    memory: dict
+    live_micro_batches: int
+    seconds: dict
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
 def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str, gpus_per_node: int) -> PlannedLayout:
-    """The layout's fullest pipeline stage (with pp = 1, every rank holds the same)."""
+    """The layout's memory on its fullest pipeline stage (with pp = 1, every rank holds the same)
+    and its step time on its slowest, which every stage waits for."""
     stages = [planned_memory(cfg, args, grid, ep, shape, precision, pp_rank) for pp_rank in range(grid.pp)]
     pp_rank = max(range(grid.pp), key=lambda rank: sum(stages[rank][0].values()))
     seconds = max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, gpu, gpus_per_node, rank)
@@ -282,27 +312,35 @@ def layout_name(planned: PlannedLayout) -> str:
     return " ".join(parts)
 
 
-def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
-    _, nvlink, network = GPUS[gpu]
-    return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
-            f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
-            f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
-            f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
-            "bubble: lesson 03's (pp - 1) / m of the compute, stages of equal time",
-            f"communication: ring wire bytes at {nvlink} GB/s within a node of {gpus_per_node}, {network} GB/s "
-            f"per GPU between nodes; tp, Ulysses, ep and pp exposed, ring attention hidden, gradient reduction "
-            f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
-            f"ZeRO-1/2's gather after the step exposed",
-            "experts: balanced routing (every expert receives k T / E of the tokens)"]
+def fitting_layouts(cfg, args, usable: float, precision, gpu: str) -> list[PlannedLayout]:
+    """Every candidate layout whose fullest rank fits in `usable` bytes, fastest first (the lighter
+    one first when two tie)."""
+    fitting = []
+    for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, args.gpus_per_node):
+        candidate = plan_layout(cfg, candidate_args, grid, ep, shape, precision, gpu, args.gpus_per_node)
+        if candidate.peak_bytes <= usable:
+            fitting.append(candidate)
+    return sorted(fitting, key=lambda c: (sum(c.seconds.values()), c.peak_bytes))
 
 
-def print_memory_plan(args) -> None:
-    """--plan: this layout's memory per rank, whether it fits, and the layouts that fit, fastest first."""
-    gpu = args.gpu
+def fastest_per_grid(fitting: list[PlannedLayout]) -> list[PlannedLayout]:
+    """One layout per grid, its fastest ZeRO stage and recompute mode, in the order of `fitting`."""
+    best = {}
+    for candidate in fitting:
+        best.setdefault(layout_name(candidate), candidate)
+    return list(best.values())
+
+
+# ============================================================================ configuration rules
+
+
+def checked_plan_flags(args):
+    """(model, grid, ep, batch shape) of the flags, checked by lesson 07's own rules on --gpus
+    ranks, or one `error:` line and exit 2."""
     try:
-        if gpu not in GPUS:
-            raise ConfigError(f"--gpu {gpu}: the plan knows {', '.join(GPUS)}; pick the closest and set its memory "
-                              f"with --gpu-memory-gb")
+        if args.gpu not in GPUS:
+            raise ConfigError(f"--gpu {args.gpu}: the plan knows {', '.join(GPUS)}; pick the closest and set its "
+                              f"memory with --gpu-memory-gb")
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
@@ -313,6 +351,16 @@ def print_memory_plan(args) -> None:
         full_5d.validate(cfg, grid, shape, args, args.gpus)
     except (ConfigError, ValueError) as error:
         exit_with_error(error)
+    return cfg, grid, ep, shape
+
+
+# ============================================================================ main
+
+
+def print_memory_plan(args) -> None:
+    """--plan: this layout's memory per rank, whether it fits, and the layouts that fit, fastest first."""
+    cfg, grid, ep, shape = checked_plan_flags(args)
+    gpu = args.gpu
     # The plan is for the GPU: --dtype auto is bf16 there.
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
     capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu][0]) * GIB
@@ -327,6 +375,22 @@ def print_memory_plan(args) -> None:
           f"{grid.dp} = {shape.tokens_per_step:,} tokens per step")
     if shape.seq_len != cfg.seq_len:
         print(f"note: {args.preset} is sized for --seq-len {cfg.seq_len}")
+    print_planned_memory(planned, usable)
+    by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
+                                              shape, precision, planned.pp_rank)[0]
+               for mode in full_5d.RECOMPUTE_MODES}
+    print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
+    fitting = fitting_layouts(cfg, args, usable, precision, gpu)
+    print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
+          f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
+          f"by the estimate below:")
+    print_layout_table(fastest_per_grid(fitting)[:args.plan_top])
+    print("assumptions:\n" + "\n".join(f"  - {line}" for line in plan_assumptions(gpu, args.gpus_per_node)))
+
+
+def print_planned_memory(planned: PlannedLayout, usable: float) -> None:
+    """The fullest rank's bytes by component, their total, and the verdict against `usable`."""
+    grid = planned.grid
     where = f"pipeline stage {planned.pp_rank} of {grid.pp}, " if grid.pp > 1 else ""
     live = f"{planned.live_micro_batches} micro-batch{'es' if planned.live_micro_batches > 1 else ''}"
     print(f"\nper rank ({where}the fullest rank; activations of {live} live at the peak)")
@@ -335,32 +399,16 @@ def print_memory_plan(args) -> None:
         print(f"  {name:<40}{size / GIB:>8.2f}")
     total = planned.peak_bytes
     print(f"  {'total':<40}{total / GIB:>8.2f}")
-    verdict = (f"fits: {total / GIB:.1f} of {usable / GIB:.1f} GiB, {(usable - total) / GIB:.1f} GiB to spare"
-               if total <= usable else f"does not fit: {total / GIB:.1f} GiB, {(total - usable) / GIB:.1f} GiB over "
-                                       f"the {usable / GIB:.1f} GiB planned")
-    print(verdict)
-    by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
-                                              shape, precision, planned.pp_rank)[0]
-               for mode in full_5d.RECOMPUTE_MODES}
-    print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
-    fitting = []
-    for candidate_grid, candidate_ep, candidate_args, candidate_shape in candidate_layouts(cfg, args, args.gpus,
-                                                                                       args.gpus_per_node):
-        candidate = plan_layout(cfg, candidate_args, candidate_grid, candidate_ep, candidate_shape, precision, gpu,
-                                args.gpus_per_node)
-        if candidate.peak_bytes <= usable:
-            fitting.append(candidate)
-    fitting.sort(key=lambda c: (sum(c.seconds.values()), c.peak_bytes))
-    # One row per grid: its fastest ZeRO stage and recompute mode (the lighter one when they tie).
-    best = list({layout_name(candidate): candidate for candidate in reversed(fitting)}.values())[::-1]
-    print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
-          f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
-          f"by the estimate below:")
+    print(f"fits: {total / GIB:.1f} of {usable / GIB:.1f} GiB, {(usable - total) / GIB:.1f} GiB to spare"
+          if total <= usable else f"does not fit: {total / GIB:.1f} GiB, {(total - usable) / GIB:.1f} GiB over "
+                                  f"the {usable / GIB:.1f} GiB planned")
+
+
+def print_layout_table(layouts: list[PlannedLayout]) -> None:
     print(f"  {'layout':<24}{'ZeRO':>5}  {'recompute':<10}{'GiB':>7}{'step s':>9}{'compute':>9}{'recomp':>8}"
           f"{'bubble':>8}{'comm':>8}")
-    for candidate in best[:args.plan_top]:
-        s = candidate.seconds
-        print(f"  {layout_name(candidate):<24}{candidate.args.zero_stage:>5}  {candidate.args.recompute:<10}"
-              f"{candidate.peak_bytes / GIB:>7.1f}{sum(s.values()):>9.3f}{s['compute']:>9.3f}{s['recompute']:>8.3f}"
+    for layout in layouts:
+        s = layout.seconds
+        print(f"  {layout_name(layout):<24}{layout.args.zero_stage:>5}  {layout.args.recompute:<10}"
+              f"{layout.peak_bytes / GIB:>7.1f}{sum(s.values()):>9.3f}{s['compute']:>9.3f}{s['recompute']:>8.3f}"
               f"{s['bubble']:>8.3f}{s['communication']:>8.3f}")
-    print("assumptions:\n" + "\n".join(f"  - {line}" for line in plan_assumptions(gpu, args.gpus_per_node)))

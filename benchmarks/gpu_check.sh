@@ -10,6 +10,10 @@ out=${OUT:-/tmp}
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/gpu_check.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu_check.txt"
 
+# The fast paths' CUDA-only comparisons (the fused ring block in bf16 against the plain one, fused
+# AdamW) are tests that skip without a GPU.
+python3 -m pytest -q tests/test_fast_paths.py 2>&1 | tail -3 | tee -a "$out/gpu_check.txt"
+
 run() {
   echo "== $*" | tee -a "$out/gpu_check.txt"
   timeout 120 torchrun --standalone --nproc_per_node=1 "$@" 2>&1 | grep -v '^W[0-9]' | tee -a "$out/gpu_check.txt"

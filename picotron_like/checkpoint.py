@@ -36,8 +36,8 @@ format of our own is a few hundred lines and *is* the lesson: resharding is inte
 
     DIR/step_00000020/                  one checkpoint: 20 optimizer steps done
         rank_00000.pt ... rank_0000N.pt     torch.save of {format, step, rank, entries, tensors, rng}
-        manifest.json                       format, step, model config, layout, run, files (bytes,
-                                            sha256, entries): written last, by rank 0
+        manifest.json                       format, step, model config, layout, run, settings, files
+                                            (bytes, sha256, entries): written last, by rank 0
     DIR/step_00000030.partial/          a checkpoint being written (or deleted): never read
 
 Atomic. Each rank writes rank_N.pt.partial, fsyncs and renames it; rank 0 then writes the manifest
@@ -272,6 +272,18 @@ def _check_coverage(path: Path, files: list, shapes: dict) -> None:
                                   f"{math.prod(shapes[name])}: the checkpoint is incomplete")
 
 
+def unpinned_differences(manifest: dict, settings: dict) -> list[str]:
+    """What a resuming run changes that the checkpoint does not pin, one line each: the model's
+    fields that leave every tensor's shape as it is (read_manifest refuses the others), and the
+    run's `settings` against those save() wrote with the checkpoint (its info's "settings")."""
+    written_model, written_settings = manifest["model"], manifest.get("settings", {})
+    lines = [f"model {name} {written_model.get(name)} in the checkpoint, {value} in this run"
+             for name, value in asdict(manifest["cfg"]).items() if written_model.get(name) != value]
+    lines += [f"--{name.replace('_', '-')} {written_settings.get(name)} in the checkpoint, {value} in this run"
+              for name, value in settings.items() if written_settings.get(name) != value]
+    return lines
+
+
 # ----------------------------------------------------------------------------- writing
 
 
@@ -341,7 +353,8 @@ def save(save_dir, step: int, slices: list[HeldSlice], optimizer, info: dict, ke
     """Write checkpoint `step` of this rank's slices (every rank calls this); return its directory.
 
     `info` goes into the manifest as it is: "model" (asdict of the GPTConfig), "layout" (how the
-    run was cut), "run" (what read_manifest's `expect` compares: global batch, seed, ...).
+    run was cut), "run" (what read_manifest's `expect` compares: global batch, seed, ...),
+    "settings" (what a resuming run may change: unpinned_differences lists what it did).
     """
     final = step_directory(save_dir, step)
     partial = final.with_name(final.name + PARTIAL)
@@ -564,6 +577,7 @@ def describe(manifest: dict) -> str:
              f"{manifest['world_size']} ranks",
              "layout: " + ", ".join(f"{k} {v}" for k, v in manifest.get("layout", {}).items()),
              "run: " + ", ".join(f"{k} {v}" for k, v in manifest.get("run", {}).items()),
+             "settings: " + ", ".join(f"{k} {v}" for k, v in manifest.get("settings", {}).items()),
              "model: " + ", ".join(f"{k} {v}" for k, v in asdict(manifest["cfg"]).items()),
              f"files: {len(files)}, {sum(f['bytes'] for f in files) / 1e6:.1f} MB, "
              f"{sum(len(f['entries']) for f in files)} slices of {len(reference_shapes(manifest['cfg']))} tensors"]
@@ -589,6 +603,9 @@ def main(argv=None) -> None:
                   f"{sum(t.numel() for t in state.values()):,} values (float32)")
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as error:
+        print(f"error: {error.filename}: {error.strerror}", file=sys.stderr)
         sys.exit(2)
 
 

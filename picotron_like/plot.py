@@ -24,13 +24,26 @@ INSTALL_HINT = 'pip install -e ".[plot]"'
 
 
 def read_metrics(path) -> list[dict]:
-    """The records of one metrics file, in step order (a JSON null, a non-finite value, reads as NaN)."""
-    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-    for record in records:
-        for key, value in record.items():
-            if value is None:
-                record[key] = math.nan
-    return sorted(records, key=lambda record: record["step"])
+    """The records of one metrics file, one per step, in step order (a JSON null, a non-finite
+    value, reads as NaN). A resumed run appends the steps after its checkpoint once more: a step's
+    last record is the one kept. A line that is no step's record (half a line, from a run killed
+    while writing it) is skipped with a note; a file with no record at all raises ValueError."""
+    by_step = {}
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not (isinstance(record, dict) and "step" in record and "loss" in record):
+            print(f"note: {path}: line {number} is not a step's record (a run killed while writing it?); skipped",
+                  file=sys.stderr)
+            continue
+        by_step[record["step"]] = {key: math.nan if value is None else value for key, value in record.items()}
+    if not by_step:
+        raise ValueError(f"{path}: no step's record in it: not a file that --metrics wrote")
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def plot_losses(paths, output) -> None:
@@ -73,7 +86,11 @@ def main(argv=None) -> None:
     if missing:
         print(f"error: no metrics file {', '.join(missing)}: write one with --metrics FILE", file=sys.stderr)
         sys.exit(2)
-    plot_losses(args.metrics, args.output)
+    try:
+        plot_losses(args.metrics, args.output)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {args.output}")
 
 

@@ -128,9 +128,10 @@ class NonFiniteStepGuard:
     weights and move the moments). So while the guard is entered, `optimizer.step` first asks
     whether the last gradient norm a clipping function reported (`note_grad_norm`) was finite; if
     not, it returns without stepping (every train_step zeroes the gradients right after its
-    optimizer step, so the bad ones are gone before the next step either way). The norm is global (summed over every group the parameters are split across, and
-    identical on data-parallel replicas after the gradient all-reduce), so every rank decides the
-    same and no collective is added. The lesson's train_step stays as it is.
+    optimizer step, so the bad ones are gone before the next step either way). The norm is
+    global (summed over every group the parameters are split across, and identical on
+    data-parallel replicas after the gradient all-reduce), so every rank decides the same and no
+    collective is added. The lesson's train_step stays as it is.
     """
 
     _active: list["NonFiniteStepGuard"] = []   # the guard of the running loop (at most one)
@@ -459,10 +460,18 @@ def _json_number(value):
 
 
 class MetricsFile:
-    """One JSON object per line and step, written by rank 0 only (every rank holds the same values)."""
+    """One JSON object per line and step, written by rank 0 only (every rank holds the same values).
+    A resumed run appends; a run killed while writing a line left half of one, so the resumed run
+    starts on a new line; its records of the steps after its checkpoint follow the old ones, and
+    readers keep a step's last record (picotron_like.plot)."""
 
     def __init__(self, path, append: bool = False):
         self.file = open(path, "a" if append else "w", encoding="utf-8") if path is not None and is_rank0() else None
+        if self.file is not None and self.file.tell() > 0:
+            with open(path, "rb") as written:
+                written.seek(-1, os.SEEK_END)
+                if written.read(1) != b"\n":
+                    self.file.write("\n")
 
     def write(self, record: dict) -> None:
         if self.file is not None:

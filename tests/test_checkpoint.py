@@ -14,6 +14,7 @@ run never killed; the 4-rank checkpoint also resumes on 2 ranks.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import redirect_stdout
 from dataclasses import replace
 
 import pytest
@@ -43,21 +45,28 @@ MOE_BASE = ["--preset", "tiny-moe", "--dp", "4", "--ep", "4", "--zero-stage", "1
 MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--zero-stage", "3"]
 KILL_RUN = ["--dp", "2", "--zero-stage", "2", "--steps", "8", "--save-every", "1", "--keep-last", "2"]
 CROSS_LAYOUT = dict(rtol=0, atol=1e-5)   # the suite's loss tolerance against one device
+# One resume reads the checkpoint as if a run with another learning rate and rope_theta had written
+# it (edited in its manifest after reading): a resuming run may change both, and is told so.
+NOTED, WRITTEN_ELSEWHERE = "pp 2 (dp 2, tp 1)", {"settings": {"lr": 1e-3}, "model": {"rope_theta": 5e5}}
 
 
 def lesson():
     return load_lesson("07_full_5d")
 
 
-def trainer(argv: list[str], world_size: int, router_bias: bool = False) -> dict:
+def trainer(argv: list[str], world_size: int, router_bias: bool = False, written: dict | None = None) -> dict:
     """07's main() without the process group, the report and the exit; returns each step's loss
-    and gradient norm. `router_bias`: set the MoE layers' biases to a pattern before training."""
+    and gradient norm, what resuming printed and the first steps' rows (their Adam bytes).
+    `router_bias`: set the MoE layers' biases to a pattern before training. `written`: manifest
+    sections to change before resuming, as if a run with those values had written the checkpoint."""
     os.environ["WORLD_SIZE"] = str(world_size)
     full_5d = lesson()
     zero = full_5d.zero
     args = full_5d.parse_args([*COMMON, *argv])
     plan = plan_run(args, full_5d.validate)
     manifest = full_5d.checkpoint_to_resume(args, plan.cfg, plan.shape)
+    for section, values in (written or {}).items():
+        manifest[section].update(values)
     grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
     if router_bias:
@@ -65,17 +74,21 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False) -> dict
             layer.router_bias.copy_(torch.linspace(-0.3, 0.3, layer.n_experts))
     optimizer = zero.build_sharded_optimizer(model, args.lr)
     settings = zero.step_settings(grid, CPU, model.precision, args.max_grad_norm)
-    start_step = full_5d.resume(manifest, model, optimizer, grid)
+    with redirect_stdout(io.StringIO()) as resume_log:
+        start_step = full_5d.resume(manifest, model, optimizer, grid, full_5d.run_settings(args, model.precision))
+    first_steps = full_5d.FirstStepsMemory(model, optimizer, CPU, first_step=start_step)
     results = []
 
     def step(batch):
         results.append(zero.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
         return results[-1]
 
-    train(args, optimizer, step, plan.batches, grid.dp_rank, CPU,
+    train(args, optimizer, first_steps.observe(step), plan.batches, grid.dp_rank, CPU,
           prepare_batch=full_5d.context_parallel.sequence_cut(grid, args.zigzag), start_step=start_step,
           after_step=full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step}
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step,
+            "resume_log": resume_log.getvalue().splitlines(),
+            "first_steps": [(phase, sample["Adam"]) for phase, sample in first_steps.rows]}
 
 
 def four_rank_runs(directory: str) -> dict:
@@ -83,7 +96,8 @@ def four_rank_runs(directory: str) -> dict:
     runs = {"base": trainer([*BASE, "--steps", "4", "--save-every", "2", "--save-dir", base], 4),
             "same layout": trainer([*BASE, "--steps", "4", "--resume", f"{base}/step_00000002"], 4)}
     for name, layout in OTHER_LAYOUTS.items():
-        runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{base}/step_00000002"], 4)
+        runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{base}/step_00000002"], 4,
+                             written=WRITTEN_ELSEWHERE if name == NOTED else None)
     runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
     runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
     return runs
@@ -98,9 +112,22 @@ def saved(tmp_path_factory):
 def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     """Same layout: the losses and gradient norms of steps 2-3 equal the uninterrupted run's
     exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
-    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding."""
+    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding. Resuming
+    prints one note per setting or model field that differs from the checkpoint's, and none when
+    nothing does; the first steps' memory rows carry the real step numbers and the restored Adam
+    states from the first row on."""
     _, runs = saved
     base = runs["base"]
+    same_log, noted_log = runs["same layout"]["resume_log"], runs[NOTED]["resume_log"]
+    assert len(same_log) == 1 and same_log[0].startswith("resumed from "), same_log
+    assert noted_log[0].startswith("resumed from ") and noted_log[1:] == [
+        "note: model rope_theta 500000.0 in the checkpoint, 10000.0 in this run: this run's applies from step 2",
+        "note: --lr 0.001 in the checkpoint, 0.003 in this run: this run's applies from step 2"], noted_log
+    phases, adam = zip(*runs["same layout"]["first_steps"])
+    assert phases == ("built, resumed at step 2", "step 2: before optimizer.step", "step 2: after",
+                      "step 3: before optimizer.step", "step 3: after"), phases
+    assert len(set(adam)) == 1 and adam[0] > 0, adam
+    assert [phase for phase, _ in base["first_steps"]][:2] == ["built", "step 0: before optimizer.step"]
     assert runs["same layout"]["start"] == 2 and len(runs["same layout"]["losses"]) == 2
     assert runs["same layout"]["losses"] == base["losses"][2:], (runs["same layout"], base)
     assert runs["same layout"]["norms"] == base["norms"][2:]

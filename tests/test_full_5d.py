@@ -47,6 +47,8 @@ LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, ()),
            "dp2 x cp2 moe ep2 ZeRO-1 bf16": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, BF16),
            "pp2 x tp2 SP ZeRO-1 bf16": (GridShape(pp=2, tp=2), 1, 1, CFG, ("--sequence-parallel", *BF16))}
+# This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
+PLAIN_RING = "pp2 x cp2 ZeRO-1"
 
 
 def lesson():
@@ -90,6 +92,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "kept": meters[0].peak_bytes, "traffic": traffic,
+            "ring_kernels": {block.attn.attention_core.keywords["cp"].ring_kernel for block in model.module.layers}
+            if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
             "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
             "predicted_extra": {key: STEPS * value for key, value in full_5d.predicted_recompute_traffic(
                 cfg, shape, grid, len(model.module.layers), recompute, args.cp_mode, args.sequence_parallel,
@@ -102,6 +106,9 @@ def every_layout() -> dict:
         grid = ProcessGrid(shape, ep=ep)
         for recompute in MODES:
             runs[name, recompute] = run(grid, stage, recompute, cfg, extra)
+    shape, ep, stage, cfg, extra = LAYOUTS[PLAIN_RING]
+    runs[PLAIN_RING, "plain ring"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg,
+                                         (*extra, "--ring-kernel", "plain"))
     return runs
 
 
@@ -123,7 +130,8 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
     activations at their peak equal to the formula in every mode (ZeRO-0 to 2: ZeRO-3's step
     measures its gathered weights), every run predicting the same bytes for each mode, full <
     selective < none; the recomputed forward's extra traffic equal to its formula: none under
-    selective, on any group, and tp's and cp's under full."""
+    selective, on any group, and tp's and cp's under full. --ring-kernel plain reaches lesson 04's
+    ring through 06's flags, and equals one device and the fused kernel's losses."""
     one_device = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, GLOBAL_SEQUENCES // MICRO, 1),
                               seed=SEED, vocab_size=CFG.vocab_size)
     reference = train_reference(CFG, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
@@ -151,6 +159,11 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
                     expected = run_["predicted_extra"]
                     assert {key: value for key, value in added.items() if value and key[1] != "ep"} == expected, where
                     assert not any(added.get(key) for key in added if key[1] == "ep") or recompute == "full", where
+        plain, fused, where = runs[PLAIN_RING, "plain ring"], runs[PLAIN_RING, "none"], f"rank={rank} {PLAIN_RING}"
+        assert plain["ring_kernels"] == {"plain"} and fused["ring_kernels"] == {"fused"}, where
+        assert_close(plain, reference, f"{where} plain ring kernel vs one device")
+        torch.testing.assert_close(torch.tensor(plain["losses"]), torch.tensor(fused["losses"]), rtol=0, atol=1e-5,
+                                   msg=where)
 
 
 def measured_kept_bytes(recompute: str, dtype: torch.dtype) -> int:

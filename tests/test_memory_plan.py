@@ -170,6 +170,14 @@ def test_plan_prints_the_8b_preset_on_one_b300_node_and_refuses_a_bad_layout(cap
     assert "fits:" in out and "assumptions:" in out
     listed = out.split("fastest first")[1].splitlines()[2:5]
     assert len(listed) == 3 and all(line.startswith("  dp") for line in listed), out
+    # Two nodes of H100: several ZeRO stages and recompute modes of one grid fit, and only the
+    # fastest of each grid is listed, in order.
+    full_5d.main(["--plan", "--preset", "8b", "--gpus", "16", "--gpu", "H100", "--gpus-per-node", "8", "--seq-len",
+                  "8192", "--micro-batch-size", "1", "--grad-accum", "4", "--tp", "4", "--plan-top", "10"])
+    listed = capsys.readouterr().out.split("fastest first")[1].splitlines()[2:12]
+    step_seconds = [float(line.split()[-5]) for line in listed]
+    names = [line[:26] for line in listed]
+    assert step_seconds == sorted(step_seconds) and len(set(names)) == 10, listed
     bad = subprocess.run([sys.executable, str(REPO_ROOT / "07_full_5d.py"), "--plan", "--preset", "8b", "--gpus", "6",
                           "--tp", "4"], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -366,6 +366,21 @@ def test_plot_draws_every_metrics_file(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_resumed_runs_metrics_give_each_step_once(tmp_path, capsys):
+    """Killed mid-line, resumed from step 1's checkpoint: the metrics file goes on on a new line, the
+    plot reads each step's last record and skips the half line with a note."""
+    from picotron_like import plot
+    path = tmp_path / "resumed.jsonl"
+    path.write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": 4.0}\n{"step": 2, "lo')
+    resumed = train.MetricsFile(path, append=True)
+    for step, loss in ((1, 4.1), (2, 3.9)):
+        resumed.write({"step": step, "loss": loss})
+    resumed.close()
+    assert [(record["step"], record["loss"]) for record in plot.read_metrics(path)] == [(0, 5.0), (1, 4.1), (2, 3.9)]
+    note = f"note: {path}: line 3 is not a step's record (a run killed while writing it?); skipped\n"
+    assert capsys.readouterr().err == note
+
+
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, capsys):
     """matplotlib is an optional extra: without it, one error line naming the install command."""
     from picotron_like import plot
