@@ -141,7 +141,7 @@ from picotron_like.metrics import ActivationMeter, add_traffic, log0
 from picotron_like.model import RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
-from picotron_like.train import batch_shape, plan_run, train
+from picotron_like.train import batch_shape, exit_with_error, plan_run, train
 
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
@@ -319,7 +319,10 @@ def resume(manifest, model, optimizer, grid: ProcessGrid, settings: dict) -> int
     Says which of this run's `settings` (run_settings) and model fields differ from the writer's."""
     if manifest is None:
         return 0
-    checkpoints.load(manifest, reference_slices(model, grid), optimizer)
+    try:
+        checkpoints.load(manifest, reference_slices(model, grid), optimizer)
+    except checkpoints.CheckpointError as error:     # a damaged file, found by whichever rank read it
+        exit_with_error(error)
     model.publish_master()
     layout = ", ".join(f"{key} {value}" for key, value in manifest["layout"].items())
     log0(f"resumed from {manifest['directory']} at step {manifest['step']} (written with {layout})")

@@ -52,7 +52,7 @@ a rank file missing or of another size (truncated), a model whose tensor shapes 
 whose global batch or seed differ (its data would not continue where the checkpoint stopped),
 tensors that do not cover every element of the reference exactly once. A rank file whose bytes
 differ from the manifest's sha256 (copied in from another checkpoint) is found when a rank reads
-it; every rank then stops with that line.
+it; every rank then stops, and rank 0 prints that line.
 
 What continues exactly. The step (so the learning-rate schedule and the data: TokenBatches is a
 function of the step), the float32 master weights (bf16 weights are their cast), AdamW's moments
@@ -527,9 +527,11 @@ def load(manifest: dict, slices: list[HeldSlice], optimizer) -> None:
     except CheckpointError as error:
         problem = str(error)
     if not _agree(problem is None):
-        if problem:
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-        raise CheckpointError(problem or f"{manifest['directory']}: another rank refused the checkpoint")
+        # Every rank raises the same line (the lowest refusing rank's), so that the caller can
+        # print it once, from rank 0, as for every other refusal.
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        raise CheckpointError(next(found for found in problems if found))
     states = {}
     with torch.no_grad():
         for held, (values, scalars) in zip(slices, filled):

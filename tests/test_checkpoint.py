@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -205,6 +206,15 @@ def test_damaged_checkpoints_are_refused_with_one_line(saved, tmp_path, monkeypa
     assert capsys.readouterr().err == (f"error: {swapped}/rank_00001.pt: contents differ from the manifest's sha256: "
                                        f"a file from another checkpoint, or damaged\n")
     assert not (tmp_path / "never.pt").exists()
+    # Under torchrun the rank that reads the file finds it; every rank stops, rank 0 prints the line once.
+    resumed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              str(REPO_ROOT / "07_full_5d.py"), *COMMON, "--dp", "2", "--zero-stage", "3",
+                              "--resume", swapped], cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # torchrun reports the exit with a traceback of its own; none of ours may reach the user.
+    assert re.search(r"exitcode\s*:\s*2\b", resumed.stderr), resumed.stderr
+    assert not re.search(r'File "[^"]*(07_full_5d|picotron_like)', resumed.stderr), resumed.stderr
+    assert resumed.stderr.count(f"error: {swapped}/rank_00001.pt: contents differ") == 1, resumed.stderr
 
     # The trainer's own rules: a leftover .partial is ignored, overwriting and finished runs refused.
     (directory / "base" / "step_00000009.partial").mkdir()
