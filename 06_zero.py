@@ -712,13 +712,15 @@ class GatheredParameterMeter:
         self.params = list(module.parameters())
         self.peak_bytes = 0
 
-    def _sample(self, tensor):
+    def pack(self, tensor):
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
         self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
         return tensor
 
+    unpack = pack
+
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._sample, self._sample)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
 

@@ -71,8 +71,9 @@ except those computed in float32 on purpose: a norm's float32 input copy, 1/rms 
 copy, attention's log-sum-exp, the router's scores, and outside the blocks the rotary tables and
 the loss's softmax. A norm then keeps 10h + 4 bytes per token against 12h + 4 in float32 while
 everything else halves, so selective saves more in bf16 (30% of the 8b micro-batch, 21% in
-float32). Under ZeRO-3 the prediction is printed but not measured: its step measures the gathered
-weights with the same kind of hook. The formulas are measured on CPU; a CUDA attention kernel may
+float32). Under ZeRO-3 too: the meter leaves out whatever a parameter points at when a tensor is
+saved, the gathered weights included, and one hook feeds it and lesson 06's gathered-weights meter
+(metrics.SavedTensorMeters). The formulas are measured on CPU; a CUDA attention kernel may
 keep a few bytes of its own bookkeeping more.
 
 Will it fit? `--plan` answers before anything is launched (no torchrun): the bytes per rank of
@@ -137,7 +138,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import picotron_like.checkpoint as checkpoints
-from picotron_like.metrics import ActivationMeter, add_traffic, log0
+from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic, log0
 from picotron_like.model import RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
@@ -489,13 +490,9 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
          f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
     log0(f"{'--recompute':<14}{'measured MB':>13}{'predicted MB':>14}{'saved vs none':>15}")
     for mode in RECOMPUTE_MODES:
-        # Both meters are saved-tensor hooks, of which only the innermost sees anything: ZeRO-3's
-        # run measures its gathered weights (which autograd keeps too: they would read as activations).
-        measured = f"{activations.peak_bytes / 1e6:.3f}" if mode == args.recompute and args.zero_stage < 3 else "-"
+        measured = f"{activations.peak_bytes / 1e6:.3f}" if mode == args.recompute else "-"
         saved = f"{100 * (1 - predicted[mode] / predicted['none']):.1f} %" if mode != "none" else "-"
         log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
-    if args.zero_stage == 3:
-        log0("(not measured under ZeRO-3: its step measures the gathered weights)")
     if args.compile:
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
     extra = predicted_recompute_traffic(plan.cfg, shape, grid, len(model.module.layers), args.recompute,
@@ -643,11 +640,11 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
+    start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
     model_or_pipeline = model if pipeline is None else pipeline
@@ -655,7 +652,7 @@ def main(argv=None):
     step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings))
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                       meters=(gathered if args.zero_stage == 3 else activations, *([routing] if routing else [])),
+                       meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
                        evaluate=partial(zero.evaluate, model_or_pipeline, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
                        after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))

@@ -61,20 +61,22 @@ class ActivationMeter:
     tensors are views of one storage); parameters are saved too (a linear layer keeps its weight)
     but they are not activations, so they are left out. The peak is what a schedule really keeps:
     one micro-batch with gradient accumulation, p micro-batches on 1F1B's first pipeline stage.
-    It counts tensors, not allocator blocks, so it reads the same on CPU and CUDA.
+    It counts tensors, not allocator blocks, so it reads the same on CPU and CUDA. The parameters'
+    storages are looked up when each tensor is saved, not once: ZeRO-3 points its parameters at a
+    freshly gathered buffer for every unit it computes, and those weights are not activations either.
     """
 
     def __init__(self, *modules: torch.nn.Module):
-        self.parameter_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self.parameters = [p for m in modules for p in m.parameters()]
         self._live: dict[int, list[int]] = {}    # storage address -> [holders alive, bytes]
         self.live_bytes = 0
         self.peak_bytes = 0
 
-    def _pack(self, tensor):
+    def pack(self, tensor):
         holder = _SavedForBackward(tensor)
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
-        if address not in self.parameter_storages:
+        if address not in {p.untyped_storage().data_ptr() for p in self.parameters}:
             entry = self._live.get(address)
             if entry is None:
                 entry = self._live[address] = [0, storage.nbytes()]
@@ -91,8 +93,41 @@ class ActivationMeter:
             del self._live[address]
             self.live_bytes -= entry[1]
 
+    @staticmethod
+    def unpack(holder):
+        return holder.tensor
+
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda holder: holder.tensor)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        return False
+
+
+class SavedTensorMeters:
+    """Several saved-tensor meters observing one step together. Autograd runs only the innermost
+    saved_tensors_hooks, so two meters entered one inside the other would leave the outer one
+    blind; this one hook hands each saved tensor to every meter's `pack` in turn, and back through
+    their `unpack` in reverse order (a meter may wrap what it is given, as ActivationMeter does)."""
+
+    def __init__(self, *meters):
+        self.meters = meters
+
+    def _pack(self, tensor):
+        for meter in self.meters:
+            tensor = meter.pack(tensor)
+        return tensor
+
+    def _unpack(self, packed):
+        for meter in reversed(self.meters):
+            packed = meter.unpack(packed)
+        return packed
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 

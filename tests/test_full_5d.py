@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.metrics import ActivationMeter
+from picotron_like.metrics import ActivationMeter, SavedTensorMeters
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
@@ -76,7 +76,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
                         vocab_size=cfg.vocab_size)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    meters = [ActivationMeter(model.module)]
+    activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
+    meters = [SavedTensorMeters(activations, weights)]
     routing = full_5d.expert_parallel.RoutingMeter([model]) if cfg.n_experts else None
     meters += [routing] if routing else []
     comm.meter.reset()
@@ -91,7 +92,10 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     shape, e = data.shape, model.precision.param_dtype.itemsize
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "kept": meters[0].peak_bytes, "traffic": traffic,
+            "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
+            "predicted_gathered": zero.predicted_gathered_peak(zero.unit_counts(model)[0], grid.dp_size * grid.cp_size,
+                                                               e, model.reshard_after_forward, model.prefetch)
+            if stage == 3 else None,
             "ring_kernels": {block.attn.attention_core.keywords["cp"].ring_kernel for block in model.module.layers}
             if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
             "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
@@ -127,8 +131,8 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
     """Each layout: selective == none and full == none (gradients before and after clipping,
     losses, norms, parameters after 3 AdamW steps); dense float32 ones == one device (a stage's
     parameters on pipeline ranks; tp ranks hold shards, so their losses and norms); the kept
-    activations at their peak equal to the formula in every mode (ZeRO-0 to 2: ZeRO-3's step
-    measures its gathered weights), every run predicting the same bytes for each mode, full <
+    activations at their peak equal to the formula in every mode (ZeRO-3 too, where the same hook
+    measures the gathered weights, equal to lesson 06's formula), every run predicting the same bytes for each mode, full <
     selective < none; the recomputed forward's extra traffic equal to its formula: none under
     selective, on any group, and tp's and cp's under full. --ring-kernel plain reaches lesson 04's
     ring through 06's flags, and equals one device and the fused kernel's losses."""
@@ -151,8 +155,9 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
             for recompute in MODES:
                 run_ = runs[name, recompute]
                 assert run_["predicted_kept"] == predicted, f"{where} {recompute}"
-                if stage < 3:
-                    assert run_["kept"] == predicted[recompute], f"{where} {recompute}: {run_['kept']} measured"
+                assert run_["kept"] == predicted[recompute], f"{where} {recompute}: {run_['kept']} measured"
+                if stage == 3:      # the two meters observed the same step through one hook
+                    assert run_["gathered"] == run_["predicted_gathered"], f"{where} {recompute}"
                 added = {key: run_["traffic"].get(key, 0) - none["traffic"].get(key, 0) for key in run_["traffic"]
                          if key[1] in ("tp", "cp", "ep")}
                 if recompute == "selective" or cfg is CFG:
