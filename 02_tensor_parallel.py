@@ -341,7 +341,14 @@ def vocab_parallel_cross_entropy(logits, targets, group, reduction: str = "mean"
 TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnParallelLinear, RowParallelLinear)
 
 
-def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
+def split_dense_mlp(block, tp_group, norm, column, row) -> None:
+    """apply_tensor_parallel's default split of a block's MLP half, the attention half's twin:
+    its norm swapped for `norm`, the SwiGLU split column/row (parallelize_mlp)."""
+    block.mlp_norm = norm(block.mlp_norm, tp_group)
+    parallelize_mlp(block.mlp, tp_group, column, row)
+
+
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, split_mlp=None):
     """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
 
     Contract:
@@ -363,20 +370,25 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool):
       SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
       Rotary tables are built for the full sequence (positions as in the reference).
     - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
+    - `split_mlp(block, tp_group, norm, column, row)` splits each block's MLP half (`mlp_norm`,
+      `mlp`) with the layer types above; by default a dense SwiGLU (split_dense_mlp). Lesson 05
+      passes its own for a mixture of experts, and then checks the configuration itself.
     - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
-      divisible by tp, or an MoE model. The sequence length is checked by the caller
-      (validate_tensor_parallel) and again, identically on every rank, at the first reduce-scatter.
+      divisible by tp, or an MoE model without a `split_mlp`. The sequence length is checked by the
+      caller (validate_tensor_parallel) and again, identically on every rank, at the first
+      reduce-scatter.
     Returns the same object.
     """
-    validate_tensor_parallel(model.cfg, group_size(tp_group))
+    if split_mlp is None:
+        validate_tensor_parallel(model.cfg, group_size(tp_group))
+        split_mlp = split_dense_mlp
     embedding, norm, column, row = SEQUENCE_PARALLEL_LAYERS if sequence_parallel else TENSOR_PARALLEL_LAYERS
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
     for block in model.layers:
         block.attn_norm = norm(block.attn_norm, tp_group)
         parallelize_attention(block.attn, tp_group, column, row)
-        block.mlp_norm = norm(block.mlp_norm, tp_group)
-        parallelize_mlp(block.mlp, tp_group, column, row)
+        split_mlp(block, tp_group, norm, column, row)
     if getattr(model, "norm", None) is not None:
         model.norm = norm(model.norm, tp_group)
     if getattr(model, "lm_head", None) is not None:

@@ -576,6 +576,13 @@ def predicted_p2p_bytes(n_micro: int, boundary_shape, element_bytes: int, pp: in
     return messages * element_bytes * torch.Size(boundary_shape).numel()
 
 
+def predicted_p2p_traffic(pipeline: Pipeline, n_micro: int, element_bytes: int = 4) -> dict:
+    """predicted_p2p_bytes of this rank's chunks as traffic-table rows: as many bytes received as sent."""
+    p2p = predicted_p2p_bytes(n_micro, pipeline.activation_shape, element_bytes, pipeline.pp, pipeline.pp_rank,
+                              pipeline.virtual_stages)
+    return {("isend", "pp"): p2p, ("irecv", "pp"): p2p}
+
+
 def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int, seq_len: int, tp: int = 1,
                                      sequence_parallel: bool = False) -> int:
     """The reference formula for one micro-batch of one chunk's layers (and head, on the last stage).
@@ -607,10 +614,8 @@ def predicted_stage_tp_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence
 def predicted_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
     """Per step: this rank's p2p, its stage's gradients all-reduced over dp, lesson 02's tp traffic,
     and the step's loss (over pp and dp) and squared gradient norm (over pp and tp)."""
-    p2p = predicted_p2p_bytes(shape.grad_accum, pipeline.activation_shape, 4, pipeline.pp, pipeline.pp_rank,
-                              pipeline.virtual_stages)
     n_params = sum(p.numel() for chunk in pipeline.chunks for p in chunk.parameters())
-    return add_traffic({("isend", "pp"): p2p, ("irecv", "pp"): p2p, ("all_reduce", "dp"): n_params * 4},
+    return add_traffic(predicted_p2p_traffic(pipeline, shape.grad_accum), {("all_reduce", "dp"): n_params * 4},
                        predicted_stage_tp_traffic(pipeline, cfg, shape, tp, sequence_parallel),
                        step_bookkeeping_traffic(loss_groups=("pp", "dp"),
                                                 norm_groups=("pp", "tp") if tp > 1 else ("pp",)))

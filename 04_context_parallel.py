@@ -531,17 +531,18 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
     return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
 
-def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
-                sequence_parallel: bool = False, bucket_bytes: int = 2**20) -> list[torch.nn.Module]:
-    """This rank's model parts, in the order the techniques apply:
+def build_parts(cfg, seed: int, grid: ProcessGrid, device, cp: ContextParallel | None, mode: str = "ring",
+                sequence_parallel: bool = False, split_tensors=None) -> list[torch.nn.Module]:
+    """This rank's model parts, unwrapped, in the order the techniques apply:
 
         reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03)
         -> split by tensor parallelism with tp > 1 (lesson 02)
-        -> context-parallel attention cores (this lesson)
-        -> gradients summed over dp × cp (lesson 01)
+        -> context-parallel attention cores (this lesson), unless `cp` is None
 
     Context parallelism composes by touching only the attention core, which receives this rank's
-    heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves.
+    heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves. Lessons 05
+    and 06 build on this chain: `split_tensors(part, tp_group)` replaces lesson 02's split (05 splits
+    the experts its own way), and they pass no `cp` at cp = 1 (attention stays the reference's).
     """
     if grid.pp_size > 1:
         parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
@@ -549,8 +550,19 @@ def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: st
         parts = [GPT(cfg, seed=seed)]
     parts = [part.to(device) for part in parts]
     if grid.tp_size > 1:
-        parts = [tensor_parallel.apply_tensor_parallel(part, grid.tp_group, sequence_parallel) for part in parts]
-    return [wrap_gradient_reduction(apply_context_parallel(part, cp, mode), grid, bucket_bytes) for part in parts]
+        split = split_tensors or functools.partial(tensor_parallel.apply_tensor_parallel,
+                                                   sequence_parallel=sequence_parallel)
+        parts = [split(part, grid.tp_group) for part in parts]
+    if cp is not None:
+        parts = [apply_context_parallel(part, cp, mode) for part in parts]
+    return parts
+
+
+def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
+                sequence_parallel: bool = False, bucket_bytes: int = 2**20) -> list[torch.nn.Module]:
+    """This rank's parts (build_parts), their gradients summed over dp × cp (lesson 01)."""
+    return [wrap_gradient_reduction(part, grid, bucket_bytes)
+            for part in build_parts(cfg, seed, grid, device, cp, mode, sequence_parallel)]
 
 
 def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, compute_dtype,
@@ -700,9 +712,7 @@ def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, mode:
             with_head=any(module.lm_head is not None for module in modules)))
     pipelined = ("pp",) if pipeline is not None else ()
     if pipelined:
-        p2p = pipeline_parallel.predicted_p2p_bytes(n_micro, pipeline.activation_shape, 4, grid.pp_size,
-                                                    grid.pp_rank, 1)
-        predicted.append({("isend", "pp"): p2p, ("irecv", "pp"): p2p})
+        predicted.append(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro))
     predicted.append(step_bookkeeping_traffic(loss_groups=(*pipelined, "dp_cp"),
                                               norm_groups=(*pipelined, *(("tp",) if tp > 1 else ()))))
     return add_traffic(*predicted)

@@ -76,7 +76,7 @@ from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory, tensor_bytes)
-from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, moe_layers
+from picotron_like.model import GroupedExperts, Routing, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
@@ -381,39 +381,32 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 
 
 def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
-    """Lesson 02's split of the dense layers (embedding, attention, final norm, head: lesson 02
-    itself refuses experts), and for the experts a choice: each expert split column/row over the
-    tp ranks (shard_experts, tensor_parallel_experts) rather than the tokens split among them.
+    """Lesson 02's split of the dense layers (embedding, attention, final norm, head), and for the
+    experts a choice: each expert split column/row over the tp ranks (shard_experts,
+    tensor_parallel_experts) rather than the tokens split among them.
 
     Why: without sequence parallelism the tp ranks hold the same tokens. Splitting every expert
     keeps one routing for all of them and divides the experts' weights, gradients, AdamW states
     and FLOPs by tp, at the price a dense MLP pays: an all-reduce of the outputs (here of the rows
     the experts received) each way. Splitting the tokens instead would keep every expert whole on
     every tp rank, the largest weights of the model tp times over, and gather the outputs back.
-
-    The router, the dispatch and the combine run whole on every tp rank, so they get the
-    reference's gradients as they are: f and g wrap the experts alone, the MoE's norm stays a
-    plain RMSNorm (a TensorParallelRMSNorm's f would add up the tp ranks' identical gradients),
-    and a shared expert, split like a dense MLP, gets its own f in front.
     """
+    return tensor_parallel.apply_tensor_parallel(model, group, sequence_parallel=False, split_mlp=split_moe_mlp)
+
+
+def split_moe_mlp(block, group, norm, column, row) -> None:
+    """Lesson 02's `split_mlp` for an MoE block. The router, the dispatch and the combine run whole
+    on every tp rank, so they get the reference's gradients as they are: f and g wrap the experts
+    alone (apply_expert_parallel), the MoE's norm stays a plain RMSNorm (a TensorParallelRMSNorm's
+    f would add up the tp ranks' identical gradients), and a shared expert, split like a dense
+    MLP, gets its own f in front."""
     tp = tensor_parallel
-    if getattr(model, "tok_embeddings", None) is not None:
-        model.tok_embeddings = tp.VocabParallelEmbedding(model.tok_embeddings, group)
-    for block in model.layers:
-        block.attn_norm = tp.TensorParallelRMSNorm(block.attn_norm, group)
-        tp.parallelize_attention(block.attn, group)
-        tp.replicated(block.mlp_norm.weight)
-        tp.replicated(block.mlp.router.weight)
-        if block.mlp.shared_expert is not None:
-            tp.parallelize_mlp(block.mlp.shared_expert, group)
-            block.mlp.shared_expert.register_forward_pre_hook(
-                lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
-    if getattr(model, "norm", None) is not None:
-        model.norm = tp.TensorParallelRMSNorm(model.norm, group)
-    if getattr(model, "lm_head", None) is not None:
-        model.lm_head = tp.ColumnParallelLinear(model.lm_head, group)
-        model.cross_entropy = functools.partial(tp.vocab_parallel_cross_entropy, group=group)
-    return model
+    tp.replicated(block.mlp_norm.weight)
+    tp.replicated(block.mlp.router.weight)
+    if block.mlp.shared_expert is not None:
+        tp.parallelize_mlp(block.mlp.shared_expert, group, column, row)
+        block.mlp.shared_expert.register_forward_pre_hook(
+            lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
@@ -429,17 +422,9 @@ def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
     over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
     tp) and dispatched -> balancing made global. Unwrapped: lesson 06 shards them with ZeRO."""
     ep = ExpertParallel.from_grid(grid)
-    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel)
+    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
     tp_group = grid.tp_group if grid.tp_size > 1 else None
-    if grid.pp_size > 1:
-        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
-    else:
-        parts = [GPT(cfg, seed=seed)]
-    parts = [part.to(device) for part in parts]
-    if tp_group is not None:
-        parts = [apply_tensor_parallel(part, tp_group) for part in parts]
-    if grid.cp_size > 1:
-        parts = [context_parallel.apply_context_parallel(part, cp) for part in parts]
+    parts = context_parallel.build_parts(cfg, seed, grid, device, cp, split_tensors=apply_tensor_parallel)
     parts = [apply_expert_parallel(part, ep, grouped, tp_group) for part in parts]
     return [prepare_balancing(part, grid, sequences_per_step) for part in parts]
 
@@ -689,19 +674,21 @@ def expert_memory_bytes(cfg, ep: int, n_layers: int, tp: int = 1) -> int:
 
 
 def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, tp: int, hidden: int,
-                             element_bytes: int) -> dict:
+                             element_bytes: int, forward_only: bool = False) -> dict:
     """The bytes that depend on the routing, from the counts of every recorded call: the ep
     all-to-all, 2 (m + r) h e + 8 E (m rows out and r back in forward, the same reversed in
     backward, and the E int64 counts), and with tp > 1 the experts' g (r h e, forward) and f
-    (r h float32 gradients, backward)."""
+    (r h float32 gradients, backward). `forward_only`: the forward's share, (m + r) h e + 8 E
+    and g's r h e (lesson 07's recomputed forward)."""
     sent, received = rows_sent_and_received(meter, ep)
+    passes = 1 if forward_only else 2
     predicted = {}
     if ep.size > 1:
         n_experts = meter.layers[0].n_experts
-        predicted[("all_to_all_single", "ep")] = sum(2 * (m + r) * hidden * element_bytes + 8 * n_experts
+        predicted[("all_to_all_single", "ep")] = sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts
                                                      for m, r in zip(sent, received))
     if tp > 1:
-        predicted[("all_reduce", "tp")] = sum(received) * hidden * (element_bytes + 4)
+        predicted[("all_reduce", "tp")] = sum(received) * hidden * (element_bytes + (0 if forward_only else 4))
     return predicted
 
 

@@ -111,7 +111,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
-from picotron_like.model import GPT, count_parameters, get_config
+from picotron_like.model import count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     load_lesson, shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
@@ -517,16 +517,8 @@ def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precis
         (model,) = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag,
                                                ring_kernel)
         return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
-    if grid.pp_size > 1:
-        (model,) = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
-    else:
-        model = GPT(cfg, seed=seed)
-    model = model.to(device)
-    if grid.tp_size > 1:
-        model = tensor_parallel.apply_tensor_parallel(model, grid.tp_group, sequence_parallel)
-    if grid.cp_size > 1:
-        model = context_parallel.apply_context_parallel(
-            model, context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel), cp_mode)
+    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
+    (model,) = context_parallel.build_parts(cfg, seed, grid, device, cp, cp_mode, sequence_parallel)
     return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
 
 
@@ -780,9 +772,7 @@ def predicted_pipeline_traffic(pipeline, precision: Precision, n_micro: int) -> 
     loss and norm scalars the step sums over pp."""
     if pipeline is None:
         return {}
-    p2p = pipeline_parallel.predicted_p2p_bytes(n_micro, pipeline.activation_shape,
-                                                precision.param_dtype.itemsize, pipeline.pp, pipeline.pp_rank, 1)
-    return add_traffic({("isend", "pp"): p2p, ("irecv", "pp"): p2p},
+    return add_traffic(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro, precision.param_dtype.itemsize),
                        step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
 
 
