@@ -59,7 +59,8 @@ of the 31 GB its blocks keep.
                            blocks' FLOPs
     extra communication    selective: none; full: the blocks' forward collectives once more per
                            micro-batch, but the last (checkpoint stops once what backward saved
-                           is rebuilt)
+                           is rebuilt); with experts every forward all-to-all of the dispatch
+                           (combine keeps what came back), on the step's routing counts
 
 The report predicts every mode for the run's layout and measures the one that ran, equal byte for
 byte (predicted_kept_activation_bytes). Under a pipeline it is the stage's peak: the micro-batches
@@ -130,6 +131,7 @@ the blocks' forward collectives again and selective adds none.
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -142,7 +144,7 @@ from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffi
 from picotron_like.model import RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
-from picotron_like.train import batch_shape, exit_with_error, plan_run, train
+from picotron_like.train import batch_shape, exit_with_error, plan_run, traffic_not_counted, train
 
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
@@ -405,16 +407,19 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     return outside + layers * (e * elements + (4 - e) * in_float32)
 
 
-def forward_routing(routing, pipeline, n_micro: int) -> None:
+def routing_at(routing, pipeline, n_micro: int, kind: str):
     """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
     in the forward, and again when backward recomputes its block. The meter numbers a layer's
     calls in the order they came, which is this rank's order of forward and backward actions
-    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program): keep the
-    calls made at the F actions, numbered by their micro-batch."""
+    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program). Returns a
+    copy of the meter holding the calls made at the `kind` actions ("F": the forwards; "B": the
+    recomputed forwards), numbered by their micro-batch."""
     actions = ([(step.kind, step.micro_batch) for step in pipeline.program if not is_transfer_batch(step)]
                if pipeline is not None else [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"])
-    routing.calls = [replace(call, micro_batch=actions[call.micro_batch][1]) for call in routing.calls
-                     if actions[call.micro_batch][0] == "F"]
+    kept = copy.copy(routing)
+    kept.calls = [replace(call, micro_batch=actions[call.micro_batch][1]) for call in routing.calls
+                  if actions[call.micro_batch][0] == kind]
+    return kept
 
 
 def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
@@ -441,15 +446,15 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
 
 def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
     """Every mode's prediction for this run's metered step, whichever mode ran (`routing`: its
-    RoutingMeter, or None without experts; under full its recomputed calls are dropped first)."""
+    RoutingMeter, or None without experts; under full its recomputed calls are left out)."""
     if routing is not None and args.recompute == "full":
-        forward_routing(routing, pipeline, shape.grad_accum)
+        routing = routing_at(routing, pipeline, shape.grad_accum, "F")
     return {mode: predicted_peak_kept_bytes(mode, model, pipeline, cfg, shape, args, grid, routing)
             for mode in RECOMPUTE_MODES}
 
 
 def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, recompute: str, cp_mode: str,
-                                sequence_parallel: bool, element_bytes: int = 4) -> dict:
+                                sequence_parallel: bool, element_bytes: int = 4, recomputed=None) -> dict:
     """Payload bytes per step that the second forward adds, each message in the weights' dtype
     (the residual stream's: `element_bytes`). selective: nothing, its checkpoints hold local
     arithmetic only (a tp norm's entry into its region stays outside). full: each block's forward
@@ -458,7 +463,12 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
     MLP's row-parallel sum, whose output nothing in the block saves) does not run again. tp: the
     attention's row-parallel output (all-reduced, or reduce-scattered with the two norms' outputs
     all-gathered under sequence parallelism); cp ring: cp - 1 K/V blocks; Ulysses: q, k, v out
-    and the output back (o_proj saves its input)."""
+    and the output back (o_proj saves its input). With experts (`recomputed`: the RoutingMeter of
+    the recomputed calls, routing_at's "B"), the MLP's collectives do run again, since combine
+    saves the expert outputs that came back: every dispatch's forward all-to-alls, the counts, the
+    rows out and back, (m + r) h e + 8 E, and under tp the experts' g, r h e (lesson 05's
+    forward share; a shared expert's row-parallel sum comes after combine and does not run
+    again), and under cp the auxiliary loss's cp sum of its counts, 8 E per sequence."""
     if recompute != "full":
         return {}
     runs = n_layers * shape.grad_accum
@@ -475,6 +485,12 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
     elif cp > 1:
         extra.append({("all_to_all_single", "cp"):
                       runs * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp * d * element_bytes})
+    if cp > 1 and cfg.n_experts and cfg.aux_loss_coef:     # the auxiliary loss's int64 counts per sequence
+        extra.append({("all_reduce", "cp"): runs * 8 * cfg.n_experts * shape.micro_batch_size})
+    if recomputed is not None:
+        ep = expert_parallel.ExpertParallel.from_grid(grid)
+        extra.append(expert_parallel.predicted_routed_traffic(recomputed, ep, tp, cfg.hidden, element_bytes,
+                                                              forward_only=True))
     return add_traffic(*extra)
 
 
@@ -484,7 +500,13 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
     the run's --recompute and predicted for every mode, then lesson 06's report (model states,
     ZeRO-3's gathered weights, traffic with the recomputed forward, compute)."""
     precision, shape = model.precision, plan.shape
-    predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
+    with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
+        predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
+        recomputed = (routing_at(routing, pipeline, shape.grad_accum, "B")
+                      if routing is not None and args.recompute == "full" else None)
+        extra = predicted_recompute_traffic(plan.cfg, shape, grid, len(model.module.layers), args.recompute,
+                                            args.cp_mode, args.sequence_parallel, precision.param_dtype.itemsize,
+                                            recomputed)
     where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
     log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
          f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
@@ -495,8 +517,10 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
     if args.compile:
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
-    extra = predicted_recompute_traffic(plan.cfg, shape, grid, len(model.module.layers), args.recompute,
-                                        args.cp_mode, args.sequence_parallel, precision.param_dtype.itemsize)
+    if extra:
+        log0("the recomputed forward's collectives, in the traffic below, predicted per step"
+             + (" (with experts: on the measured step's routing)" if recomputed is not None else "") + ", MB: "
+             + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
     zero.report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
                 inner_extra=extra)
 
