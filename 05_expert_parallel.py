@@ -707,31 +707,39 @@ def log_routing(meter: RoutingMeter, group) -> None:
     log0(f"assignments dropped by capacity: {int(dropped)}")
 
 
+def expert_layer_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, compute_dtype) -> dict:
+    """What experts change inside the layers of a dense prediction, routing aside
+    (predicted_routed_traffic): the cp sum of the auxiliary loss's int64 counts per sequence, and,
+    with tp > 1 and no shared expert, the dense MLP's f and g taken out (an MoE layer's are its
+    experts', or its shared expert's, as many as a dense MLP's). Lesson 06 adds it to its own."""
+    extra = []
+    if grid.cp_size > 1 and cfg.aux_loss_coef:
+        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
+    if grid.tp_size > 1 and not cfg.n_shared_experts:
+        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
+        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
+    return add_traffic(*extra)
+
+
 def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compute_dtype,
                            bias_update_rate: float) -> dict:
     """Every collective of a step but the routing-dependent ones (predicted_routed_traffic): lesson
     04's prediction (cp ring, tp, pp, the gradient sum, loss and norm scalars) with the expert
     gradients moved from dp x cp to edp, the ep norm scalar, the enabled aux and z log values, the
-    cp sum of the auxiliary loss's int64 counts per sequence, the router loads of
-    auxiliary-loss-free balancing, and, with tp > 1 and no shared expert, without the dense MLP's
-    f and g (an MoE layer's are its experts', or its shared expert's, as many as a dense MLP's)."""
+    router loads of auxiliary-loss-free balancing, and expert_layer_traffic."""
     predicted = context_parallel.predicted_step_traffic(parts, pipeline, cfg, shape, grid, "ring", False,
                                                         compute_dtype)
     expert_bytes = 4 * sum(p.numel() for part in parts for p in part.expert_parameters)
     n_layers = sum(len(part.module.layers) for part in parts)
     log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    extra = [{("all_reduce", "dp_cp"): -expert_bytes + 4 * log_values, ("all_reduce", "edp"): expert_bytes}]
+    extra = [{("all_reduce", "dp_cp"): -expert_bytes + 4 * log_values, ("all_reduce", "edp"): expert_bytes},
+             expert_layer_traffic(cfg, shape, grid, n_layers, compute_dtype)]
     if pipeline is not None and log_values:
         extra.append({("all_reduce", "pp"): 4 * log_values})
     if grid.ep_size > 1:
         extra.append({("all_reduce", "ep"): 4})
-    if grid.cp_size > 1 and cfg.aux_loss_coef:
-        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
     if bias_update_rate:
         extra.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
-    if grid.tp_size > 1 and not cfg.n_shared_experts:
-        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
-        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
     return add_traffic(predicted, *extra)
 
 

@@ -101,6 +101,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -115,7 +116,7 @@ from picotron_like.model import count_parameters, get_config
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     load_lesson, shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, note_grad_norm, plan_run, train)
+                                 build_optimizer, note_grad_norm, plan_run, traffic_not_counted, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -777,12 +778,15 @@ def predicted_pipeline_traffic(pipeline, precision: Precision, n_micro: int) -> 
 
 
 def predicted_inner_traffic(model: ZeroDataParallel, cfg, shape, grid: ProcessGrid, cp_mode: str,
-                            sequence_parallel: bool, precision: Precision):
-    """What tensor and context parallelism move inside this rank's layers (lessons 02 and 04's
-    formulas), which ZeRO leaves as it is. Those formulas count a float32 residual stream; with
-    bf16 weights the stream is bf16, and with experts the traffic depends on the routing (lesson
-    05 predicts it from the step's counts): None then, and the table shows '-' for those rows."""
-    if precision.param_dtype != torch.float32 or any(unit_counts(model)[1]):
+                            sequence_parallel: bool, precision: Precision, routing=None, steps: int = 1):
+    """What tensor, context and expert parallelism move inside this rank's layers, which ZeRO
+    leaves as it is: lessons 02 and 04's formulas, with experts also lesson 05's, whose traffic
+    depends on the routing: `routing` is a RoutingMeter over `steps` steps' forwards, and the
+    result their mean. The formulas count a float32 residual stream; with bf16 weights the stream
+    is bf16, and with experts but no meter the routing is unknown: None then, and the table shows
+    '-' for those rows."""
+    has_experts = any(unit_counts(model)[1])
+    if precision.param_dtype != torch.float32 or (has_experts and routing is None):
         return None
     module, tp = model.module, grid.tp_size
     n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
@@ -792,12 +796,36 @@ def predicted_inner_traffic(model: ZeroDataParallel, cfg, shape, grid: ProcessGr
         predicted.append(tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
             n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
+    if has_experts:
+        routed = expert_parallel.predicted_routed_traffic(routing, expert_parallel.ExpertParallel.from_grid(grid), tp,
+                                                          cfg.hidden, 4)
+        predicted += [expert_parallel.expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
+                      {key: value / steps for key, value in routed.items()}]
     return add_traffic(*predicted)
 
 
+def predicted_step_traffic(model: ZeroDataParallel, pipeline, cfg, shape, args, grid: ProcessGrid,
+                           precision: Precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
+    """Every row of the report's traffic table, per step: ZeRO's, the pipeline's and, where
+    predicted_inner_traffic predicts them (`routing` and `steps` as there), tp's, cp's and ep's,
+    with `inner_extra` added to those (a later lesson's, 07's recomputed forward); else none of them."""
+    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
+    predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
+                                                 getattr(model, "reshard_after_forward", True), norm_groups),
+                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum))
+    inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
+                                    routing, steps)
+    if inner is None:
+        return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
+    return add_traffic(predicted, inner, inner_extra or {})
+
+
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision: Precision,
-           gathered: GatheredParameterMeter, throughput, device, inner_extra: dict | None = None) -> None:
-    """`inner_extra`: tp / cp / ep traffic a later lesson adds inside the layers (07's recomputed forward)."""
+           gathered: GatheredParameterMeter, throughput, device, inner_extra: dict | None = None,
+           routing=None) -> None:
+    """`inner_extra`: tp / cp / ep traffic a later lesson adds inside the layers (07's recomputed
+    forward); `routing`: with experts, a RoutingMeter over every step's forwards."""
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     counts, experts = unit_counts(model)
     where = f"pipeline stage 0 of {grid.pp_size}, " if pipeline is not None else ""
@@ -812,15 +840,10 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
         log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {predicted / 1e6:.3f} MB "
              f"predicted (largest flat unit {largest / 1e6:.3f} MB)")
     log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
-    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, plan.shape.grad_accum,
-                                                 getattr(model, "reshard_after_forward", True), norm_groups),
-                            predicted_pipeline_traffic(pipeline, precision, plan.shape.grad_accum))
-    inner = predicted_inner_traffic(model, plan.cfg, plan.shape, grid, args.cp_mode, args.sequence_parallel, precision)
-    inner = add_traffic(inner, inner_extra or {}) if inner is not None else None
-    if inner is None:
-        predicted = {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    log0(comm.meter.table(add_traffic(predicted, inner or {}), per=throughput.steps))   # fewer when resumed
+    with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
+        predicted = predicted_step_traffic(model, pipeline, plan.cfg, plan.shape, args, grid, precision, routing,
+                                           throughput.steps, inner_extra)
+    log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
 
@@ -881,13 +904,17 @@ def main(argv=None):
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
     gathered = GatheredParameterMeter(model.module)
+    # With experts, the tp / cp / ep traffic depends on the routing: every step's counts predict it.
+    routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
     model_or_pipeline = model if pipeline is None else pipeline
     step = partial(train_step, model_or_pipeline, optimizer, settings=settings)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                       prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                       meters=(gathered,), evaluate=partial(evaluate, model_or_pipeline, settings=settings),
-                       val_batches=plan.val_batches, cfg=plan.cfg)
-    report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device)
+    with routing or nullcontext():
+        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                           prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
+                           meters=(gathered,), evaluate=partial(evaluate, model_or_pipeline, settings=settings),
+                           val_batches=plan.val_batches, cfg=plan.cfg)
+    report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
+           routing=routing)
     shutdown()
 
 

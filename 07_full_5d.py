@@ -132,6 +132,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
 
@@ -411,14 +412,14 @@ def routing_at(routing, pipeline, n_micro: int, kind: str):
     """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
     in the forward, and again when backward recomputes its block. The meter numbers a layer's
     calls in the order they came, which is this rank's order of forward and backward actions
-    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program). Returns a
-    copy of the meter holding the calls made at the `kind` actions ("F": the forwards; "B": the
-    recomputed forwards), numbered by their micro-batch."""
+    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program), the same in
+    every step of a meter over several. Returns a copy of the meter holding the calls made at the
+    `kind` actions ("F": the forwards; "B": the recomputed forwards), numbered by their micro-batch."""
     actions = ([(step.kind, step.micro_batch) for step in pipeline.program if not is_transfer_batch(step)]
                if pipeline is not None else [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"])
     kept = copy.copy(routing)
-    kept.calls = [replace(call, micro_batch=actions[call.micro_batch][1]) for call in routing.calls
-                  if actions[call.micro_batch][0] == kind]
+    kept.calls = [replace(call, micro_batch=actions[call.micro_batch % len(actions)][1]) for call in routing.calls
+                  if actions[call.micro_batch % len(actions)][0] == kind]
     return kept
 
 
@@ -454,7 +455,8 @@ def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid,
 
 
 def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, recompute: str, cp_mode: str,
-                                sequence_parallel: bool, element_bytes: int = 4, recomputed=None) -> dict:
+                                sequence_parallel: bool, element_bytes: int = 4, recomputed=None,
+                                steps: int = 1) -> dict:
     """Payload bytes per step that the second forward adds, each message in the weights' dtype
     (the residual stream's: `element_bytes`). selective: nothing, its checkpoints hold local
     arithmetic only (a tp norm's entry into its region stays outside). full: each block's forward
@@ -464,11 +466,12 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
     attention's row-parallel output (all-reduced, or reduce-scattered with the two norms' outputs
     all-gathered under sequence parallelism); cp ring: cp - 1 K/V blocks; Ulysses: q, k, v out
     and the output back (o_proj saves its input). With experts (`recomputed`: the RoutingMeter of
-    the recomputed calls, routing_at's "B"), the MLP's collectives do run again, since combine
-    saves the expert outputs that came back: every dispatch's forward all-to-alls, the counts, the
-    rows out and back, (m + r) h e + 8 E, and under tp the experts' g, r h e (lesson 05's
-    forward share; a shared expert's row-parallel sum comes after combine and does not run
-    again), and under cp the auxiliary loss's cp sum of its counts, 8 E per sequence."""
+    the recomputed calls of `steps` steps, routing_at's "B"; their mean per step), the MLP's
+    collectives do run again, since combine saves the expert outputs that came back: every
+    dispatch's forward all-to-alls, the counts, the rows out and back, (m + r) h e + 8 E, and
+    under tp the experts' g, r h e (lesson 05's forward share; a shared expert's row-parallel sum
+    comes after combine and does not run again), and under cp the auxiliary loss's cp sum of its
+    counts, 8 E per sequence."""
     if recompute != "full":
         return {}
     runs = n_layers * shape.grad_accum
@@ -489,24 +492,35 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
         extra.append({("all_reduce", "cp"): runs * 8 * cfg.n_experts * shape.micro_batch_size})
     if recomputed is not None:
         ep = expert_parallel.ExpertParallel.from_grid(grid)
-        extra.append(expert_parallel.predicted_routed_traffic(recomputed, ep, tp, cfg.hidden, element_bytes,
-                                                              forward_only=True))
+        routed = expert_parallel.predicted_routed_traffic(recomputed, ep, tp, cfg.hidden, element_bytes,
+                                                          forward_only=True)
+        extra.append({key: value / steps for key, value in routed.items()})
     return add_traffic(*extra)
 
 
+def forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing,
+                                   steps: int = 1) -> tuple:
+    """What lesson 06's traffic prediction takes from this lesson: with experts (`routing`, a
+    RoutingMeter over `steps` steps, else None), the routing of the forwards (under --recompute
+    full without the recomputed calls, routing_at's "F"), and predicted_recompute_traffic, per step."""
+    full = routing is not None and args.recompute == "full"
+    extra = predicted_recompute_traffic(cfg, shape, grid, len(model.module.layers), args.recompute, args.cp_mode,
+                                        args.sequence_parallel, model.precision.param_dtype.itemsize,
+                                        routing_at(routing, pipeline, shape.grad_accum, "B") if full else None, steps)
+    return (routing_at(routing, pipeline, shape.grad_accum, "F") if full else routing), extra
+
+
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,
-           routing, throughput, device) -> None:
+           routing, throughput, device, every_step=None) -> None:
     """The activations this rank keeps for backward at their peak in the metered step, measured for
-    the run's --recompute and predicted for every mode, then lesson 06's report (model states,
-    ZeRO-3's gathered weights, traffic with the recomputed forward, compute)."""
+    the run's --recompute and predicted for every mode (with experts on the metered step's
+    `routing`), then lesson 06's report (model states, ZeRO-3's gathered weights, traffic with the
+    recomputed forward, with experts on `every_step`'s routing, compute)."""
     precision, shape = model.precision, plan.shape
     with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
         predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
-        recomputed = (routing_at(routing, pipeline, shape.grad_accum, "B")
-                      if routing is not None and args.recompute == "full" else None)
-        extra = predicted_recompute_traffic(plan.cfg, shape, grid, len(model.module.layers), args.recompute,
-                                            args.cp_mode, args.sequence_parallel, precision.param_dtype.itemsize,
-                                            recomputed)
+        forwards, extra = forwards_and_recompute_traffic(model, pipeline, plan.cfg, shape, args, grid, every_step,
+                                                         throughput.steps)
     where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
     log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
          f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
@@ -519,10 +533,10 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
     if extra:
         log0("the recomputed forward's collectives, in the traffic below, predicted per step"
-             + (" (with experts: on the measured step's routing)" if recomputed is not None else "") + ", MB: "
+             + (" (with experts: on every step's routing)" if every_step is not None else "") + ", MB: "
              + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
     zero.report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
-                inner_extra=extra)
+                inner_extra=extra, routing=forwards)
 
 
 class FirstStepsMemory:
@@ -670,17 +684,21 @@ def main(argv=None):
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
-    routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
+    # With experts: the metered step's routing (kept activations) and every step's (traffic).
+    routing, every_step = ((expert_parallel.RoutingMeter([model]), expert_parallel.RoutingMeter([model]))
+                           if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
     step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings))
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                       prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                       meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
-                       evaluate=partial(zero.evaluate, model_or_pipeline, settings=settings),
-                       val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
-                       after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
-    report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device)
+    with every_step or nullcontext():
+        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
+                           prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
+                           meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
+                           evaluate=partial(zero.evaluate, model_or_pipeline, settings=settings),
+                           val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
+                           after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+    report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device,
+           every_step)
     first_steps.report()
     shutdown()
 
