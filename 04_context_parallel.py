@@ -532,10 +532,11 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
 
 
 def build_parts(cfg, seed: int, grid: ProcessGrid, device, cp: ContextParallel | None, mode: str = "ring",
-                sequence_parallel: bool = False, split_tensors=None) -> list[torch.nn.Module]:
+                sequence_parallel: bool = False, split_tensors=None, virtual_stages: int = 1) -> list[torch.nn.Module]:
     """This rank's model parts, unwrapped, in the order the techniques apply:
 
-        reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03)
+        reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03; its v chunks with
+        `virtual_stages` v > 1, for the interleaved schedule)
         -> split by tensor parallelism with tp > 1 (lesson 02)
         -> context-parallel attention cores (this lesson), unless `cp` is None
 
@@ -545,7 +546,7 @@ def build_parts(cfg, seed: int, grid: ProcessGrid, device, cp: ContextParallel |
     the experts its own way), and they pass no `cp` at cp = 1 (attention stays the reference's).
     """
     if grid.pp_size > 1:
-        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank)
+        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
     else:
         parts = [GPT(cfg, seed=seed)]
     parts = [part.to(device) for part in parts]
@@ -607,7 +608,8 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 
 
 def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str,
-                              sequence_parallel: bool = False, schedule: str = "1f1b", n_micro: int = 1) -> None:
+                              sequence_parallel: bool = False, schedule: str = "1f1b", n_micro: int = 1,
+                              virtual_stages: int = 1) -> None:
     """Every rule, before any process group exists: the grid's (including seq_len divisible by
     2·cp for the zigzag split), Ulysses' heads, and lessons 02 and 03's when tp or pp > 1."""
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
@@ -628,7 +630,7 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
     if grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     if grid.pp > 1:
-        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, 1, n_micro)
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:

@@ -417,14 +417,15 @@ def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
 
 
 def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
-                zigzag: bool = True, ring_kernel: str = "fused") -> list[nn.Module]:
-    """This rank's parts: reference GPT (or its pipeline stage, lesson 03) -> dense layers split
+                zigzag: bool = True, ring_kernel: str = "fused", virtual_stages: int = 1) -> list[nn.Module]:
+    """This rank's parts: reference GPT (or its pipeline stage or stages, lesson 03) -> dense layers split
     over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
     tp) and dispatched -> balancing made global. Unwrapped: lesson 06 shards them with ZeRO."""
     ep = ExpertParallel.from_grid(grid)
     cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
     tp_group = grid.tp_group if grid.tp_size > 1 else None
-    parts = context_parallel.build_parts(cfg, seed, grid, device, cp, split_tensors=apply_tensor_parallel)
+    parts = context_parallel.build_parts(cfg, seed, grid, device, cp, split_tensors=apply_tensor_parallel,
+                                         virtual_stages=virtual_stages)
     parts = [apply_expert_parallel(part, ep, grouped, tp_group) for part in parts]
     return [prepare_balancing(part, grid, sequences_per_step) for part in parts]
 
@@ -440,7 +441,8 @@ def moe_config(cfg, args):
 
 
 def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, ep: int, schedule: str = "1f1b",
-                             n_micro: int = 1, bias_update_rate: float = 0.0, sequence_parallel: bool = False) -> None:
+                             n_micro: int = 1, bias_update_rate: float = 0.0, sequence_parallel: bool = False,
+                             virtual_stages: int = 1) -> None:
     """Every rule before any process group: the grid's, ep's, and what is not composed yet."""
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag=True)
     problems = []
@@ -464,7 +466,7 @@ def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
     if grid.pp > 1:
-        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, 1, n_micro)
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:

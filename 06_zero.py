@@ -58,7 +58,9 @@ Pipelines (lesson 03) take ZeRO-1. Its weights and gradients stay whole on every
 03's schedule runs the stage's micro-batches unchanged; the stage's last backward reduce-scatters
 its gradients once, over that stage's dp x cp ranks, which shard its optimizer states; the norm
 from the shards also sums over pp. The formulas below hold per stage, Psi its parameters (the
-embedding sits on the first stage, the head on the last). ZeRO-2/3 are refused: under a pipeline
+embedding sits on the first stage, the head on the last). Under the interleaved schedule a rank
+holds v chunks: one ZeRO wrapper shards all of them (StageChunks), and each unit is reduced during
+the last backward of its own chunk (PipelineChunk). ZeRO-2/3 are refused: under a pipeline
 they reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B
 interleaves, m times the traffic for m micro-batches: DeepSpeed refuses them, torchtitan keeps
 the weights gathered for the whole step.
@@ -465,6 +467,54 @@ class ZeroStage3(ZeroDataParallel):
             unit.param_shard.copy_(unit.master)
 
 
+# ============================================================================ the technique: ZeRO over a rank's pipeline chunks
+
+
+class StageChunks(nn.Module):
+    """This rank's pipeline chunks (lesson 03: one, or v for the interleaved schedule) as one
+    module for ZeRO. The chunks are different layers of one model on one rank, sharded over the
+    same dp x cp group and stepped by the same optimizer, so one wrapper holds all their units.
+    To ZeroDataParallel, and to every meter that reads a stage, this looks like one stage: the
+    first chunk's embedding, every chunk's blocks under their layer indices (the reference's
+    parameter names), the last chunk's head. It has no forward: the schedule runs each chunk
+    through its PipelineChunk."""
+
+    def __init__(self, chunks: list[nn.Module]):
+        super().__init__()
+        self.chunks = tuple(chunks)     # a tuple is not registered: each block is named once, below
+        self.tok_embeddings = chunks[0].tok_embeddings
+        self.layers = pipeline_parallel.StageLayers({name: block for chunk in chunks
+                                                     for name, block in chunk.layers.named_children()})
+        self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
+
+
+class PipelineChunk(nn.Module):
+    """One chunk as lesson 03's Pipeline drives it: forward runs the chunk; the data-parallel
+    switch the schedule sets before each backward (on for a chunk's last one) and the groups are
+    the one ZeRO wrapper's. One switch serves every chunk: a unit's gradients arrive only during
+    its own chunk's backward, so the switch is on exactly when a unit's last micro-batch arrives."""
+
+    def __init__(self, sharded: "ZeroDataParallel", chunk: nn.Module):
+        super().__init__()
+        self.module = chunk
+        object.__setattr__(self, "sharded", sharded)    # not a submodule: this chunk's modules are its own
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.sharded.require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.sharded.require_backward_grad_sync = value
+
+    @property
+    def dp_group(self):
+        return self.sharded.dp_group
+
+
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
               reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None) -> ZeroDataParallel:
     """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
@@ -479,7 +529,7 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     shard, the weights published. Pipeline stages hold different parameters: as in lesson 03's
     step, the norm also sums over pp, and so does the loss (only the last stage computes it)."""
     if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        (model,), pipeline_groups = model_or_pipeline.chunks, (model_or_pipeline.pp_group,)
+        model, pipeline_groups = model_or_pipeline.chunks[0].sharded, (model_or_pipeline.pp_group,)
         loss = model_or_pipeline.forward_backward(batch)
     else:
         model, pipeline_groups = model_or_pipeline, ()
@@ -508,31 +558,41 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
                 cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None,
-                ring_kernel: str = "fused") -> ZeroDataParallel:
-    """The reference GPT, or with pp > 1 this rank's stage (lesson 03, one chunk) -> tensor
-    parallel (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep and
-    dispatched, balancing over the step's `sequences_per_step` (lesson 05) -> ZeRO over the
-    dp x cp ranks, which hold the same weights (experts: over edp). With experts, lesson 05 builds
-    the same chain (its tp splits each expert column/row) and ZeRO wraps it."""
+                ring_kernel: str = "fused", virtual_stages: int = 1) -> ZeroDataParallel:
+    """The reference GPT, or with pp > 1 this rank's chunks (lesson 03: its stage, or its
+    `virtual_stages` chunks) -> tensor parallel (lesson 02) -> context-parallel attention (lesson
+    04) -> experts sharded over ep and dispatched, balancing over the step's `sequences_per_step`
+    (lesson 05) -> ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp).
+    With experts, lesson 05 builds the same chain (its tp splits each expert column/row)."""
     if cfg.n_experts:
-        (model,) = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag,
-                                               ring_kernel)
-        return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch, grid.edp_group)
-    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
-    (model,) = context_parallel.build_parts(cfg, seed, grid, device, cp, cp_mode, sequence_parallel)
-    return wrap_zero(model, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch)
+        parts = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag, ring_kernel,
+                                            virtual_stages)
+    else:
+        cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
+        parts = context_parallel.build_parts(cfg, seed, grid, device, cp, cp_mode, sequence_parallel,
+                                             virtual_stages=virtual_stages)
+    module = StageChunks(parts) if grid.pp_size > 1 else parts[0]
+    return wrap_zero(module, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch,
+                     grid.edp_group if cfg.n_experts else None)
 
 
 def build_pipeline(model: ZeroDataParallel, grid: ProcessGrid, schedule: str, shape, cfg, device,
                    precision: Precision, sequence_parallel: bool = False):
-    """Lesson 03's Pipeline over this rank's stage, or None without pipeline parallelism. The
+    """Lesson 03's Pipeline over this rank's chunks, or None without pipeline parallelism. The
     boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
     dtype: with bf16 weights the residual stream itself is bf16."""
     if grid.pp_size == 1:
         return None
     b, s, h = pipeline_parallel.activation_shape(cfg, shape, grid, sequence_parallel)
-    return pipeline_parallel.Pipeline([model], grid, schedule, shape.grad_accum, 1, (b, s // grid.cp_size, h),
+    chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
+    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, s // grid.cp_size, h),
                                       device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+
+
+def model_parts(model: ZeroDataParallel, pipeline) -> list[nn.Module]:
+    """What lesson 05's meters and formulas take as a rank's parts: with a pipeline its chunks
+    (each PipelineChunk's .module one stage of lesson 03), else the model."""
+    return list(pipeline.chunks) if pipeline is not None else [model]
 
 
 def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
@@ -557,7 +617,7 @@ def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
 
 def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
                   seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
-                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1) -> None:
+                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1, virtual_stages: int = 1) -> None:
     """ZeRO's rules, then lesson 04's (which include lessons 02's, 03's and the grid's), or with
     experts the grid's (zigzag included) and lesson 05's (its own tp split; lesson 02 refuses experts)."""
     problems = []
@@ -565,6 +625,9 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
         problems.append(f"--pp {grid.pp} with --zero-stage {stage}: ZeRO-2/3 under a pipeline reduce-scatter (and "
                         f"ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B interleaves: "
                         f"DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
+    if grid.pp == 1 and (schedule == "interleaved" or virtual_stages != 1):
+        problems.append(f"--schedule {schedule} with --virtual-stages {virtual_stages} and --pp 1: there is no "
+                        f"pipeline to interleave; use --pp 2 or more, or drop both flags")
     if cfg.n_experts and stage == 0:
         problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
                         f"use --zero-stage 1, 2 or 3")
@@ -580,18 +643,18 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
         raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
     if not cfg.n_experts:
         context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode,
-                                                   sequence_parallel, schedule, n_micro)
+                                                   sequence_parallel, schedule, n_micro, virtual_stages)
         return
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
     expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep, schedule, n_micro,
-                                             sequence_parallel=sequence_parallel)
+                                             sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count."""
     validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
                   args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid),
-                  args.schedule, shape.grad_accum)
+                  args.schedule, shape.grad_accum, args.virtual_stages)
 
 
 # ============================================================================ measuring the three challenges
@@ -638,9 +701,10 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
 
 
 def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
-                          experts: bool = False) -> list[int]:
-    """Parameters of each unit on one tp rank of pipeline stage `pp_rank`: the embedding (first
-    stage), the stage's blocks, the head (last stage); norm gains stay whole under tp. With
+                          experts: bool = False, virtual_stages: int = 1) -> list[int]:
+    """Parameters of each unit on one tp rank of pipeline rank `pp_rank`: the embedding (first
+    stage), the blocks of its stage (of its v chunks, interleaved), the head (last stage, which
+    is always on the last rank); norm gains stay whole under tp. With
     experts (lesson 05's split), a block's dense unit holds the attention, the norms, the router
     (whole on every tp rank) and the shared expert (split like a dense MLP); experts=True counts
     each unit's routed experts instead: E/ep of them, each split over tp (none in embedding, head)."""
@@ -652,7 +716,8 @@ def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: i
         mlp = cfg.n_shared_experts * swiglu // tp + h * cfg.n_experts if cfg.n_experts else swiglu // tp
         block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd) // tp + mlp + 2 * h
         embedding, head = cfg.vocab_size * h // tp, h + h * cfg.vocab_size // tp
-    n_blocks = len(pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp)[pp_rank])
+    ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp * virtual_stages)
+    n_blocks = sum(len(ranges[stage]) for stage in range(pp_rank, pp * virtual_stages, pp))
     return [embedding] * (pp_rank == 0) + [block] * n_blocks + [head] * (pp_rank == pp - 1)
 
 
@@ -874,7 +939,10 @@ def add_flags(parser) -> None:
                         help="ZeRO-3: start gathering the next unit while this one computes")
     parser.add_argument("--ep", type=int, default=None,
                         help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
-    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
+    parser.add_argument("--schedule", choices=("afab", "1f1b", "interleaved"), default="1f1b",
+                        help="pipeline schedule with --pp > 1; interleaved: 1f1b over --virtual-stages chunks per rank")
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="with --schedule interleaved: model chunks per pipeline rank (lesson 03)")
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
     parser.add_argument("--ring-kernel", choices=context_parallel.RING_KERNELS, default="fused",
@@ -893,7 +961,7 @@ def main(argv=None):
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
     model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                         args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                        plan.shape.sequences_per_step, args.ring_kernel)
+                        plan.shape.sequences_per_step, args.ring_kernel, args.virtual_stages)
     pipeline = build_pipeline(model, grid, args.schedule, plan.shape, plan.cfg, device, precision,
                               args.sequence_parallel)
     optimizer = build_sharded_optimizer(model, args.lr)
@@ -905,7 +973,7 @@ def main(argv=None):
 
     gathered = GatheredParameterMeter(model.module)
     # With experts, the tp / cp / ep traffic depends on the routing: every step's counts predict it.
-    routing = expert_parallel.RoutingMeter([model]) if plan.cfg.n_experts else None
+    routing = expert_parallel.RoutingMeter(model_parts(model, pipeline)) if plan.cfg.n_experts else None
     model_or_pipeline = model if pipeline is None else pipeline
     step = partial(train_step, model_or_pipeline, optimizer, settings=settings)
     with routing or nullcontext():

@@ -10,7 +10,7 @@ per micro-batch, the blocks keep about 31 GB per micro-batch in bf16, however th
 The idea. Nothing new is parallelised here; the lessons compose, each wrapping the result of the
 one before, in the order their assumptions need (parallelize() below is the plan):
 
-    reference GPT, or this rank's pipeline stage  (03)
+    reference GPT, or this rank's pipeline chunks (03: a stage, or v for interleaved 1F1B)
       -> tensor parallel layers                   (02; experts: 05's own column/row split)
       -> context-parallel attention               (04)
       -> experts sharded over ep and dispatched   (05)
@@ -160,16 +160,16 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     """This rank's model and, with pp > 1, the pipeline that runs it, each step a lesson's own code."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    # reference GPT or its stage (03) -> tp (02; experts: 05's split) -> cp attention (04)
+    # reference GPT or its stage, or its interleaved chunks (03) -> tp (02; experts: 05's split) -> cp attention (04)
     # -> experts over ep (05) -> ZeRO over dp x cp (06): lesson 06's build_model composes these
     model = zero.build_model(cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                              args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                             shape.sequences_per_step, args.ring_kernel)
+                             shape.sequences_per_step, args.ring_kernel, args.virtual_stages)
     # with --compile, each block's forward compiled, inside recomputation and every wrapper's hooks
     compile_blocks(model.module, args.compile)
     # activation recomputation, inside every wrapper's hooks (ZeRO-3's gathers stay outside it)
     apply_recompute(model.module, args.recompute)
-    # the pipeline schedule over this rank's stage (03), or None
+    # the pipeline schedule over this rank's chunks (03), or None
     pipeline = zero.build_pipeline(model, grid, args.schedule, shape, cfg, device, precision,
                                    args.sequence_parallel)
     return model, pipeline
@@ -343,7 +343,7 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     slices = reference_slices(model, grid)
     info = {"model": asdict(cfg), "run": run_identity(args, shape),
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                       "ep": grid.ep_size, "zero_stage": args.zero_stage},
+                       "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages},
             "settings": run_settings(args, model.precision)}
 
     def after_step(step: int) -> None:
@@ -411,15 +411,26 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
 def routing_at(routing, pipeline, n_micro: int, kind: str):
     """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
     in the forward, and again when backward recomputes its block. The meter numbers a layer's
-    calls in the order they came, which is this rank's order of forward and backward actions
-    (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program), the same in
-    every step of a meter over several. Returns a copy of the meter holding the calls made at the
-    `kind` actions ("F": the forwards; "B": the recomputed forwards), numbered by their micro-batch."""
-    actions = ([(step.kind, step.micro_batch) for step in pipeline.program if not is_transfer_batch(step)]
-               if pipeline is not None else [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"])
+    calls in the order they came, which is the order of its chunk's forward and backward actions
+    on this rank (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program,
+    in which an interleaved rank's chunks take turns), the same in every step of a meter over
+    several. Returns a copy of the meter holding the calls made at the `kind` actions ("F": the
+    forwards; "B": the recomputed forwards), numbered by their micro-batch."""
+
+    def actions(chunk: int) -> list[tuple[str, int]]:
+        if pipeline is None:
+            return [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"]
+        return [(step.kind, step.micro_batch) for step in pipeline.program
+                if not is_transfer_batch(step) and step.chunk == chunk]
+
+    by_chunk = {chunk: actions(chunk) for chunk in set(routing.part_of)}
     kept = copy.copy(routing)
-    kept.calls = [replace(call, micro_batch=actions[call.micro_batch % len(actions)][1]) for call in routing.calls
-                  if actions[call.micro_batch % len(actions)][0] == kind]
+    kept.calls = []
+    for call in routing.calls:
+        chunk_actions = by_chunk[routing.part_of[call.layer]]
+        action, micro_batch = chunk_actions[call.micro_batch % len(chunk_actions)]
+        if action == kind:
+            kept.calls.append(replace(call, micro_batch=micro_batch))
     return kept
 
 
@@ -434,14 +445,15 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                args.sequence_parallel, grid.cp_size, args.cp_mode, stage,
                                                model.precision.param_dtype)
 
+    parts = zero.model_parts(model, pipeline)
     if cfg.n_experts and recompute != "full":
         grouped = False     # lesson 06 builds lesson 05's experts as a loop, not as grouped matmuls
         sizes = expert_parallel.activation_bytes_by_micro_batch(
-            [model], pipeline, cfg, shape, grid.cp_size, routing, expert_parallel.ExpertParallel.from_grid(grid),
+            parts, pipeline, cfg, shape, grid.cp_size, routing, expert_parallel.ExpertParallel.from_grid(grid),
             grouped, grid.tp_size, dense, model.precision.param_dtype.itemsize)
     else:
-        stage = model.module if pipeline is not None else None
-        sizes = {(0, micro_batch): dense(stage) for micro_batch in range(shape.grad_accum)}
+        sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
+                 for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
     return expert_parallel.schedule_peak(sizes, pipeline)
 
 
@@ -685,7 +697,8 @@ def main(argv=None):
     start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
-    routing, every_step = ((expert_parallel.RoutingMeter([model]), expert_parallel.RoutingMeter([model]))
+    parts = zero.model_parts(model, pipeline)
+    routing, every_step = ((expert_parallel.RoutingMeter(parts), expert_parallel.RoutingMeter(parts))
                            if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)

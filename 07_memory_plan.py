@@ -69,38 +69,47 @@ GIB = 2**30
 
 
 @lru_cache(maxsize=None)
-def stage_outline(cfg, pp: int, pp_rank: int):
-    """Lesson 03's stage, built on the meta device: its layers and whether it holds the embedding
-    and the head, which is what the activation formulas read from it (no tensor is drawn)."""
+def stage_outline(cfg, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple:
+    """Lesson 03's chunks of pipeline rank `pp_rank` (its stage, or its v interleaved chunks),
+    built on the meta device: their layers and whether they hold the embedding and the head,
+    which is what the formulas read from them (no tensor is drawn)."""
     with torch.device("meta"):
-        (stage,) = pipeline_parallel.build_stage_chunks(cfg, 0, pp, pp_rank)
-    return stage
+        return tuple(pipeline_parallel.build_stage_chunks(cfg, 0, pp, pp_rank, virtual_stages))
 
 
 @lru_cache(maxsize=None)
-def live_micro_batches(schedule: str, pp: int, n_micro: int, pp_rank: int) -> int:
-    """Micro-batches whose activations stage `pp_rank` keeps at once: lesson 03's program, walked."""
-    return peak_live_micro_batches(pipeline_parallel.pipeline_programs(schedule, pp, n_micro)[pp_rank])
+def pipeline_program(schedule: str, pp: int, n_micro: int, pp_rank: int, virtual_stages: int = 1) -> list:
+    return pipeline_parallel.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
 
 
 def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[int, int]:
-    """(kept bytes at the schedule's peak, micro-batches live then) on pipeline stage `pp_rank`:
-    one micro-batch by this lesson's formula (recompute mode, compute dtype, the stage), and with
-    experts lesson 05's per-layer bytes for balanced routing: each of the k T assignments of the T
-    tokens goes to an expert that receives k T / E, so capacity drops none and every ep rank
-    receives as many rows as it sends (a skewed router keeps more on its busiest rank)."""
-    stage = stage_outline(cfg, grid.pp, pp_rank) if grid.pp > 1 else None
+    """(kept bytes at the schedule's peak, micro-batches live then) on pipeline rank `pp_rank`:
+    one micro-batch of each of its chunks by this lesson's formula (recompute mode, compute dtype,
+    the chunk's layers), walked over lesson 03's program; with experts lesson 05's per-layer bytes
+    for balanced routing: each of the k T assignments of the T tokens goes to an expert that
+    receives k T / E, so capacity drops none and every ep rank receives as many rows as it sends
+    (a skewed router keeps more on its busiest rank). Interleaved, a live micro-batch is one
+    (chunk, micro-batch) pair."""
+    chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
-    one = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
-                                                  args.sequence_parallel, grid.cp, args.cp_mode, stage,
-                                                  precision.param_dtype)
-    if cfg.n_experts and args.recompute != "full":
-        tokens = micro * shape.seq_len // grid.cp
-        routed = cfg.experts_per_token * tokens
-        layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-        one += layers * expert_parallel.moe_layer_bytes_over_dense(cfg, tokens, micro, routed, routed, ep, False, tp, e)
-    live = live_micro_batches(args.schedule, grid.pp, shape.grad_accum, pp_rank) if grid.pp > 1 else 1
-    return one * live, live
+
+    def one_micro_batch(stage) -> int:
+        kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
+                                                       args.sequence_parallel, grid.cp, args.cp_mode, stage,
+                                                       precision.param_dtype)
+        if cfg.n_experts and args.recompute != "full":
+            tokens = micro * shape.seq_len // grid.cp
+            routed = cfg.experts_per_token * tokens
+            layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+            kept += layers * expert_parallel.moe_layer_bytes_over_dense(cfg, tokens, micro, routed, routed, ep, False,
+                                                                        tp, e)
+        return kept
+
+    sizes = [one_micro_batch(stage) for stage in chunks]
+    if grid.pp == 1:
+        return sizes[0], 1
+    program = pipeline_program(args.schedule, grid.pp, shape.grad_accum, pp_rank, args.virtual_stages)
+    return peak_live_micro_batches(program, sizes), peak_live_micro_batches(program)
 
 
 def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_units: list[int]) -> int:
@@ -126,8 +135,8 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
     on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
     n, tp = grid.dp * grid.cp, grid.tp
-    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
-    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
+    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
+    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
     states = (zero.predicted_model_states(dense, n, args.zero_stage, precision)
               + zero.predicted_model_states(experts, n // ep, args.zero_stage, precision))
     gathered = (zero.predicted_gathered_peak(dense, n, precision.param_dtype.itemsize, args.reshard_after_forward,
@@ -173,12 +182,14 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     peak = next(flops for name, flops in PEAK_BF16_FLOPS.items() if gpu.startswith(name))
     compute = flops_per_token(cfg, shape.seq_len) * shape.tokens_per_step / grid.world_size / (peak * MATMUL_EFFICIENCY)
     recompute = compute * RECOMPUTE_COST[args.recompute]
-    bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum)
-    stage = stage_outline(cfg, grid.pp, pp_rank)
+    bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum,
+                                                                      args.virtual_stages)
+    chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages)
+    n_layers = sum(len(chunk.layer_ids) for chunk in chunks)
     micro, m, e, tp, cp = shape.micro_batch_size, shape.grad_accum, precision.param_dtype.itemsize, grid.tp, grid.cp
     bandwidth = partial(group_bandwidth, grid, gpu=gpu, gpus_per_node=gpus_per_node)
     exposed = 0.0
-    recomputed = full_5d.predicted_recompute_traffic(cfg, shape, layout, len(stage.layer_ids), args.recompute,
+    recomputed = full_5d.predicted_recompute_traffic(cfg, shape, layout, n_layers, args.recompute,
                                                      args.cp_mode, args.sequence_parallel, e)
 
     def on_axis(traffic: dict, axis: str) -> dict:
@@ -187,21 +198,20 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     if tp > 1:      # on the critical path: every block waits for its all-reduces
         traffic = tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
-            len(stage.layer_ids), stage.tok_embeddings is not None, stage.lm_head is not None)
+            n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None)
         exposed += wire_bytes(on_axis(traffic, "tp"), tp) / bandwidth(grid.group_ranks(("tp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
-        traffic = context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, cp, "ulysses", m, e, tp,
-                                                        len(stage.layer_ids))
+        traffic = context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, cp, "ulysses", m, e, tp, n_layers)
         exposed += wire_bytes(on_axis(traffic, "cp"), cp) / bandwidth(grid.group_ranks(("cp",)))
     if cfg.n_experts and ep > 1:    # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
         routed = cfg.experts_per_token * micro * shape.seq_len // cp
-        traffic = {("all_to_all_single", "ep"): m * len(stage.layer_ids) * 4 * routed * cfg.hidden * e}
+        traffic = {("all_to_all_single", "ep"): m * n_layers * 4 * routed * cfg.hidden * e}
         exposed += wire_bytes(traffic, ep) / bandwidth(grid.ep_group_ranks(ep))
     if grid.dp * cp > 1:
         exposed += exposed_zero_seconds(cfg, args, grid, ep, precision, m, compute, pp_rank, bandwidth)
     if grid.pp > 1:
         boundary = micro * shape.seq_len // cp // (tp if args.sequence_parallel else 1) * cfg.hidden
-        sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, 1)
+        sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
         exposed += sent / bandwidth(grid.group_ranks(("pp",)))
     return {"compute": compute, "recompute": recompute, "bubble": bubble, "communication": exposed}
 
@@ -211,8 +221,8 @@ def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int,
     """Lesson 06's traffic over dp x cp (experts: over edp) for stage `pp_rank`, less what the
     step hides: the gradient reduction behind backward, ZeRO-3's gathers behind compute."""
     n, tp = grid.dp * grid.cp, grid.tp
-    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank)
-    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, experts=True)
+    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
+    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
     traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
                                                       args.reshard_after_forward),
                           zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
@@ -237,7 +247,7 @@ def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
             f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
             f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
             f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
-            "bubble: lesson 03's (pp - 1) / m of the compute, stages of equal time",
+            "bubble: lesson 03's (pp - 1) / m of the compute ((pp - 1) / (v m) interleaved), stages of equal time",
             f"communication: ring wire bytes at {nvlink} GB/s within a node of {gpus_per_node}, {network} GB/s "
             f"per GPU between nodes; tp, Ulysses, ep and pp exposed, ring attention hidden, gradient reduction "
             f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
@@ -280,7 +290,8 @@ def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str,
 def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
     """Every layout of `world_size` ranks that lesson 07 accepts, for the same global batch (the
     flags' sequences per step) and micro-batch size: each grid (tp within a node), ZeRO stage,
-    recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp."""
+    recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp.
+    Pipelines run the flags' schedule (and virtual stages); a grid without one, 1F1B's degree 1."""
     sequences = batch_shape(args, grid_from_args(args, world_size).dp).sequences_per_step
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, pp, cp in itertools.product(divisors, repeat=3):
@@ -294,7 +305,8 @@ def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
             for stage, sequence_parallel in itertools.product(range(4), (False, True) if tp > 1 else (False,)):
                 candidate = argparse.Namespace(**{**vars(args), "dp": grid.dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
                                                   "zero_stage": stage, "sequence_parallel": sequence_parallel,
-                                                  "grad_accum": accum, "global_batch_tokens": None})
+                                                  "grad_accum": accum, "global_batch_tokens": None,
+                                                  **({} if pp > 1 else {"schedule": "1f1b", "virtual_stages": 1})})
                 shape = batch_shape(candidate, grid.dp)
                 try:
                     full_5d.validate(cfg, grid, shape, candidate, world_size)
@@ -308,6 +320,7 @@ def layout_name(planned: PlannedLayout) -> str:
     grid, args = planned.grid, planned.args
     parts = [f"dp{grid.dp}"] + [f"{axis}{getattr(grid, axis)}" for axis in ("pp", "cp", "tp")
                                 if getattr(grid, axis) > 1]
+    parts += [f"v{args.virtual_stages}"] * (args.virtual_stages > 1)
     parts += [f"ep{planned.ep}"] * (planned.ep > 1) + ["sp"] * args.sequence_parallel
     return " ".join(parts)
 
@@ -368,7 +381,9 @@ def print_memory_plan(args) -> None:
     planned = plan_layout(cfg, args, grid, ep, shape, precision, gpu, args.gpus_per_node)
     print(f"memory plan: {args.preset} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "
           f"{gpu} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: {usable / GIB:.1f} GiB)")
-    print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, ZeRO-{args.zero_stage}, "
+    schedule = (f"{args.schedule}" + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
+                + ", " if grid.pp > 1 else "")
+    print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, {schedule}ZeRO-{args.zero_stage}, "
           f"recompute {args.recompute}, weights {str(precision.param_dtype).removeprefix('torch.')}, gradients "
           f"{str(precision.reduce_dtype).removeprefix('torch.')}, "
           f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size} x {shape.grad_accum} micro-batches x dp "
@@ -393,6 +408,8 @@ def print_planned_memory(planned: PlannedLayout, usable: float) -> None:
     grid = planned.grid
     where = f"pipeline stage {planned.pp_rank} of {grid.pp}, " if grid.pp > 1 else ""
     live = f"{planned.live_micro_batches} micro-batch{'es' if planned.live_micro_batches > 1 else ''}"
+    if planned.args.virtual_stages > 1:
+        live += f" of its {planned.args.virtual_stages} chunks"
     print(f"\nper rank ({where}the fullest rank; activations of {live} live at the peak)")
     print(f"  {'component':<40}{'GiB':>8}")
     for name, size in planned.memory.items():

@@ -9,6 +9,8 @@ layout and the bf16 one with their none run (lesson 06's tests prove those equal
 to one device). Activations kept for backward, at their peak in a step (a pipeline stage's, a
 layout with experts on its step's routing, bf16), and the recomputed forward's traffic are
 compared with their formulas byte for byte, and so is every row of the report's traffic table.
+Two layouts run lesson 03's interleaved schedule (two chunks per pipeline rank, one ZeRO wrapper
+over both), dense against one device and with experts against its none run.
 One process measures the alternative selective recomputation that lesson 07's docstring
 rejects: the attention core.
 """
@@ -36,10 +38,12 @@ from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gr
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+CFG4 = replace(CFG, n_layers=4)     # pp 2 x 2 virtual stages: one layer per chunk
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED, MAX_GRAD_NORM = 32, 2, 8, 3, 3e-3, 7, 1.0
 CPU = torch.device("cpu")
 MODES = ("none", "selective", "full")
 BF16 = ("--dtype", "bfloat16")
+INTERLEAVED = ("--schedule", "interleaved", "--virtual-stages", "2")
 # name: (grid, ep, ZeRO stage, model, extra flags)
 LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "dp2 x tp2 SP ZeRO-2": (GridShape(dp=2, tp=2), 1, 2, CFG, ("--sequence-parallel",)),
@@ -47,7 +51,10 @@ LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG, ()),
            "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, replace(MOE_CFG, aux_loss_coef=0.01), ()),
            "dp2 x cp2 moe ep2 ZeRO-1 bf16": (GridShape(dp=2, cp=2), 2, 1, replace(MOE_CFG, aux_loss_coef=0.01), BF16),
-           "pp2 x tp2 SP ZeRO-1 bf16": (GridShape(pp=2, tp=2), 1, 1, CFG, ("--sequence-parallel", *BF16))}
+           "pp2 x tp2 SP ZeRO-1 bf16": (GridShape(pp=2, tp=2), 1, 1, CFG, ("--sequence-parallel", *BF16)),
+           "pp2 x dp2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, INTERLEAVED),
+           "pp2 x dp2 moe ep2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 2, 1,
+                                                     replace(MOE_CFG, n_layers=4, aux_loss_coef=0.01), INTERLEAVED)}
 # This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
 PLAIN_RING = "pp2 x cp2 ZeRO-1"
 
@@ -80,7 +87,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
     # for the recomputed forward's traffic.
-    routings = [full_5d.expert_parallel.RoutingMeter([model]) for _ in range(STEPS)] if cfg.n_experts else []
+    routings = ([full_5d.expert_parallel.RoutingMeter(zero.model_parts(model, pipeline)) for _ in range(STEPS)]
+                if cfg.n_experts else [])
     routing = routings[0] if routings else None
     comm.meter.reset()
     results = []
@@ -148,17 +156,19 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
     through 06's flags, and equals one device and the fused kernel's losses."""
     one_device = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, GLOBAL_SEQUENCES // MICRO, 1),
                               seed=SEED, vocab_size=CFG.vocab_size)
-    reference = train_reference(CFG, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
+    references = {cfg: train_reference(cfg, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
+                  for cfg in (CFG, CFG4)}
+    reference = references[CFG]
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
     for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
         for name, (shape, _, stage, cfg, extra) in LAYOUTS.items():
             none, where = runs[name, "none"], f"rank={rank} {name}"
             for recompute in ("selective", "full"):
                 assert_close(runs[name, recompute], none, f"{where} {recompute} vs none")
-            if cfg is CFG and not extra and shape.tp == 1:
-                assert_close(none, reference, f"{where} vs one device")
-            elif cfg is CFG and "--dtype" not in extra:
-                torch.testing.assert_close(torch.tensor(none["losses"]), torch.tensor(reference["losses"]),
+            if cfg in references and "--dtype" not in extra and shape.tp == 1:
+                assert_close(none, references[cfg], f"{where} vs one device")
+            elif cfg in references and "--dtype" not in extra:     # tp ranks hold shards: their losses
+                torch.testing.assert_close(torch.tensor(none["losses"]), torch.tensor(references[cfg]["losses"]),
                                            rtol=0, atol=1e-5)
             predicted = none["predicted_kept"]
             assert predicted["full"] < predicted["selective"] < predicted["none"], where
@@ -247,7 +257,10 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     full_5d = lesson()
     for argv, message in [(["--pp", "2", "--zero-stage", "2"], "--pp 2 with --zero-stage 2"),
                           (["--tp", "3"], "world size"),
-                          (["--preset", "tiny-moe", "--zero-stage", "0", "--ep", "2"], "--zero-stage 0: experts")]:
+                          (["--preset", "tiny-moe", "--zero-stage", "0", "--ep", "2"], "--zero-stage 0: experts"),
+                          (["--schedule", "interleaved", "--virtual-stages", "2"], "no pipeline to interleave"),
+                          (["--pp", "2", "--zero-stage", "1", "--schedule", "interleaved", "--virtual-stages", "3"],
+                           "every chunk needs a layer")]:
         args = full_5d.parse_args(argv)
         grid = GridShape(dp=2, pp=args.pp, tp=args.tp)
         try:
