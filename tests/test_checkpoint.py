@@ -3,7 +3,8 @@ damaged checkpoints refused.
 
 One spawn of 4 gloo ranks trains a base run (dp2 x tp2, ZeRO-1) that saves at step 2 and 4, then
 resumes its step-2 checkpoint in the same layout and in three others (pp 2; dp 4 with ZeRO-3;
-cp 2 with ZeRO-0), and a mixture-of-experts run (dp 4, ep 4, router biases moved away from zero
+cp 2 with ZeRO-0); an interleaved run (pp 2 x dp 2, two chunks per rank) resumes in its own
+layout and with pp 4, dp 1, one chunk per rank and ZeRO-0; and a mixture-of-experts run (dp 4, ep 4, router biases moved away from zero
 so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3. The same
 layout must give the uninterrupted run's losses bit for bit: the same float operations on the
 same values. Another layout sums in another order: the losses agree to 1e-5, the tolerance of
@@ -44,6 +45,11 @@ OTHER_LAYOUTS = {"pp 2 (dp 2, tp 1)": ["--pp", "2", "--dp", "2", "--zero-stage",
                  "ZeRO-0 (cp 2, dp 2)": ["--cp", "2", "--dp", "2", "--zero-stage", "0"]}
 MOE_BASE = ["--preset", "tiny-moe", "--dp", "4", "--ep", "4", "--zero-stage", "1"]
 MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--zero-stage", "3"]
+# Interleaved (lesson 03's schedule, two chunks per pipeline rank; four layers for four chunks),
+# resumed in the same layout and with the chunks, pp and dp all changed.
+INTERLEAVED_BASE = ["--n-layers", "4", "--pp", "2", "--dp", "2", "--zero-stage", "1", "--schedule", "interleaved",
+                    "--virtual-stages", "2"]
+INTERLEAVED_OTHER = ["--n-layers", "4", "--pp", "4", "--dp", "1", "--zero-stage", "0"]
 KILL_RUN = ["--dp", "2", "--zero-stage", "2", "--steps", "8", "--save-every", "1", "--keep-last", "2"]
 CROSS_LAYOUT = dict(rtol=0, atol=1e-5)   # the suite's loss tolerance against one device
 # One resume reads the checkpoint as if a run with another learning rate and rope_theta had written
@@ -99,6 +105,11 @@ def four_rank_runs(directory: str) -> dict:
     for name, layout in OTHER_LAYOUTS.items():
         runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{base}/step_00000002"], 4,
                              written=WRITTEN_ELSEWHERE if name == NOTED else None)
+    interleaved = f"{directory}/interleaved"
+    runs["interleaved base"] = trainer([*INTERLEAVED_BASE, "--steps", "4", "--save-every", "2", "--save-dir",
+                                        interleaved], 4)
+    for name, layout in (("interleaved same layout", INTERLEAVED_BASE), ("interleaved other", INTERLEAVED_OTHER)):
+        runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{interleaved}/step_00000002"], 4)
     runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
     runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
     return runs
@@ -113,7 +124,9 @@ def saved(tmp_path_factory):
 def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     """Same layout: the losses and gradient norms of steps 2-3 equal the uninterrupted run's
     exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
-    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding. Resuming
+    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding. The
+    interleaved run: exactly in its own layout, to rounding with its virtual stages, pp, dp and
+    ZeRO stage changed. Resuming
     prints one note per setting or model field that differs from the checkpoint's, and none when
     nothing does; the first steps' memory rows carry the real step numbers and the restored Adam
     states from the first row on."""
@@ -139,6 +152,10 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
                                    rtol=1e-5, atol=0, msg=name)
     moe_base, moe_other = runs["moe base"], runs["moe other"]
     torch.testing.assert_close(torch.tensor(moe_other["losses"]), torch.tensor(moe_base["losses"][2:]), **CROSS_LAYOUT)
+    interleaved, same, other = (runs[f"interleaved {name}"] for name in ("base", "same layout", "other"))
+    assert same["losses"] == interleaved["losses"][2:] and same["norms"] == interleaved["norms"][2:], same
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(interleaved["losses"][2:]), **CROSS_LAYOUT)
+    torch.testing.assert_close(torch.tensor(other["norms"]), torch.tensor(interleaved["norms"][2:]), rtol=1e-5, atol=0)
 
 
 def test_export_loads_into_the_reference_gpt_with_the_same_loss(saved, tmp_path, monkeypatch):

@@ -1,13 +1,14 @@
 """Lesson 07's memory plan (07_memory_plan.py) proven: equal to what a rank holds, component by component.
 
-Small scale, on 4 gloo ranks: five layouts built by 07's own parallelize() from its own flags
+Small scale, on 4 gloo ranks: six layouts (one interleaved) built by 07's own parallelize() from its own flags
 train two steps; the plan's parameters, gradients, master weights and Adam states equal the bytes
 of the tensors each rank holds (lesson 06's measured_model_states, after a step: Adam's moments
 exist then), its activations the bytes autograd keeps at their peak (ActivationMeter), ZeRO-3's
 prefetch window the gathered weights at their peak. The first steps' rows show Adam's states
 appearing inside the first optimizer step, and nowhere else.
 
-Real scale, without the hardware: the 8b preset on 8 and 64 GPUs and Mixtral-8x7B on 64, each
+Real scale, without the hardware: the 8b preset on 8 and 64 GPUs (also with 3 interleaved chunks
+per pipeline rank) and Mixtral-8x7B on 64, each
 rank's share built by lesson 06's build_model on the meta device from a ProcessGrid that knows
 only its rank (no process group, no tensor drawn), one meta AdamW step for the optimizer's states;
 its model-state bytes equal the plan's for the chosen ranks (first and last pipeline stages).
@@ -47,7 +48,14 @@ LAYOUTS = {
     "dp2 x cp2 ZeRO-2 bf16 none": (GridShape(dp=2, cp=2), 1, CFG,
                                    ("--zero-stage", "2", "--recompute", "none", "--dtype", "bfloat16")),
     "moe dp2 x cp2 ep2 ZeRO-1 full": (GridShape(dp=2, cp=2), 2, MOE_CFG, ("--zero-stage", "1", "--recompute", "full")),
+    "pp2 x dp2 interleaved ZeRO-1 selective": (GridShape(dp=2, pp=2), 1, replace(CFG, n_layers=4),
+                                               ("--zero-stage", "1", "--recompute", "selective", "--schedule",
+                                                "interleaved", "--virtual-stages", "2")),
 }
+# Live micro-batches at the peak on each pipeline rank, m = 2: 1F1B's first stage keeps both before
+# its first backward, the last one; interleaved (v = 2), rank 0's warm-up runs all four (chunk,
+# micro-batch) forwards, rank 1's two, then each forward comes with a backward: three at most.
+LIVE = {"1f1b": (2, 1), "interleaved": (4, 3)}
 
 
 def lesson():
@@ -106,8 +114,8 @@ def test_plan_equals_what_each_rank_holds_component_by_component():
             else:
                 assert run["meter"] == planned["activations"] > 0, where
                 assert planned["gathered weights (ZeRO-3)"] == 0, where
-            # 1F1B: the first stage keeps both micro-batches before its first backward, the last one.
-            assert run["live"] == (2 - shape.coords_of(rank)["pp"] if shape.pp > 1 else 1), where
+            schedule = "interleaved" if "interleaved" in name else "1f1b"
+            assert run["live"] == (LIVE[schedule][shape.coords_of(rank)["pp"]] if shape.pp > 1 else 1), where
             phases = dict(run["first_steps"])
             assert phases["built"]["Adam"] == phases["step 0: before optimizer.step"]["Adam"] == 0, where
             for phase in ("step 0: after", "step 1: before optimizer.step", "step 1: after"):
@@ -115,33 +123,38 @@ def test_plan_equals_what_each_rank_holds_component_by_component():
             assert len({sample["parameters"] for sample in phases.values()}) == 1, where
 
 
-# (preset, grid, ep, ZeRO stage, weights, gradients, ranks): the first and the last pipeline stage,
-# and a rank inside every other axis.
+# (preset, grid, ep, ZeRO stage, weights, gradients, ranks, virtual stages): the first and the last
+# pipeline stage, and a rank inside every other axis.
 REAL_SCALE = [
-    ("8b", GridShape(dp=8), 1, 1, torch.bfloat16, torch.bfloat16, (5,)),
-    ("8b", GridShape(dp=2, pp=2, tp=2), 1, 1, torch.bfloat16, torch.float32, (0, 7)),
-    ("8b", GridShape(tp=8), 1, 0, torch.bfloat16, torch.bfloat16, (3,)),
-    ("8b", GridShape(dp=8, tp=8), 1, 3, torch.bfloat16, torch.bfloat16, (13,)),
-    ("8b", GridShape(dp=2, pp=4, cp=2, tp=4), 1, 1, torch.float32, torch.float32, (0, 63)),
-    ("mixtral-8x7b", GridShape(dp=32, tp=2), 8, 3, torch.bfloat16, torch.bfloat16, (5,)),
-    ("mixtral-8x7b", GridShape(dp=4, pp=4, cp=2, tp=2), 8, 1, torch.bfloat16, torch.bfloat16, (1, 62)),
+    ("8b", GridShape(dp=8), 1, 1, torch.bfloat16, torch.bfloat16, (5,), 1),
+    ("8b", GridShape(dp=2, pp=2, tp=2), 1, 1, torch.bfloat16, torch.float32, (0, 7), 1),
+    ("8b", GridShape(tp=8), 1, 0, torch.bfloat16, torch.bfloat16, (3,), 1),
+    ("8b", GridShape(dp=8, tp=8), 1, 3, torch.bfloat16, torch.bfloat16, (13,), 1),
+    ("8b", GridShape(dp=2, pp=4, cp=2, tp=4), 1, 1, torch.float32, torch.float32, (0, 63), 1),
+    ("8b", GridShape(dp=2, pp=4), 1, 1, torch.bfloat16, torch.bfloat16, (0, 7), 3),    # 12 chunks of 32 layers
+    ("mixtral-8x7b", GridShape(dp=32, tp=2), 8, 3, torch.bfloat16, torch.bfloat16, (5,), 1),
+    ("mixtral-8x7b", GridShape(dp=4, pp=4, cp=2, tp=2), 8, 1, torch.bfloat16, torch.bfloat16, (1, 62), 1),
 ]
 
 
-@pytest.mark.parametrize("preset, shape, ep, stage, weights, gradients, ranks", REAL_SCALE,
-                         ids=[f"{case[0]}-{case[1].world_size}gpus-{case[1]}-ZeRO{case[3]}" for case in REAL_SCALE])
-def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, ep, stage, weights, gradients, ranks):
+@pytest.mark.parametrize("preset, shape, ep, stage, weights, gradients, ranks, virtual_stages", REAL_SCALE,
+                         ids=[f"{case[0]}-{case[1].world_size}gpus-{case[1]}-ZeRO{case[3]}-v{case[7]}"
+                              for case in REAL_SCALE])
+def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, ep, stage, weights, gradients, ranks,
+                                                                virtual_stages):
     full_5d = lesson()
     zero = full_5d.zero
     cfg = get_config(preset)
     precision = zero.Precision(weights, gradients)
-    args = full_5d.parse_args(["--zero-stage", str(stage), "--seq-len", "4096", "--micro-batch-size", "1"])
+    args = full_5d.parse_args(["--zero-stage", str(stage), "--seq-len", "4096", "--micro-batch-size", "1",
+                               "--virtual-stages", str(virtual_stages)])
     batch = BatchShape(1, 4096, 1, shape.dp)
     meta = torch.device("meta")
     for rank in ranks:
         grid = ProcessGrid(shape, ep=ep, rank=rank)
         with meta:
-            model = zero.build_model(cfg, SEED, grid, stage, precision, meta, sequences_per_step=shape.dp)
+            model = zero.build_model(cfg, SEED, grid, stage, precision, meta, sequences_per_step=shape.dp,
+                                     virtual_stages=virtual_stages)
         optimizer = zero.build_sharded_optimizer(model, LR)
         # AdamW creates its moments at its first step, from the parameters it steps: one step on
         # meta gradients makes them, shaped as a real run's (every tensor here is shape only).

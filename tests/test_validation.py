@@ -6,7 +6,8 @@ One spawn of 4 gloo ranks runs every layout in turn on the same ranks: 02's tens
 sequence parallelism (the vocab-parallel loss), 03's forward-only interleaved pipeline, 04's ring
 attention inside a pipeline, 05's experts over ep (the balancing losses are not part of the
 validation loss: the reference's forward returns the cross-entropy alone), 06's ZeRO-3 with its
-units kept gathered after forward, through 07's parallelize() with recomputation. A last layout
+units kept gathered after forward, through 07's parallelize() with recomputation, and 07's
+interleaved pipeline under ZeRO-1. A last layout
 trains through the shared loop with validation after every step and must still equal one device.
 
 Tolerances: at the initial weights, the same float32 sums in another order (split matmuls, ring
@@ -141,6 +142,17 @@ def zero3_layout() -> tuple[float, bool]:
     return loss, all(param.numel() == 0 for unit in model.units for param in unit.params)
 
 
+def interleaved_zero_layout() -> float:
+    """Lesson 07's main: pp 2 x dp 2 interleaved (two chunks per rank under one ZeRO-1 wrapper),
+    selective recomputation; the forward-only program through each chunk's PipelineChunk."""
+    full_5d = load_lesson("07_full_5d")
+    grid = ProcessGrid(GridShape(dp=2, pp=2))
+    args = full_5d_args(grid.shape, "--zero-stage", "1", "--recompute", "selective", "--schedule", "interleaved",
+                        "--virtual-stages", "2")
+    _, pipeline = full_5d.parallelize(CFG4, grid, args, CPU)
+    return validate(partial(full_5d.zero.evaluate, pipeline, settings=SETTINGS), grid)
+
+
 def trained_with_validation(metrics_path: str) -> None:
     """07 through the shared loop: dp 2 x tp 2, ZeRO-2, two steps (at the peak learning rate: one
     warm-up step, no decay yet), validation after each, the values in the --metrics file."""
@@ -164,7 +176,7 @@ def trained_with_validation(metrics_path: str) -> None:
 def every_layout(metrics_path: str) -> dict:
     results = {"02 dp2 x tp2 SP": tensor_parallel_layout(), "03 dp2 x pp2 interleaved": pipeline_layout(),
                "04 pp2 x cp2 ring": context_parallel_layout(), "05 dp2 x cp2 ep2": expert_parallel_layout(),
-               "06/07 dp4 ZeRO-3 kept gathered": zero3_layout()}
+               "06/07 dp4 ZeRO-3 kept gathered": zero3_layout(), "07 pp2 x dp2 interleaved": interleaved_zero_layout()}
     trained_with_validation(metrics_path)
     return results
 
@@ -176,7 +188,8 @@ def test_every_lessons_validation_equals_one_device(tmp_path):
     for rank, result in enumerate(runs):
         for name in ("02 dp2 x tp2 SP", "04 pp2 x cp2 ring"):
             assert result[name] == pytest.approx(dense, rel=1e-6, abs=0), (rank, name)
-        assert result["03 dp2 x pp2 interleaved"] == pytest.approx(one_device_val_loss(CFG4), rel=1e-6, abs=0), rank
+        for name in ("03 dp2 x pp2 interleaved", "07 pp2 x dp2 interleaved"):
+            assert result[name] == pytest.approx(one_device_val_loss(CFG4), rel=1e-6, abs=0), (rank, name)
         loss, untouched = result["05 dp2 x cp2 ep2"]
         assert loss == pytest.approx(moe, rel=1e-6, abs=0) and untouched, rank
         loss, released = result["06/07 dp4 ZeRO-3 kept gathered"]
