@@ -89,6 +89,7 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
     torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
     torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1            # with lesson 03
+    torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1 --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2         # experts over edp = 2
     torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2 --dp 2 --cp 2   # with lesson 04 too
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node

@@ -64,7 +64,8 @@ of the 31 GB its blocks keep.
 
 The report predicts every mode for the run's layout and measures the one that ran, equal byte for
 byte (predicted_kept_activation_bytes). Under a pipeline it is the stage's peak: the micro-batches
-lesson 03's schedule keeps alive at once, each with that stage's layers. With experts, lesson 05's
+lesson 03's schedule keeps alive at once, each with that stage's layers (interleaved: each
+(chunk, micro-batch) pair with that chunk's layers). With experts, lesson 05's
 moe_layer_activation_bytes on the measured step's routing counts; selective leaves the routed
 experts alone (their SwiGLU runs inside lesson 05's dispatch, between its all-to-alls; a shared
 expert is a plain SwiGLU and is recomputed). In bf16 every element a block keeps takes 2 bytes
@@ -117,6 +118,7 @@ Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute full
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute selective --dtype bfloat16
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --cp 2 --zero-stage 1 --recompute full
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --zero-stage 1 --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
     torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
