@@ -680,22 +680,31 @@ def report(pipeline, optimizer, plan, args, grid, activations: ActivationMeter, 
 # ============================================================================ main
 
 
+def add_schedule_flags(parser) -> None:
+    """--schedule and --virtual-stages: this lesson's flags, which lessons 04-07 take too (their
+    default needs resolve_virtual_stages after parsing)."""
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+                        help="with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one "
+                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="model chunks per rank for --schedule interleaved (default 2 there, else 1)")
+
+
+def resolve_virtual_stages(args):
+    if args.virtual_stages is None:
+        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
+    return args
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "tp"), fill_axis="pp")
-    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
-                        help="afab: all forwards then all backwards (GPipe); 1f1b: one forward one backward; "
-                             "interleaved: 1f1b over --virtual-stages chunks per rank")
-    parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="model chunks per rank for --schedule interleaved (default 2 there, else 1)")
+    add_schedule_flags(parser)
     parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
                         help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
     add_training_flags(parser, micro_batch_size=4, grad_accum=8, steps=30)
-    args = parser.parse_args(argv)
-    if args.virtual_stages is None:
-        args.virtual_stages = 2 if args.schedule == "interleaved" else 1
-    return args
+    return resolve_virtual_stages(parser.parse_args(argv))
 
 
 def main(argv=None):

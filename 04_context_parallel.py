@@ -560,21 +560,24 @@ def build_parts(cfg, seed: int, grid: ProcessGrid, device, cp: ContextParallel |
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
-                sequence_parallel: bool = False, bucket_bytes: int = 2**20) -> list[torch.nn.Module]:
+                sequence_parallel: bool = False, bucket_bytes: int = 2**20,
+                virtual_stages: int = 1) -> list[torch.nn.Module]:
     """This rank's parts (build_parts), their gradients summed over dp × cp (lesson 01)."""
     return [wrap_gradient_reduction(part, grid, bucket_bytes)
-            for part in build_parts(cfg, seed, grid, device, cp, mode, sequence_parallel)]
+            for part in build_parts(cfg, seed, grid, device, cp, mode, sequence_parallel,
+                                    virtual_stages=virtual_stages)]
 
 
 def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, compute_dtype,
                    sequence_parallel: bool = False):
-    """Lesson 03's Pipeline over the parts, or None without pipeline parallelism. The tensor
-    between stages holds this rank's S/cp tokens (S/cp/tp under sequence parallelism)."""
+    """Lesson 03's Pipeline over the parts (one chunk each, interleaved several), or None without
+    pipeline parallelism. The tensor between stages holds this rank's S/cp tokens (S/cp/tp under
+    sequence parallelism)."""
     if grid.pp_size == 1:
         return None
     tokens = shape.seq_len // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
     return pipeline_parallel.Pipeline(
-        parts, grid, schedule, shape.grad_accum, 1, (shape.micro_batch_size, tokens, cfg.hidden), device,
+        parts, grid, schedule, shape.grad_accum, len(parts), (shape.micro_batch_size, tokens, cfg.hidden), device,
         compute_dtype)
 
 
@@ -629,7 +632,7 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
     if grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
-    if grid.pp > 1:
+    if grid.pp > 1 or (schedule, virtual_stages) != ("1f1b", 1):     # lesson 03's flags are refused without pp
         pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
@@ -637,7 +640,7 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """plan_run's hook: this lesson's rules, on the batch shape that will really run (the
     pipeline's micro-batch count derived from --global-batch-tokens included)."""
     validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
-                              args.sequence_parallel, args.schedule, shape.grad_accum)
+                              args.sequence_parallel, args.schedule, shape.grad_accum, args.virtual_stages)
 
 
 # ============================================================================ measuring the three challenges
@@ -858,9 +861,9 @@ def parse_args(argv=None):
     parser.add_argument("--ring-kernel", choices=RING_KERNELS, default="fused",
                         help="fused: each K/V block in one flash-attention kernel (CPU: float32 and bf16; CUDA: "
                              "bf16 and fp16, float32 runs plain); plain: the block's scores spelled out, the reference")
-    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
+    pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
-    return parser.parse_args(argv)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
 
 def main(argv=None):
@@ -871,7 +874,7 @@ def main(argv=None):
     cp = ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
     compute_dtype = autocast_dtype(args.dtype, device)
     parts = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
-                        int(args.bucket_mb * 2**20))
+                        int(args.bucket_mb * 2**20), args.virtual_stages)
     pipeline = build_pipeline(parts, grid, args.schedule, plan.shape, plan.cfg, device, compute_dtype,
                               args.sequence_parallel)
     optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), args.lr)

@@ -410,10 +410,11 @@ def split_moe_mlp(block, group, norm, column, row) -> None:
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
-                bucket_bytes: int = 2**20) -> list[nn.Module]:
+                bucket_bytes: int = 2**20, virtual_stages: int = 1) -> list[nn.Module]:
     """This rank's parts (build_parts), their gradients summed over dp x cp and edp."""
     return [ExpertDataParallel(part, grid, bucket_bytes)
-            for part in build_parts(cfg, seed, grid, device, grouped, sequences_per_step)]
+            for part in build_parts(cfg, seed, grid, device, grouped, sequences_per_step,
+                                    virtual_stages=virtual_stages)]
 
 
 def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
@@ -465,14 +466,14 @@ def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int
         problems.append(f"--bias-update-rate {bias_update_rate} must be 0 (off) or positive")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
-    if grid.pp > 1:
+    if grid.pp > 1 or (schedule, virtual_stages) != ("1f1b", 1):     # lesson 03's flags are refused without pp
         pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     ep = args.ep if args.ep is not None else grid.dp * grid.cp
     validate_expert_parallel(grid, world_size, moe_config(cfg, args), shape.seq_len, ep, args.schedule,
-                             shape.grad_accum, args.bias_update_rate, args.sequence_parallel)
+                             shape.grad_accum, args.bias_update_rate, args.sequence_parallel, args.virtual_stages)
 
 
 # ============================================================================ measuring the three challenges
@@ -804,10 +805,10 @@ def parse_args(argv=None):
                         help="tokens per expert per sequence: ceil(F k T / E); default: dropless")
     parser.add_argument("--grouped-mm", action=argparse.BooleanOptionalAction, default=True,
                         help="run the experts as grouped matmuls (torch._grouped_mm) where available")
-    parser.add_argument("--schedule", choices=("afab", "1f1b"), default="1f1b", help="pipeline schedule with --pp > 1")
+    pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)
     parser.set_defaults(preset="tiny-moe")
-    return parser.parse_args(argv)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
 
 def main(argv=None):
@@ -819,7 +820,8 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)
     compute_dtype = autocast_dtype(args.dtype, device)
     grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, plan.grid.tp)
-    parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20))
+    parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20),
+                        args.virtual_stages)
     pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)
     optimizer = build_optimizer(nn.ModuleList(part.module for part in parts), args.lr)
     settings = step_settings(parts, grid, device, compute_dtype, args.max_grad_norm)

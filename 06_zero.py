@@ -626,9 +626,6 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
         problems.append(f"--pp {grid.pp} with --zero-stage {stage}: ZeRO-2/3 under a pipeline reduce-scatter (and "
                         f"ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B interleaves: "
                         f"DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
-    if grid.pp == 1 and (schedule == "interleaved" or virtual_stages != 1):
-        problems.append(f"--schedule {schedule} with --virtual-stages {virtual_stages} and --pp 1: there is no "
-                        f"pipeline to interleave; use --pp 2 or more, or drop both flags")
     if cfg.n_experts and stage == 0:
         problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
                         f"use --zero-stage 1, 2 or 3")
@@ -923,7 +920,7 @@ def parse_args(argv=None):
     parser.add_argument("--memory-table", action="store_true",
                         help="print the 8b preset's model states per GPU at every stage and policy, and exit "
                              "(no torchrun needed)")
-    return parser.parse_args(argv)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
 
 def add_flags(parser) -> None:
@@ -940,10 +937,7 @@ def add_flags(parser) -> None:
                         help="ZeRO-3: start gathering the next unit while this one computes")
     parser.add_argument("--ep", type=int, default=None,
                         help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
-    parser.add_argument("--schedule", choices=("afab", "1f1b", "interleaved"), default="1f1b",
-                        help="pipeline schedule with --pp > 1; interleaved: 1f1b over --virtual-stages chunks per rank")
-    parser.add_argument("--virtual-stages", type=int, default=1,
-                        help="with --schedule interleaved: model chunks per pipeline rank (lesson 03)")
+    pipeline_parallel.add_schedule_flags(parser)
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
     parser.add_argument("--ring-kernel", choices=context_parallel.RING_KERNELS, default="fused",

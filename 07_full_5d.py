@@ -149,6 +149,7 @@ from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
 from picotron_like.train import batch_shape, exit_with_error, plan_run, traffic_not_counted, train
 
+pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
@@ -662,7 +663,7 @@ def parse_args(argv=None):
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
     checkpoints.add_checkpoint_flags(parser)
     add_plan_flags(parser)
-    return parser.parse_args(argv)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
 
 def add_plan_flags(parser) -> None:

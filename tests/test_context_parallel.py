@@ -117,6 +117,13 @@ def test_bad_configurations_name_value_rule_and_fix(grid, cfg, seq_len, zigzag, 
         lesson.validate_context_parallel(grid, grid.world_size, cfg, seq_len, zigzag, "ring")
 
 
+def test_lesson_03s_schedule_flags_are_refused_without_a_pipeline():
+    """--schedule interleaved (or virtual stages) at pp = 1 would be ignored: one line refuses it."""
+    with pytest.raises(ConfigError, match="--schedule interleaved with --pp 1: interleaving needs a pipeline"):
+        lesson.validate_context_parallel(GridShape(cp=4), 4, CFG, 64, True, "ring", schedule="interleaved",
+                                         virtual_stages=2)
+
+
 def test_bad_configuration_stops_the_script_before_any_collective():
     """One line on stderr, exit code 2, no process group: validation reads only flags and WORLD_SIZE,
     so one process with torchrun's variables set stands for every rank (and cannot hang)."""
@@ -239,6 +246,12 @@ class Variant:
     sequence_parallel: bool = False
     seq_len: int = SEQ
     masked: bool = False      # train on the global batch mask_targets masks
+    n_layers: int = CFG.n_layers
+    virtual_stages: int = 1   # > 1: lesson 03's interleaved schedule, one part per chunk
+
+    @property
+    def cfg(self):
+        return replace(CFG, n_layers=self.n_layers)
 
 
 def batches(dp: int, seq_len: int = SEQ) -> TokenBatches:
@@ -250,21 +263,24 @@ def gradients(module) -> dict:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
-def observe_gradients(part, optimizer) -> dict:
+def observe_gradients(parts, optimizer) -> dict:
     """Snapshot step 0's gradients from outside train_step: once summed over dp x cp (before
-    clipping), by wrapping the part's finish_gradient_synchronization, and as the optimizer steps
-    (after clipping), by a step pre-hook."""
+    clipping), by wrapping the last part's finish_gradient_synchronization (the step finishes the
+    parts in order), and as the optimizer steps (after clipping), by a step pre-hook."""
     seen = {}
-    finish = part.finish_gradient_synchronization
+    finish = parts[-1].finish_gradient_synchronization
+
+    def every_gradient() -> dict:
+        return {name: grad for part in parts for name, grad in gradients(part.module).items()}
 
     def finish_then_snapshot():
         finish()
-        seen.setdefault("before", gradients(part.module))
+        seen.setdefault("before", every_gradient())
 
     def snapshot_before_step(*_):       # a step pre-hook must return None
-        seen.setdefault("after", gradients(part.module))
+        seen.setdefault("after", every_gradient())
 
-    part.finish_gradient_synchronization = finish_then_snapshot
+    parts[-1].finish_gradient_synchronization = finish_then_snapshot
     optimizer.register_step_pre_hook(snapshot_before_step)
     return seen
 
@@ -274,32 +290,33 @@ def context_parallel_run(variant: Variant):
     clipping, per-step losses and norms, the activations of step 0 and their prediction, the traffic
     and the devices of every collective during training, the predicted traffic, final parameters (as
     this rank holds them)."""
-    grid = ProcessGrid(variant.shape)
+    grid, cfg = ProcessGrid(variant.shape), variant.cfg
     cp = lesson.ContextParallel.from_grid(grid, variant.zigzag)
-    parts = lesson.build_model(CFG, SEED, grid, cp, variant.mode, CPU, variant.sequence_parallel,
-                               bucket_bytes=64 * 1024)
-    (part,) = parts           # without virtual stages, one part per rank, pipeline or not
+    parts = lesson.build_model(cfg, SEED, grid, cp, variant.mode, CPU, variant.sequence_parallel,
+                               bucket_bytes=64 * 1024, virtual_stages=variant.virtual_stages)
     data = batches(variant.shape.dp, variant.seq_len)
-    pipeline = lesson.build_pipeline(parts, grid, "1f1b", data.shape, CFG, CPU, torch.float32,
+    schedule = "interleaved" if variant.virtual_stages > 1 else "1f1b"
+    pipeline = lesson.build_pipeline(parts, grid, schedule, data.shape, cfg, CPU, torch.float32,
                                      variant.sequence_parallel)
-    optimizer = build_optimizer(part.module, LR)
+    optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), LR)
     settings = lesson.step_settings(grid, CPU, torch.float32, MAX_GRAD_NORM)
-    seen = observe_gradients(part, optimizer)
+    seen = observe_gradients(parts, optimizer)
     step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked else data.step_batch
 
-    activations, results = ActivationMeter(part), []
+    activations, results = ActivationMeter(*parts), []
     for step in range(STEPS):
         batch = lesson.context_parallel_batch(step_batch(step, grid.dp_rank), cp.split, cp.rank)
         with activations if step == 0 else nullcontext():
-            results.append(lesson.train_step(part if pipeline is None else pipeline, optimizer, batch, settings))
-    predicted = lesson.predicted_step_traffic(parts, pipeline, CFG, data.shape, grid, variant.mode,
+            results.append(lesson.train_step(parts[0] if pipeline is None else pipeline, optimizer, batch,
+                                             settings))
+    predicted = lesson.predicted_step_traffic(parts, pipeline, cfg, data.shape, grid, variant.mode,
                                               variant.sequence_parallel, torch.float32)
     # A pipeline stage names its parameters as the whole GPT does (layers.2.attn...), so they are
     # the reference's names.
-    named = dict(part.module.named_parameters())
+    named = {name: p for part in parts for name, p in part.module.named_parameters()}
     return {"grads": seen["before"], "clipped_grads": seen["after"], "activations": activations.peak_bytes,
             "predicted_activations": lesson.predicted_peak_activation_bytes(
-                pipeline, CFG, data.shape, grid.cp_size, variant.mode, grid.tp_size, variant.sequence_parallel),
+                pipeline, cfg, data.shape, grid.cp_size, variant.mode, grid.tp_size, variant.sequence_parallel),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "tp_rank": grid.tp_rank, "traffic": {key: t.payload_bytes for key, t in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()},
@@ -312,7 +329,9 @@ CP_VARIANTS = [Variant(GridShape(cp=4), "ring", True), Variant(GridShape(cp=4), 
                Variant(GridShape(dp=2, cp=2), "ring", False), Variant(GridShape(dp=2, cp=2), "ulysses", True)]
 # cp rank 1 of dp rank 0 holds no valid target in its first micro-batch (mask_targets).
 MASKED_VARIANTS = [Variant(GridShape(dp=2, cp=2), "ring", True, masked=True)]
-PP_CP_VARIANTS = [Variant(GridShape(pp=2, cp=2), "ring", True)]
+# The second: lesson 03's interleaved schedule, two chunks of one layer per pipeline rank.
+PP_CP_VARIANTS = [Variant(GridShape(pp=2, cp=2), "ring", True),
+                  Variant(GridShape(pp=2, cp=2), "ring", True, n_layers=4, virtual_stages=2)]
 # cp = 1 with the default zigzag split on an odd sequence, through a pipeline (this crashed on a
 # shape mismatch when the split dropped the last token).
 ODD_SEQ_VARIANTS = [Variant(GridShape(dp=2, pp=2), "ring", True, seq_len=ODD_SEQ)]
@@ -332,9 +351,12 @@ def several_training_variants(variants):
 @pytest.fixture(scope="module")
 def references():
     """One device, the whole global batch in one piece, for each data the variants train on."""
-    runs = {(SEQ, False): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM),
-            (SEQ, True): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM, mask_targets=mask_targets),
-            (ODD_SEQ, False): train_reference(CFG, SEED, batches(1, ODD_SEQ), STEPS, LR, MAX_GRAD_NORM)}
+    layers = CFG.n_layers
+    runs = {(SEQ, False, layers): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM),
+            (SEQ, True, layers): train_reference(CFG, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
+                                                 mask_targets=mask_targets),
+            (ODD_SEQ, False, layers): train_reference(CFG, SEED, batches(1, ODD_SEQ), STEPS, LR, MAX_GRAD_NORM),
+            (SEQ, False, 4): train_reference(replace(CFG, n_layers=4), SEED, batches(1), STEPS, LR, MAX_GRAD_NORM)}
     for run in runs.values():
         # Clipping must act at every step, or the clipping rule would go untested.
         assert min(run["norms"]) > MAX_GRAD_NORM
@@ -372,7 +394,8 @@ def check_variants(per_rank, variants, references):
     for rank, results in enumerate(per_rank):
         for variant in variants:
             result, where = results[variant], f"rank {rank} {variant}"
-            assert_equals_reference(result, references[(variant.seq_len, variant.masked)], variant.shape, where)
+            reference = references[(variant.seq_len, variant.masked, variant.n_layers)]
+            assert_equals_reference(result, reference, variant.shape, where)
             # Activation memory per rank is that of seq/cp tokens, to the byte: one micro-batch of
             # the whole model, or with pp > 1 the micro-batches of its stage that the schedule keeps.
             assert result["activations"] == result["predicted_activations"], where

@@ -144,6 +144,7 @@ class Variant:
     grouped: bool = True
     masked: bool = False
     scale_expert_grads: float = 1.0  # the mutation: != 1 must fail the comparison
+    virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, one part per chunk
 
     @property
     def cfg(self):
@@ -191,31 +192,35 @@ def expert_parallel_run(variant: Variant):
     grid = ProcessGrid(variant.shape, ep=variant.ep)
     data = batches(variant.shape.dp)
     parts = lesson.build_model(variant.cfg, SEED, grid, CPU, variant.grouped, data.shape.sequences_per_step,
-                               bucket_bytes=64 * 1024)
-    (part,) = parts
-    pipeline = context_parallel.build_pipeline(parts, grid, "1f1b", data.shape, variant.cfg, CPU, torch.float32)
-    optimizer = build_optimizer(part.module, LR)
+                               bucket_bytes=64 * 1024, virtual_stages=variant.virtual_stages)
+    schedule = "interleaved" if variant.virtual_stages > 1 else "1f1b"
+    pipeline = context_parallel.build_pipeline(parts, grid, schedule, data.shape, variant.cfg, CPU, torch.float32)
+    optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), LR)
     settings = lesson.step_settings(parts, grid, CPU, torch.float32, MAX_GRAD_NORM)
     groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
     log = lesson.BalancingLog(parts, groups)
     choices, step_of = {}, [0]
     record_choices(parts, grid, data, choices, step_of)
 
-    seen, finish = {}, part.finish_gradient_synchronization
+    # The step finishes the parts' gradient sums in order: the last one's finish sees them all.
+    seen, finish = {}, parts[-1].finish_gradient_synchronization
+
+    def every_gradient() -> dict:
+        return {name: grad for part in parts for name, grad in gradients(part.module).items()}
 
     def finish_then_snapshot():
         finish()
         if variant.scale_expert_grads != 1.0:
-            for p in part.expert_parameters:
+            for p in (p for part in parts for p in part.expert_parameters):
                 p.grad.mul_(variant.scale_expert_grads)
-        seen.setdefault("before", gradients(part.module))
+        seen.setdefault("before", every_gradient())
 
-    part.finish_gradient_synchronization = finish_then_snapshot
-    optimizer.register_step_pre_hook(lambda *_: seen.setdefault("after", gradients(part.module)) and None)
+    parts[-1].finish_gradient_synchronization = finish_then_snapshot
+    optimizer.register_step_pre_hook(lambda *_: seen.setdefault("after", every_gradient()) and None)
     step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
         else data.step_batch
     results, biases = [], []
-    activations, measured_step, every_step = (ActivationMeter(part), lesson.RoutingMeter(parts),
+    activations, measured_step, every_step = (ActivationMeter(*parts), lesson.RoutingMeter(parts),
                                               lesson.RoutingMeter(parts))
     with every_step:
         for step in range(STEPS):
@@ -226,9 +231,10 @@ def expert_parallel_run(variant: Variant):
             with ExitStack() as metering:
                 for meter in (activations, measured_step) if step == 0 else ():
                     metering.enter_context(meter)
-                results.append(lesson.train_step(part if pipeline is None else pipeline, optimizer, batch, settings,
-                                                 variant.bias_update_rate, log))
-            biases.append({n: b.clone() for n, b in part.module.named_buffers() if n.endswith("router_bias")})
+                results.append(lesson.train_step(parts[0] if pipeline is None else pipeline, optimizer, batch,
+                                                 settings, variant.bias_update_rate, log))
+            biases.append({n: b.clone() for part in parts for n, b in part.module.named_buffers()
+                           if n.endswith("router_bias")})
     traffic = {key: t.payload_bytes for key, t in comm.meter.traffic.items()}   # before the gathers below
     ep = lesson.ExpertParallel.from_grid(grid)
     per_step = lesson.predicted_step_traffic(parts, pipeline, variant.cfg, data.shape, grid, torch.float32,
@@ -240,12 +246,12 @@ def expert_parallel_run(variant: Variant):
                 parts, pipeline, variant.cfg, data.shape, grid.cp_size, measured_step, ep, variant.grouped,
                 grid.tp_size),
             "tp_rank": grid.tp_rank, "split_dims": {n: getattr(p, "tp_split_dim", None)
-                                                    for n, p in part.module.named_parameters()},
+                                                    for part in parts for n, p in part.module.named_parameters()},
             "grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
             "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
             "z": [r.extra.get("z", 0.0) for r in results], "logged": set(results[0].extra), "biases": biases,
             "choices": choices, "ep_rank": grid.ep_rank,
-            "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
+            "params": {n: p.detach().clone() for part in parts for n, p in part.module.named_parameters()}}
 
 
 def several_variants(variants):
@@ -260,6 +266,8 @@ VARIANTS = [
     Variant(GridShape(dp=2, cp=2), 4, BALANCED, bias_update_rate=1e-3, masked=True),
     Variant(GridShape(dp=4), 2, (("capacity_factor", 1.0), ("aux_loss_coef", 1e-2))),
     Variant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3),
+    # lesson 03's interleaved schedule: two chunks of one layer per pipeline rank
+    Variant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), bias_update_rate=1e-3, virtual_stages=2),
     Variant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1))),
     Variant(GridShape(cp=2, tp=2), 2, (("router", "sigmoid"), ("aux_loss_coef", 1e-2)), bias_update_rate=1e-3,
             grouped=False, masked=True),
@@ -284,7 +292,7 @@ def forced_reference(variant: Variant, per_rank) -> dict:
             full = forced.setdefault(key, torch.full((GLOBAL_SEQUENCES, SEQ, k), -1, dtype=torch.int64))
             for rows, positions, ids, _ in calls:
                 full[rows[:, None], positions[None, :]] = ids
-    queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(CFG.n_layers)]
+    queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(variant.cfg.n_layers)]
     assert all((choice >= 0).all() for choice in queue), "every token routed exactly once"
     flips, drops, original, original_mask = [], [], model_module.top_k_experts, model_module.capacity_mask
 
@@ -337,7 +345,8 @@ def assert_equals_reference(result, reference, variant: Variant, where: str):
 
 def test_expert_parallel_training_equals_one_device(four_rank_training):
     """ep = 4 over dp = 4, ep = 2 and 4 over dp x cp = 2 x 2 (cp pairs inside an ep group, and ep
-    spanning both), capacity with drops at ep = 2 of dp = 4, ep = 2 with two pipeline stages, and
+    spanning both), capacity with drops at ep = 2 of dp = 4, ep = 2 with two pipeline stages (1F1B,
+    and interleaved with two chunks per rank), and
     ep = 2 with every expert split over tp = 2, of dp = 2 and of cp = 2: softmax and sigmoid
     routers, aux / z losses, the shared expert (split over tp too), router bias, masked targets.
     On every rank, the activations at step 0's peak equal the MoE formula on that step's routing
