@@ -258,7 +258,7 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     for argv, message in [(["--pp", "2", "--zero-stage", "2"], "--pp 2 with --zero-stage 2"),
                           (["--tp", "3"], "world size"),
                           (["--preset", "tiny-moe", "--zero-stage", "0", "--ep", "2"], "--zero-stage 0: experts"),
-                          (["--schedule", "interleaved", "--virtual-stages", "2"], "interleaving needs a pipeline"),
+                          (["--tp", "2", "--schedule", "interleaved"], "interleaving needs a pipeline"),
                           (["--pp", "2", "--zero-stage", "1", "--schedule", "interleaved", "--virtual-stages", "3"],
                            "every chunk needs a layer")]:
         args = full_5d.parse_args(argv)
