@@ -217,8 +217,10 @@ class ZeroDataParallel(nn.Module):
     Gradients: every parameter has a post-accumulate hook; when all of a unit's parameters hold
     this micro-batch's gradient, the unit is flattened in the reduce dtype and the per-parameter
     gradients are dropped. Stages 0-1 add it into a full gradient buffer and reduce that once, on
-    the last micro-batch; stages 2-3 reduce-scatter it at once into the gradient shard. One
-    reduce-scatter is in flight at a time: it runs while autograd computes the next unit.
+    the last micro-batch; stages 2-3 reduce-scatter it at once into the gradient shard. Either
+    way the reduction runs while autograd computes the units before it: stages 0-1 reduce each
+    unit's own buffer in place, so every unit's reduction may be in flight at once; stages 2-3
+    need a buffer per reduction, so one is in flight at a time, which bounds that memory.
 
     Experts (lesson 05): a rank holds its ep group's share of the experts, the same as the other
     ranks of its expert-data-parallel group `expert_group` and no other. So a block with experts
@@ -242,6 +244,7 @@ class ZeroDataParallel(nn.Module):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
         self._unit_of = {param: unit for unit in self.units for param in unit.params}
         self._in_flight = None
+        self._whole_buffer_reductions = []      # stages 0-1: the handles of the step's reductions
         for unit in self.units:
             self._shard_states(unit)
         for param in self._unit_of:
@@ -295,10 +298,12 @@ class ZeroDataParallel(nn.Module):
         if self.stage <= 1:
             unit.grad_buffer += flat
             if self.require_backward_grad_sync and self.stage == 0:
-                comm.call(dist.all_reduce, unit.grad_buffer, group=unit.group)
+                self._whole_buffer_reductions.append(
+                    comm.call(dist.all_reduce, unit.grad_buffer, group=unit.group, async_op=True))
             elif self.require_backward_grad_sync:
                 # In place: this rank's shard of the buffer receives the sum of every rank's shard.
-                comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=unit.group)
+                self._whole_buffer_reductions.append(comm.call(comm.reduce_scatter_single, unit.grad_shard,
+                                                               unit.grad_buffer, group=unit.group, async_op=True))
             return
         self._finish_in_flight()
         partial_shard = torch.empty_like(unit.grad_shard)
@@ -310,6 +315,9 @@ class ZeroDataParallel(nn.Module):
         """Stage 3 frees the unit's gathered weights here (see ZeroStage3)."""
 
     def _finish_in_flight(self) -> None:
+        for handle in self._whole_buffer_reductions:
+            handle.wait()
+        self._whole_buffer_reductions.clear()
         if self._in_flight is not None:
             handle, unit, partial_shard, _ = self._in_flight
             handle.wait()
