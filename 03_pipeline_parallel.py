@@ -686,12 +686,12 @@ def add_schedule_flags(parser) -> None:
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
                         help="with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one "
                              "backward; interleaved, 1f1b over --virtual-stages chunks per rank")
-    parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="model chunks per rank for --schedule interleaved (default 2 there, else 1)")
+    parser.add_argument("--virtual-stages", metavar="V", type=int, default=argparse.SUPPRESS,
+                        help="model chunks per rank for --schedule interleaved (default: 2 there, else 1)")
 
 
 def resolve_virtual_stages(args):
-    if args.virtual_stages is None:
+    if not hasattr(args, "virtual_stages"):
         args.virtual_stages = 2 if args.schedule == "interleaved" else 1
     return args
 
