@@ -49,6 +49,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
   # dp 2 x pp 2 x tp 2 with sequence parallelism, ZeRO-1, selective recompute: ~20 GB of model
   # states per rank, activations of two live micro-batches on the first stage.
   run8 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big
+  # dp 2 x pp 4, interleaved over 2 chunks of 4 layers per rank, ZeRO-1, selective recompute: the
+  # memory plan gives the first stage 50 GiB (11 chunk micro-batches live at its peak).
+  run8 07_full_5d.py --dp 2 --pp 4 --schedule interleaved --virtual-stages 2 --zero-stage 1 --recompute selective --grad-accum 8 $big
   # dp 8, ZeRO-3, full recompute: 16 GB of model states per rank, weights gathered per block.
   run8 07_full_5d.py --dp 8 --zero-stage 3 --recompute full --grad-accum 1 $big
 fi
