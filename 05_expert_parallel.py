@@ -434,6 +434,19 @@ def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
 # ============================================================================ configuration rules
 
 
+def add_moe_flags(parser) -> None:
+    """The router and balancing flags, which lessons 06 and 07 take too (moe_config applies them)."""
+    parser.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax",
+                        help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3)")
+    parser.add_argument("--shared-experts", type=int, default=0, help="width, in experts, of a shared expert")
+    parser.add_argument("--aux-loss-coef", type=float, default=0.0, help="sequence-wise auxiliary loss (0: off)")
+    parser.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss, softmax router (0: off)")
+    parser.add_argument("--bias-update-rate", type=float, default=0.0,
+                        help="auxiliary-loss-free balancing: router bias step per optimizer step (0: off)")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="tokens per expert per sequence: ceil(F k T / E); default: dropless")
+
+
 def moe_config(cfg, args):
     """The preset with the MoE flags applied (GPTConfig checks their ranges and their meaning on
     a dense preset: a ValueError, which plan_run prints as one error line)."""
@@ -495,6 +508,8 @@ class BalancingLog:
             layer.register_forward_hook(self._read)
 
     def _read(self, layer, inputs, output):
+        # Lesson 07's full recomputation runs the layer again inside backward, but checkpoint stops
+        # once the last tensor backward needs is rebuilt, inside the layer: this hook never fires then.
         if not layer.training:      # a validation forward: not part of any step's objective
             return
         values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
@@ -734,16 +749,25 @@ def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compu
                                                         compute_dtype)
     expert_bytes = 4 * sum(p.numel() for part in parts for p in part.expert_parameters)
     n_layers = sum(len(part.module.layers) for part in parts)
-    log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    extra = [{("all_reduce", "dp_cp"): -expert_bytes + 4 * log_values, ("all_reduce", "edp"): expert_bytes},
-             expert_layer_traffic(cfg, shape, grid, n_layers, compute_dtype)]
-    if pipeline is not None and log_values:
-        extra.append({("all_reduce", "pp"): 4 * log_values})
+    extra = [{("all_reduce", "dp_cp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes},
+             expert_layer_traffic(cfg, shape, grid, n_layers, compute_dtype),
+             balancing_traffic(cfg, n_layers, pipeline is not None, bias_update_rate)]
     if grid.ep_size > 1:
         extra.append({("all_reduce", "ep"): 4})
-    if bias_update_rate:
-        extra.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
     return add_traffic(predicted, *extra)
+
+
+def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: float) -> dict:
+    """The step's balancing bookkeeping: BalancingLog's enabled values (aux, z: one float each)
+    summed over dp x cp, and over pp when `pipelined`; with auxiliary-loss-free balancing, the
+    router loads, E floats per MoE layer, summed over dp x cp."""
+    log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
+    traffic = [{("all_reduce", "dp_cp"): 4 * log_values}] if log_values else []
+    if pipelined and log_values:
+        traffic.append({("all_reduce", "pp"): 4 * log_values})
+    if bias_update_rate:
+        traffic.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
+    return add_traffic(*traffic)
 
 
 def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, measured_step: RoutingMeter,
@@ -794,15 +818,7 @@ def parse_args(argv=None):
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp")
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
-    parser.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax",
-                        help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3)")
-    parser.add_argument("--shared-experts", type=int, default=0, help="width, in experts, of a shared expert")
-    parser.add_argument("--aux-loss-coef", type=float, default=0.0, help="sequence-wise auxiliary loss (0: off)")
-    parser.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss, softmax router (0: off)")
-    parser.add_argument("--bias-update-rate", type=float, default=0.0,
-                        help="auxiliary-loss-free balancing: router bias step per optimizer step (0: off)")
-    parser.add_argument("--capacity-factor", type=float, default=None,
-                        help="tokens per expert per sequence: ceil(F k T / E); default: dropless")
+    add_moe_flags(parser)
     parser.add_argument("--grouped-mm", action=argparse.BooleanOptionalAction, default=True,
                         help="run the experts as grouped matmuls (torch._grouped_mm) where available")
     pipeline_parallel.add_schedule_flags(parser)

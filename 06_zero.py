@@ -532,11 +532,14 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, stage, precision, expert_group)
 
 
-def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
+               balancing_log=None) -> StepResult:
     """The micro-batches' forward and backward, by lesson 01's loop or by lesson 03's schedule on
     this rank's stage, then the sharded tail: the norm from the shards, the step on the master
     shard, the weights published. Pipeline stages hold different parameters: as in lesson 03's
-    step, the norm also sums over pp, and so does the loss (only the last stage computes it)."""
+    step, the norm also sums over pp, and so does the loss (only the last stage computes it).
+    With experts, lesson 05's tail: the router biases move (`bias_update_rate`) unless the shared
+    loop skipped the step, and the step's aux and z losses go to the log (`balancing_log`)."""
     if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
         model, pipeline_groups = model_or_pipeline.chunks[0].sharded, (model_or_pipeline.pp_group,)
         loss = model_or_pipeline.forward_backward(batch)
@@ -549,7 +552,9 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
     model.zero_grad()
     for group in (*pipeline_groups, model.dp_group):
         comm.call(dist.all_reduce, loss, group=group)
-    return StepResult(loss.item(), grad_norm)
+    if bias_update_rate and math.isfinite(grad_norm):
+        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate)
+    return StepResult(loss.item(), grad_norm, balancing_log.step_values() if balancing_log is not None else {})
 
 
 def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
@@ -604,6 +609,15 @@ def model_parts(model: ZeroDataParallel, pipeline) -> list[nn.Module]:
     return list(pipeline.chunks) if pipeline is not None else [model]
 
 
+def balancing_log(model: ZeroDataParallel, pipeline, grid: ProcessGrid):
+    """Lesson 05's log of the step's aux and z losses, summed over the ranks holding other tokens
+    (dp x cp) and other layers (pp); None without experts."""
+    if not any(unit_counts(model)[1]):
+        return None
+    return expert_parallel.BalancingLog(model_parts(model, pipeline),
+                                        (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
+
+
 def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
     """Autocast in the weights' dtype (a no-op on bf16 weights' matmuls, the float32 norms and loss
     as in the reference); lesson 03's norm rule for tensor-parallel shards (train_step adds pp)."""
@@ -626,7 +640,8 @@ def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
 
 def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
                   seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
-                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1, virtual_stages: int = 1) -> None:
+                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1, virtual_stages: int = 1,
+                  bias_update_rate: float = 0.0) -> None:
     """ZeRO's rules, then lesson 04's (which include lessons 02's, 03's and the grid's), or with
     experts the grid's (zigzag included) and lesson 05's (its own tp split; lesson 02 refuses experts)."""
     problems = []
@@ -639,6 +654,9 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
                         f"use --zero-stage 1, 2 or 3")
     if not cfg.n_experts and ep != 1:
         problems.append(f"--ep {ep} with a dense preset: there are no experts to spread; use --ep 1 or --preset tiny-moe")
+    if not cfg.n_experts and bias_update_rate:
+        problems.append(f"--bias-update-rate {bias_update_rate} with a dense preset: there are no routers to "
+                        f"balance; drop it or use --preset tiny-moe")
     if dtype == "float32" and reduce_dtype == "bfloat16":
         problems.append("--reduce-dtype bfloat16 with --dtype float32 rounds float32 gradients to 8 bits "
                         "for nothing; use --dtype bfloat16 or --reduce-dtype float32")
@@ -652,15 +670,17 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
                                                    sequence_parallel, schedule, n_micro, virtual_stages)
         return
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
-    expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep, schedule, n_micro,
-                                             sequence_parallel=sequence_parallel, virtual_stages=virtual_stages)
+    expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep, schedule, n_micro, bias_update_rate,
+                                             sequence_parallel, virtual_stages)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count."""
+    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count;
+    the model with lesson 05's router and balancing flags applied (moe_config)."""
+    cfg = expert_parallel.moe_config(cfg, args)
     validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
                   args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid),
-                  args.schedule, shape.grad_accum, args.virtual_stages)
+                  args.schedule, shape.grad_accum, args.virtual_stages, args.bias_update_rate)
 
 
 # ============================================================================ measuring the three challenges
@@ -884,7 +904,9 @@ def predicted_step_traffic(model: ZeroDataParallel, pipeline, cfg, shape, args, 
     norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
                                                  getattr(model, "reshard_after_forward", True), norm_groups),
-                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum))
+                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
+                            expert_parallel.balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
+                                                              args.bias_update_rate) if cfg.n_experts else {})
     inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
                                     routing, steps)
     if inner is None:
@@ -945,6 +967,7 @@ def add_flags(parser) -> None:
                         help="ZeRO-3: start gathering the next unit while this one computes")
     parser.add_argument("--ep", type=int, default=None,
                         help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
+    expert_parallel.add_moe_flags(parser)
     pipeline_parallel.add_schedule_flags(parser)
     parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
@@ -959,6 +982,7 @@ def main(argv=None):
         print(zero_memory_table("8b", (8, 64)))
         return
     plan = plan_run(args, validate)
+    plan = replace(plan, cfg=expert_parallel.moe_config(plan.cfg, args))
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
@@ -978,7 +1002,8 @@ def main(argv=None):
     # With experts, the tp / cp / ep traffic depends on the routing: every step's counts predict it.
     routing = expert_parallel.RoutingMeter(model_parts(model, pipeline)) if plan.cfg.n_experts else None
     model_or_pipeline = model if pipeline is None else pipeline
-    step = partial(train_step, model_or_pipeline, optimizer, settings=settings)
+    step = partial(train_step, model_or_pipeline, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
+                   balancing_log=balancing_log(model, pipeline, grid))
     with routing or nullcontext():
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                            prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),

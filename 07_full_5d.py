@@ -294,7 +294,8 @@ def run_settings(args, precision) -> dict:
     """What a resuming run may change, but is told about when it does (resume's notes): the
     learning-rate schedule, clipping, the dtypes the weights and gradients are held in, the data."""
     return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "max_grad_norm": args.max_grad_norm, "data": args.data or "the built-in corpus",
+            "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
+            "data": args.data or "the built-in corpus",
             "dtype": str(precision.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
 
@@ -365,7 +366,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     the checkpoint flags and the checkpoint --resume names, checked before any process group."""
     zero.validate(cfg, grid, shape, args, world_size)
     checkpoints.check_flags(args)
-    checkpoint_to_resume(args, cfg, shape)
+    checkpoint_to_resume(args, expert_parallel.moe_config(cfg, args), shape)
 
 
 # ============================================================================ measuring the three challenges
@@ -687,6 +688,7 @@ def main(argv=None):
         load_lesson("07_memory_plan").print_memory_plan(args)
         return
     plan = plan_run(args, validate)
+    plan = replace(plan, cfg=expert_parallel.moe_config(plan.cfg, args))
     manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
     snapshot = start_memory_history(args.memory_snapshot, device)
@@ -705,7 +707,9 @@ def main(argv=None):
                            if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
-    step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings))
+    step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings,
+                                       bias_update_rate=args.bias_update_rate,
+                                       balancing_log=zero.balancing_log(model, pipeline, grid)))
     with every_step or nullcontext():
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                            prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),

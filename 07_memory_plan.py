@@ -357,7 +357,7 @@ def checked_plan_flags(args):
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
-        cfg = get_config(args.preset, n_layers=args.n_layers)
+        cfg = expert_parallel.moe_config(get_config(args.preset, n_layers=args.n_layers), args)
         grid = grid_from_args(args, args.gpus)
         ep = zero.expert_degree(args.ep, cfg, grid)
         shape = batch_shape(args, grid.dp)

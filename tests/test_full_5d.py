@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from functools import partial
 
+import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -34,6 +35,7 @@ from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffi
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
+from picotron_like.train import build_optimizer
 from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gradients
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
@@ -44,19 +46,26 @@ CPU = torch.device("cpu")
 MODES = ("none", "selective", "full")
 BF16 = ("--dtype", "bfloat16")
 INTERLEAVED = ("--schedule", "interleaved", "--virtual-stages", "2")
+AUX = ("--aux-loss-coef", "0.01")
+# Lesson 05's router and balancing flags through 07's: DeepSeek-V3's sigmoid router, a shared
+# expert, the auxiliary loss and auxiliary-loss-free bias balancing.
+MOE_FLAGS = ("--router", "sigmoid", "--shared-experts", "1", *AUX, "--bias-update-rate", "1e-3")
 # name: (grid, ep, ZeRO stage, model, extra flags)
 LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "dp2 x tp2 SP ZeRO-2": (GridShape(dp=2, tp=2), 1, 2, CFG, ("--sequence-parallel",)),
            "pp2 x cp2 ZeRO-1": (GridShape(pp=2, cp=2), 1, 1, CFG, ()),
            "dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG, ()),
-           "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, replace(MOE_CFG, aux_loss_coef=0.01), ()),
-           "dp2 x cp2 moe ep2 ZeRO-1 bf16": (GridShape(dp=2, cp=2), 2, 1, replace(MOE_CFG, aux_loss_coef=0.01), BF16),
+           "dp2 x cp2 moe ep2 ZeRO-1": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, AUX),
+           "dp2 x cp2 moe ep2 ZeRO-1 bf16": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, (*AUX, *BF16)),
+           "dp2 x cp2 moe ep2 ZeRO-1 sigmoid, shared, bias": (GridShape(dp=2, cp=2), 2, 1, MOE_CFG, MOE_FLAGS),
            "pp2 x tp2 SP ZeRO-1 bf16": (GridShape(pp=2, tp=2), 1, 1, CFG, ("--sequence-parallel", *BF16)),
            "pp2 x dp2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, INTERLEAVED),
-           "pp2 x dp2 moe ep2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 2, 1,
-                                                     replace(MOE_CFG, n_layers=4, aux_loss_coef=0.01), INTERLEAVED)}
+           "pp2 x dp2 moe ep2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 2, 1, replace(MOE_CFG, n_layers=4),
+                                                     (*INTERLEAVED, *AUX))}
 # This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
 PLAIN_RING = "pp2 x cp2 ZeRO-1"
+# And this one as lesson 05 runs it, with the same flags on the same ranks.
+MOE_FLAGS_LAYOUT = "dp2 x cp2 moe ep2 ZeRO-1 sigmoid, shared, bias"
 
 
 def lesson():
@@ -71,10 +80,12 @@ def flags(grid: GridShape, stage: int, recompute: str, extra=()) -> list[str]:
 
 
 def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
-    """Three steps as 07's main runs them, step 0 metered (activations; with experts, every step's routing)."""
+    """Three steps as 07's main runs them, step 0 metered (activations; with experts, every step's
+    routing), with lesson 05's router and balancing flags applied to `cfg` (moe_config)."""
     full_5d = lesson()
     zero = full_5d.zero
     args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra))
+    cfg = full_5d.expert_parallel.moe_config(cfg, args)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
@@ -90,14 +101,18 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     routings = ([full_5d.expert_parallel.RoutingMeter(zero.model_parts(model, pipeline)) for _ in range(STEPS)]
                 if cfg.n_experts else [])
     routing = routings[0] if routings else None
+    log = zero.balancing_log(model, pipeline, grid)
     comm.meter.reset()
-    results = []
+    results, biases = [], []
     for step in range(STEPS):
         with ExitStack() as metered:
             for meter in ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1]:
                 metered.enter_context(meter)
             results.append(zero.train_step(model if pipeline is None else pipeline, optimizer,
-                                           cut(data.step_batch(step, grid.dp_rank)), settings))
+                                           cut(data.step_batch(step, grid.dp_rank)), settings,
+                                           args.bias_update_rate, log))
+        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
+                       if name.endswith("router_bias")})
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
     shape, e = data.shape, model.precision.param_dtype.itemsize
     # Each step's prediction as the report makes it (07's recomputed forward in lesson 06's table),
@@ -107,7 +122,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
                           for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
+            "aux": [r.extra.get("aux") for r in results], "biases": biases, "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
             "predicted_gathered": zero.predicted_gathered_peak(zero.unit_counts(model)[0], grid.dp_size * grid.cp_size,
                                                                e, model.reshard_after_forward, model.prefetch)
             if stage == 3 else None,
@@ -120,12 +135,41 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
                                                for forwards, extra in forwards_and_extra))}
 
 
+def lesson_05_run(grid: ProcessGrid, extra) -> dict:
+    """Lesson 05's own run of the same flags on the same ranks (its ExpertDataParallel, its step
+    with the router-bias update and the balancing log): what 07 must equal with lesson 05's flags."""
+    expert_parallel = lesson().expert_parallel
+    args = expert_parallel.parse_args(["--dp", str(grid.dp_size), "--cp", str(grid.cp_size), "--seq-len", str(SEQ),
+                                       "--micro-batch-size", str(MICRO), "--grad-accum",
+                                       str(GLOBAL_SEQUENCES // (MICRO * grid.dp_size)), *extra])
+    cfg = expert_parallel.moe_config(MOE_CFG, args)
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
+                        vocab_size=cfg.vocab_size)
+    (part,) = expert_parallel.build_model(cfg, SEED, grid, CPU, False, data.shape.sequences_per_step)
+    optimizer = build_optimizer(part.module, LR)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
+    log = expert_parallel.BalancingLog([part], (grid.dp_cp_group,))
+    cut = lesson().context_parallel.sequence_cut(grid, zigzag=True)     # lesson 05's main's cut
+    results, biases = [], []
+    for step in range(STEPS):
+        results.append(expert_parallel.train_step(part, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings,
+                                                  args.bias_update_rate, log))
+        biases.append({name: bias.clone() for name, bias in part.module.named_buffers()
+                       if name.endswith("router_bias")})
+    return {"losses": [r.loss for r in results], "aux": [r.extra.get("aux") for r in results], "biases": biases,
+            "params": {name: p.detach().clone() for name, p in part.module.named_parameters()}}
+
+
 def every_layout() -> dict:
     runs = {}
     for name, (shape, ep, stage, cfg, extra) in LAYOUTS.items():
         grid = ProcessGrid(shape, ep=ep)
         for recompute in MODES:
             runs[name, recompute] = run(grid, stage, recompute, cfg, extra)
+    shape, ep, _, _, extra = LAYOUTS[MOE_FLAGS_LAYOUT]
+    runs[MOE_FLAGS_LAYOUT, "lesson 05"] = lesson_05_run(ProcessGrid(shape, ep=ep), extra)
     shape, ep, stage, cfg, extra = LAYOUTS[PLAIN_RING]
     runs[PLAIN_RING, "plain ring"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg,
                                          (*extra, "--ring-kernel", "plain"))
@@ -165,6 +209,12 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
             none, where = runs[name, "none"], f"rank={rank} {name}"
             for recompute in ("selective", "full"):
                 assert_close(runs[name, recompute], none, f"{where} {recompute} vs none")
+                # Full recomputation routes every token twice per step: the logged aux loss and the
+                # bias update (a sign of the load's difference from its mean) must not change.
+                if none["aux"][0] is not None:
+                    assert runs[name, recompute]["aux"] == pytest.approx(none["aux"], rel=1e-6), f"{where} {recompute}"
+                for ours, theirs in zip(runs[name, recompute]["biases"], none["biases"]):
+                    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), where
             if cfg in references and "--dtype" not in extra and shape.tp == 1:
                 assert_close(none, references[cfg], f"{where} vs one device")
             elif cfg in references and "--dtype" not in extra:     # tp ranks hold shards: their losses
@@ -188,6 +238,14 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
                 unpredicted = set(run_["traffic"]) - set(table)
                 assert not unpredicted if "--dtype" not in extra else {key[1] for key in unpredicted} <= {
                     "tp", "cp", "ep"}, f"{where} {recompute}: {unpredicted}"
+        ours, theirs, where = runs[MOE_FLAGS_LAYOUT, "none"], runs[MOE_FLAGS_LAYOUT, "lesson 05"], f"rank={rank} 05"
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=0, atol=1e-5)
+        assert ours["aux"] == pytest.approx(theirs["aux"], rel=1e-5) and all(theirs["aux"]), (ours["aux"], theirs["aux"])
+        assert any(bias.abs().sum() > 0 for bias in theirs["biases"][-1].values()), "the biases must move"
+        for step, (mine, lesson_05s) in enumerate(zip(ours["biases"], theirs["biases"])):
+            assert all(torch.equal(mine[name], lesson_05s[name]) for name in lesson_05s), f"{where} step {step}"
+        for name, value in theirs["params"].items():
+            torch.testing.assert_close(ours["params"][name], value, **PARAM_TOLERANCE, msg=f"{where} param {name}")
         plain, fused, where = runs[PLAIN_RING, "plain ring"], runs[PLAIN_RING, "none"], f"rank={rank} {PLAIN_RING}"
         assert plain["ring_kernels"] == {"plain"} and fused["ring_kernels"] == {"fused"}, where
         assert_close(plain, reference, f"{where} plain ring kernel vs one device")
@@ -259,6 +317,8 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
                           (["--tp", "3"], "world size"),
                           (["--preset", "tiny-moe", "--zero-stage", "0", "--ep", "2"], "--zero-stage 0: experts"),
                           (["--tp", "2", "--schedule", "interleaved"], "interleaving needs a pipeline"),
+                          (["--tp", "2", "--bias-update-rate", "1e-3"], "there are no routers to balance"),
+                          (["--tp", "2", "--aux-loss-coef", "0.01"], "needs a mixture-of-experts model"),
                           (["--pp", "2", "--zero-stage", "1", "--schedule", "interleaved", "--virtual-stages", "3"],
                            "every chunk needs a layer")]:
         args = full_5d.parse_args(argv)
