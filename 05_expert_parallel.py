@@ -434,24 +434,34 @@ def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequen
 # ============================================================================ configuration rules
 
 
+# flag -> the GPTConfig field it sets; a flag left out keeps the preset's value
+MOE_FLAGS = {"router": "router", "shared_experts": "n_shared_experts", "aux_loss_coef": "aux_loss_coef",
+             "z_loss_coef": "z_loss_coef", "capacity_factor": "capacity_factor"}
+
+
 def add_moe_flags(parser) -> None:
-    """The router and balancing flags, which lessons 06 and 07 take too (moe_config applies them)."""
-    parser.add_argument("--router", choices=("softmax", "sigmoid"), default="softmax",
-                        help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3)")
-    parser.add_argument("--shared-experts", type=int, default=0, help="width, in experts, of a shared expert")
-    parser.add_argument("--aux-loss-coef", type=float, default=0.0, help="sequence-wise auxiliary loss (0: off)")
-    parser.add_argument("--z-loss-coef", type=float, default=0.0, help="router z-loss, softmax router (0: off)")
+    """The router and balancing flags, which lessons 06 and 07 take too (moe_config applies them).
+    The model's flags default to the preset's values (tiny-moe: softmax, no shared expert, no
+    balancing loss, dropless), so a preset stays what it says."""
+    unset = argparse.SUPPRESS
+    parser.add_argument("--router", choices=("softmax", "sigmoid"), default=unset,
+                        help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3); default: the preset's")
+    parser.add_argument("--shared-experts", type=int, default=unset,
+                        help="width, in experts, of a shared expert (0: none); default: the preset's")
+    parser.add_argument("--aux-loss-coef", type=float, default=unset,
+                        help="sequence-wise auxiliary loss (0: off); default: the preset's")
+    parser.add_argument("--z-loss-coef", type=float, default=unset,
+                        help="router z-loss, softmax router (0: off); default: the preset's")
+    parser.add_argument("--capacity-factor", type=float, default=unset,
+                        help="tokens per expert per sequence: ceil(F k T / E); default: the preset's (dropless)")
     parser.add_argument("--bias-update-rate", type=float, default=0.0,
                         help="auxiliary-loss-free balancing: router bias step per optimizer step (0: off)")
-    parser.add_argument("--capacity-factor", type=float, default=None,
-                        help="tokens per expert per sequence: ceil(F k T / E); default: dropless")
 
 
 def moe_config(cfg, args):
-    """The preset with the MoE flags applied (GPTConfig checks their ranges and their meaning on
-    a dense preset: a ValueError, which plan_run prints as one error line)."""
-    return replace(cfg, router=args.router, n_shared_experts=args.shared_experts, capacity_factor=args.capacity_factor,
-                   aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
+    """The preset with the MoE flags that were given applied (GPTConfig checks their ranges and
+    their meaning on a dense preset: a ValueError, which plan_run prints as one error line)."""
+    return replace(cfg, **{field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if hasattr(args, flag)})
 
 
 def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, ep: int, schedule: str = "1f1b",

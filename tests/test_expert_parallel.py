@@ -121,6 +121,15 @@ def test_bad_configurations_name_value_rule_and_fix(grid, ep, options, sequence_
                                         sequence_parallel=sequence_parallel)
 
 
+def test_moe_flags_change_only_what_is_given():
+    """A preset keeps its router, shared expert and balancing losses unless a flag says otherwise
+    (flags that defaulted to Mixtral's values would silently turn a sigmoid preset into softmax)."""
+    preset = replace(CFG, router="sigmoid", n_shared_experts=1, aux_loss_coef=0.02, capacity_factor=1.5)
+    assert lesson.moe_config(preset, lesson.parse_args([])) == preset
+    changed = lesson.moe_config(preset, lesson.parse_args(["--router", "softmax", "--z-loss-coef", "1e-3"]))
+    assert changed == replace(preset, router="softmax", z_loss_coef=1e-3)
+
+
 def test_moe_flags_on_a_dense_preset_and_top_k_above_experts_stop_the_script():
     """One error line, exit code 2, no process group (one process stands for every rank)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0")
