@@ -291,7 +291,7 @@ def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
     """Every layout of `world_size` ranks that lesson 07 accepts, for the same global batch (the
     flags' sequences per step) and micro-batch size: each grid (tp within a node), ZeRO stage,
     recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp.
-    Pipelines run the flags' schedule (and virtual stages); a grid without one, 1F1B's degree 1."""
+    Pipelines run 1F1B, interleaved 1F1B over two chunks per rank, and the flags' schedule."""
     sequences = batch_shape(args, grid_from_args(args, world_size).dp).sequences_per_step
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, pp, cp in itertools.product(divisors, repeat=3):
@@ -301,12 +301,15 @@ def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
         if sequences % (grid.dp * args.micro_batch_size):
             continue
         accum = sequences // (grid.dp * args.micro_batch_size)
+        schedules = dict.fromkeys([(args.schedule, args.virtual_stages), ("1f1b", 1), ("interleaved", 2)]) \
+            if pp > 1 else [("1f1b", 1)]
         for ep in [d for d in divisors if (grid.dp * cp) % d == 0 and cfg.n_experts % d == 0] if cfg.n_experts else [1]:
-            for stage, sequence_parallel in itertools.product(range(4), (False, True) if tp > 1 else (False,)):
+            for stage, sequence_parallel, (schedule, virtual_stages) in itertools.product(
+                    range(4), (False, True) if tp > 1 else (False,), schedules):
                 candidate = argparse.Namespace(**{**vars(args), "dp": grid.dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
                                                   "zero_stage": stage, "sequence_parallel": sequence_parallel,
                                                   "grad_accum": accum, "global_batch_tokens": None,
-                                                  **({} if pp > 1 else {"schedule": "1f1b", "virtual_stages": 1})})
+                                                  "schedule": schedule, "virtual_stages": virtual_stages})
                 shape = batch_shape(candidate, grid.dp)
                 try:
                     full_5d.validate(cfg, grid, shape, candidate, world_size)
