@@ -423,7 +423,7 @@ def routing_at(routing, pipeline, n_micro: int, kind: str):
 
     def actions(chunk: int) -> list[tuple[str, int]]:
         if pipeline is None:
-            return [(kind, micro_batch) for micro_batch in range(n_micro) for kind in "FB"]
+            return [(action, micro_batch) for micro_batch in range(n_micro) for action in "FB"]
         return [(step.kind, step.micro_batch) for step in pipeline.program
                 if not is_transfer_batch(step) and step.chunk == chunk]
 
