@@ -632,8 +632,8 @@ def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: in
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
     if grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
-    if grid.pp > 1 or (schedule, virtual_stages) != ("1f1b", 1):     # lesson 03's flags are refused without pp
-        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
+    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
+    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:

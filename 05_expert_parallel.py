@@ -489,13 +489,13 @@ def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int
         problems.append(f"--bias-update-rate {bias_update_rate} must be 0 (off) or positive")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
-    if grid.pp > 1 or (schedule, virtual_stages) != ("1f1b", 1):     # lesson 03's flags are refused without pp
-        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
+    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
+    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     ep = args.ep if args.ep is not None else grid.dp * grid.cp
-    validate_expert_parallel(grid, world_size, moe_config(cfg, args), shape.seq_len, ep, args.schedule,
+    validate_expert_parallel(grid, world_size, cfg, shape.seq_len, ep, args.schedule,
                              shape.grad_accum, args.bias_update_rate, args.sequence_parallel, args.virtual_stages)
 
 
@@ -839,8 +839,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    plan = plan_run(args, validate)
-    plan = replace(plan, cfg=moe_config(plan.cfg, args))
+    plan = plan_run(args, validate, moe_config)
     cfg, shape = plan.cfg, plan.shape
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)

@@ -611,9 +611,7 @@ def model_parts(model: ZeroDataParallel, pipeline) -> list[nn.Module]:
 
 def balancing_log(model: ZeroDataParallel, pipeline, grid: ProcessGrid):
     """Lesson 05's log of the step's aux and z losses, summed over the ranks holding other tokens
-    (dp x cp) and other layers (pp); None without experts."""
-    if not any(unit_counts(model)[1]):
-        return None
+    (dp x cp) and other layers (pp); a model without them logs and reduces nothing."""
     return expert_parallel.BalancingLog(model_parts(model, pipeline),
                                         (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
 
@@ -675,9 +673,7 @@ def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str,
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count;
-    the model with lesson 05's router and balancing flags applied (moe_config)."""
-    cfg = expert_parallel.moe_config(cfg, args)
+    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count."""
     validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
                   args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid),
                   args.schedule, shape.grad_accum, args.virtual_stages, args.bias_update_rate)
@@ -906,7 +902,7 @@ def predicted_step_traffic(model: ZeroDataParallel, pipeline, cfg, shape, args, 
                                                  getattr(model, "reshard_after_forward", True), norm_groups),
                             predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
                             expert_parallel.balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
-                                                              args.bias_update_rate) if cfg.n_experts else {})
+                                                              args.bias_update_rate))
     inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
                                     routing, steps)
     if inner is None:
@@ -981,8 +977,7 @@ def main(argv=None):
     if args.memory_table:
         print(zero_memory_table("8b", (8, 64)))
         return
-    plan = plan_run(args, validate)
-    plan = replace(plan, cfg=expert_parallel.moe_config(plan.cfg, args))
+    plan = plan_run(args, validate, expert_parallel.moe_config)
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)

@@ -366,7 +366,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     the checkpoint flags and the checkpoint --resume names, checked before any process group."""
     zero.validate(cfg, grid, shape, args, world_size)
     checkpoints.check_flags(args)
-    checkpoint_to_resume(args, expert_parallel.moe_config(cfg, args), shape)
+    checkpoint_to_resume(args, cfg, shape)
 
 
 # ============================================================================ measuring the three challenges
@@ -687,8 +687,7 @@ def main(argv=None):
     if args.plan:
         load_lesson("07_memory_plan").print_memory_plan(args)
         return
-    plan = plan_run(args, validate)
-    plan = replace(plan, cfg=expert_parallel.moe_config(plan.cfg, args))
+    plan = plan_run(args, validate, expert_parallel.moe_config)
     manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
     snapshot = start_memory_history(args.memory_snapshot, device)

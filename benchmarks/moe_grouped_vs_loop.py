@@ -43,7 +43,6 @@ import argparse
 import functools
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -153,8 +152,7 @@ def plans_by_ep(args, degrees) -> dict:
     """The lesson's plan_run and validate for each degree: a bad one is one error line before any group."""
     plans = {}
     for ep in degrees:
-        plan = plan_run(argparse.Namespace(**{**vars(args), "ep": ep}), lesson.validate)
-        plans[ep] = replace(plan, cfg=lesson.moe_config(plan.cfg, args))
+        plans[ep] = plan_run(argparse.Namespace(**{**vars(args), "ep": ep}), lesson.validate, lesson.moe_config)
     return plans
 
 

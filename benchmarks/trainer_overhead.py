@@ -84,7 +84,7 @@ def kept_bytes(model, step_fn, device) -> tuple[int, int]:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = full_5d.parse_args(argv)
-    plan = plan_run(args, full_5d.validate)
+    plan = plan_run(args, full_5d.validate, full_5d.expert_parallel.moe_config)
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     rounds, per_round = 3, max(args.steps // 3, 2)

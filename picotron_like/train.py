@@ -342,12 +342,14 @@ class RunPlan:
     val_batches: TokenBatches | None = None
 
 
-def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None]) -> RunPlan:
+def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None],
+             configure: Callable[[GPTConfig, object], GPTConfig] | None = None) -> RunPlan:
     """Everything the flags describe, checked before any process group exists.
 
-    `validate(cfg, grid, shape, args, world_size)` is the lesson's own rules; it sees the batch
-    shape that will actually run (grad_accum derived from --global-batch-tokens included), so what
-    it validates is what trains. Every rank reads the same flags and finds the same error, so each
+    `configure(cfg, args)`, if given, is the lesson's flags applied to the preset (lesson 05's
+    router and balancing flags); `validate(cfg, grid, shape, args, world_size)` is the lesson's own
+    rules. Both see what will actually run (the model as configured, the batch shape with grad_accum
+    derived from --global-batch-tokens), so what is validated is what trains. Every rank reads the same flags and finds the same error, so each
     prints nothing but rank 0's one `error:` line and leaves: no rank waits in a collective.
     """
     try:
@@ -355,6 +357,8 @@ def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object,
         world_size = world_size_from_env()
         grid = grid_from_args(args, world_size)
         cfg = get_config(args.preset, n_layers=args.n_layers)
+        if configure is not None:
+            cfg = configure(cfg, args)
         shape = batch_shape(args, grid.dp)
         validate(cfg, grid, shape, args, world_size)
         paths = args.data if args.data is not None else builtin_corpus_paths()[0]

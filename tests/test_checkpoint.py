@@ -70,7 +70,7 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     full_5d = lesson()
     zero = full_5d.zero
     args = full_5d.parse_args([*COMMON, *argv])
-    plan = plan_run(args, full_5d.validate)
+    plan = plan_run(args, full_5d.validate, full_5d.expert_parallel.moe_config)
     manifest = full_5d.checkpoint_to_resume(args, plan.cfg, plan.shape)
     for section, values in (written or {}).items():
         manifest[section].update(values)

@@ -324,7 +324,8 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
         args = full_5d.parse_args(argv)
         grid = GridShape(dp=2, pp=args.pp, tp=args.tp)
         try:
-            full_5d.validate(get_config(args.preset), grid, BatchShape(4, 128, 2, 2), args, 4)
+            cfg = full_5d.expert_parallel.moe_config(get_config(args.preset), args)   # as plan_run configures it
+            full_5d.validate(cfg, grid, BatchShape(4, 128, 2, 2), args, 4)
         except Exception as error:  # noqa: BLE001 - the message is what is checked
             assert message in str(error), (argv, str(error))
         else:
