@@ -344,31 +344,38 @@ class RunPlan:
 
 def plan_run(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None],
              configure: Callable[[GPTConfig, object], GPTConfig] | None = None) -> RunPlan:
-    """Everything the flags describe, checked before any process group exists.
+    """Everything the flags describe, checked before any process group exists (checked_plan).
+    Every rank reads the same flags and finds the same error, so each prints nothing but rank 0's
+    one `error:` line and leaves: no rank waits in a collective."""
+    try:
+        return checked_plan(args, validate, configure, world_size_from_env())
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+
+
+def checked_plan(args, validate: Callable[[GPTConfig, GridShape, BatchShape, object, int], None],
+                 configure: Callable[[GPTConfig, object], GPTConfig] | None, world_size: int) -> RunPlan:
+    """The run the flags describe in a world of `world_size` ranks, or the ConfigError (or
+    ValueError) that plan_run prints.
 
     `configure(cfg, args)`, if given, is the lesson's flags applied to the preset (lesson 05's
     router and balancing flags); `validate(cfg, grid, shape, args, world_size)` is the lesson's own
     rules. Both see what will actually run (the model as configured, the batch shape with grad_accum
-    derived from --global-batch-tokens), so what is validated is what trains. Every rank reads the same flags and finds the same error, so each
-    prints nothing but rank 0's one `error:` line and leaves: no rank waits in a collective.
+    derived from --global-batch-tokens), so what is validated is what trains.
     """
-    try:
-        check_flag_ranges(args)
-        world_size = world_size_from_env()
-        grid = grid_from_args(args, world_size)
-        cfg = get_config(args.preset, n_layers=args.n_layers)
-        if configure is not None:
-            cfg = configure(cfg, args)
-        shape = batch_shape(args, grid.dp)
-        validate(cfg, grid, shape, args, world_size)
-        paths = args.data if args.data is not None else builtin_corpus_paths()[0]
-        batches = TokenBatches(paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
-        val_batches = None
-        if getattr(args, "val_every", 0):
-            val_paths = args.val_data if args.val_data is not None else builtin_corpus_paths()[1]
-            val_batches = TokenBatches(val_paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
-    except (ConfigError, ValueError) as error:
-        exit_with_error(error)
+    check_flag_ranges(args)
+    grid = grid_from_args(args, world_size)
+    cfg = get_config(args.preset, n_layers=args.n_layers)
+    if configure is not None:
+        cfg = configure(cfg, args)
+    shape = batch_shape(args, grid.dp)
+    validate(cfg, grid, shape, args, world_size)
+    paths = args.data if args.data is not None else builtin_corpus_paths()[0]
+    batches = TokenBatches(paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
+    val_batches = None
+    if getattr(args, "val_every", 0):
+        val_paths = args.val_data if args.val_data is not None else builtin_corpus_paths()[1]
+        val_batches = TokenBatches(val_paths, shape, seed=args.seed, vocab_size=cfg.vocab_size)
     return RunPlan(cfg, grid, shape, batches, val_batches)
 
 

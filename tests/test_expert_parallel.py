@@ -4,7 +4,10 @@ against one device.
 Tolerances are lesson 04's: gradients 1e-6 absolute (float32 sums in another order: per rank,
 then over dp x cp or edp), losses, gradient norms and balancing losses 1e-5, parameters after
 AdamW 1e-2 * lr (Adam's normalised step turns the rounding noise of a ~0 gradient into a step of
-that order; a real error moves a parameter by order lr). Router biases are compared exactly: they
+that order; a real error moves a parameter by order lr). Both runs use AdamW with eps = ADAM_EPS
+(1e-4), as lessons 02 and 06's tests do: a gradient at float32's rounding floor has its sign decided
+by the summation order (tp's row-parallel partial sums), and at eps = 1e-8 Adam turns that sign into
+a step of up to lr; eps between the floor and the typical gradient damps only that noise. Router biases are compared exactly: they
 move by +-rate from integer token counts.
 
 Routing flips. A router chooses its top k by comparing scores, and two layouts of the same batch
@@ -52,6 +55,7 @@ SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED = 32, 2, 8, 3, 3e-3, 5
 MAX_GRAD_NORM = 0.5
 TOLERANCE = dict(rtol=0, atol=1e-6)
 PARAM_TOLERANCE = dict(rtol=0, atol=1e-2 * LR)
+ADAM_EPS = 1e-4
 FLIP_MARGIN = 1e-5     # a top-k margin below this is a tie at float32 rounding between layouts
 CPU = torch.device("cpu")
 
@@ -205,6 +209,8 @@ def expert_parallel_run(variant: Variant):
     schedule = "interleaved" if variant.virtual_stages > 1 else "1f1b"
     pipeline = context_parallel.build_pipeline(parts, grid, schedule, data.shape, variant.cfg, CPU, torch.float32)
     optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), LR)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
     settings = lesson.step_settings(parts, grid, CPU, torch.float32, MAX_GRAD_NORM)
     groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
     log = lesson.BalancingLog(parts, groups)
@@ -291,9 +297,10 @@ def four_rank_training():
     return run_ranks(4, several_variants, VARIANTS + MUTANTS, timeout_s=400)
 
 
-def forced_reference(variant: Variant, per_rank) -> dict:
+def forced_reference(variant: Variant, per_rank, check_margins: bool = True) -> dict:
     """train_reference with every token routed where the distributed run routed it; asserts that
-    wherever the reference's own top-k differs, its margin was a rounding-level tie."""
+    wherever the reference's own top-k differs, its margin was a rounding-level tie (a mutant's run
+    routes from wrong weights after its first step: there only its gradients are compared)."""
     k = CFG.experts_per_token
     forced = {}
     for results in per_rank:
@@ -321,11 +328,12 @@ def forced_reference(variant: Variant, per_rank) -> dict:
     try:
         reference = train_reference(variant.cfg, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
                                     mask_targets=mask_targets if variant.masked else None,
-                                    bias_update_rate=variant.bias_update_rate)
+                                    bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS)
     finally:
         model_module.top_k_experts, model_module.capacity_mask = original, original_mask
     assert not queue
-    assert all(margin < FLIP_MARGIN for margin in flips), f"{variant}: a choice differs at margins {flips}"
+    assert not check_margins or all(margin < FLIP_MARGIN for margin in flips), \
+        f"{variant}: a choice differs at margins {flips}"
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act at every step"
     return dict(reference, flips=len(flips), dropped=sum(drops))
 
@@ -400,7 +408,7 @@ def test_without_balancing_losses_nothing_is_logged_and_the_meters_still_hold(fo
 def test_scaling_expert_gradients_by_ep_fails(four_rank_training, mutant):
     """The mutation argument: the same run with expert gradients divided or multiplied by ep (the
     classic normalisation bugs) is caught by the comparison, at the expert gradients."""
-    reference = forced_reference(mutant, four_rank_training)
+    reference = forced_reference(mutant, four_rank_training, check_margins=False)
     with pytest.raises(AssertionError, match="grads layers.0.mlp.experts"):
         assert_equals_reference(four_rank_training[0][mutant], reference, mutant, "mutant")
 
