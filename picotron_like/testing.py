@@ -131,7 +131,7 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     in one piece, its loss the mean over every target of that batch that is not IGNORE_INDEX.
 
     Returns the loss of every step, the gradients of step 0 before clipping ("grads") and after it
-    ("clipped_grads"), the parameters after the last step, and the gradient norm of every step (so a
+    ("clipped_grads") and those of the last step ("last_grads", "last_clipped_grads"), the parameters after the last step, and the gradient norm of every step (so a
     test can check that clipping acted). `adam_eps` overrides AdamW's eps for tests that must damp
     rounding noise (see their docstrings); the distributed run under test must then use the same.
     `mask_targets(step, targets)` returns a step's global targets with some set to IGNORE_INDEX
@@ -160,9 +160,11 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         loss.backward()
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        last_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         norms.append(clip_grad_norm_(model.parameters(), max_grad_norm))
         if step == 0:
             clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        last_clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -173,7 +175,8 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
                 layer.update_router_bias(bias_update_rate, layer.expert_load)
         router_biases.append({name: b.clone() for name, b in model.named_buffers() if name.endswith("router_bias")})
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "params": params, "norms": norms,
+    return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "last_grads": last_grads,
+            "last_clipped_grads": last_clipped_grads, "params": params, "norms": norms,
             "aux_losses": aux_losses, "z_losses": z_losses, "router_biases": router_biases}
 
 
