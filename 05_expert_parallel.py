@@ -126,14 +126,22 @@ def grouped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts)
     int32 and cumulative. It ignores autocast (cast by hand to the compute dtype); it wants row
     strides that are multiples of 16 bytes (hidden and ffn_hidden multiples of 4 in float32, of 8
     in bf16: grouped_mm_fits); its backward wants a dense incoming gradient, which it gets here
-    (the weighted combine and SwiGLU's product are dense).
+    (the weighted combine and SwiGLU's product are dense). Experts that received no row are left
+    out of the call: on Blackwell (sm_100) the kernel has been reported to give such empty groups
+    non-zero weight gradients, and NaNs after a few steps (pytorch issues 172439, 193633); left
+    out, their weights get the exact zero gradient of an expert that saw no token.
     """
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    used = [expert for expert, count in enumerate(counts) if count]     # host integers: no device sync
+    offsets = torch.tensor([counts[e] for e in used], device=x.device).cumsum(0).to(torch.int32)
 
     def matmul(rows, weight):
+        if len(used) < len(counts):
+            weight = weight[used]
         return torch._grouped_mm(rows.to(dtype), weight.to(dtype).transpose(-2, -1), offs=offsets)
 
+    if not used:    # no row at all: the loop's empty matmuls keep the weights in the graph for their hooks
+        return looped_experts(x, counts, experts)
     hidden = F.silu(matmul(x, experts.gate_proj)) * matmul(x, experts.up_proj)
     return matmul(hidden, experts.down_proj)
 
@@ -143,6 +151,11 @@ def grouped_mm_fits(cfg, dtype: torch.dtype, tp: int = 1) -> bool:
     inner width split over tp ranks: ffn_hidden / tp)."""
     element = torch.finfo(dtype).bits // 8
     return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden // tp))
+
+
+def uses_grouped_mm(args, cfg, dtype: torch.dtype, tp: int = 1) -> bool:
+    """--grouped-mm where it fits this model, its compute dtype and its tp split; looped otherwise."""
+    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype, tp)
 
 
 def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
@@ -456,6 +469,8 @@ def add_moe_flags(parser) -> None:
                         help="tokens per expert per sequence: ceil(F k T / E); default: the preset's (dropless)")
     parser.add_argument("--bias-update-rate", type=float, default=0.0,
                         help="auxiliary-loss-free balancing: router bias step per optimizer step (0: off)")
+    parser.add_argument("--grouped-mm", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the experts as grouped matmuls (torch._grouped_mm) where available")
 
 
 def moe_config(cfg, args):
@@ -829,8 +844,6 @@ def parse_args(argv=None):
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
     add_moe_flags(parser)
-    parser.add_argument("--grouped-mm", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the experts as grouped matmuls (torch._grouped_mm) where available")
     pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)
     parser.set_defaults(preset="tiny-moe")
@@ -844,7 +857,7 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)
     compute_dtype = autocast_dtype(args.dtype, device)
-    grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, plan.grid.tp)
+    grouped = uses_grouped_mm(args, cfg, compute_dtype, plan.grid.tp)
     parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20),
                         args.virtual_stages)
     pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)

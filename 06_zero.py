@@ -572,14 +572,14 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
                 reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
                 cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None,
-                ring_kernel: str = "fused", virtual_stages: int = 1) -> ZeroDataParallel:
+                ring_kernel: str = "fused", virtual_stages: int = 1, grouped: bool = False) -> ZeroDataParallel:
     """The reference GPT, or with pp > 1 this rank's chunks (lesson 03: its stage, or its
     `virtual_stages` chunks) -> tensor parallel (lesson 02) -> context-parallel attention (lesson
     04) -> experts sharded over ep and dispatched, balancing over the step's `sequences_per_step`
     (lesson 05) -> ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp).
     With experts, lesson 05 builds the same chain (its tp splits each expert column/row)."""
     if cfg.n_experts:
-        parts = expert_parallel.build_parts(cfg, seed, grid, device, False, sequences_per_step, zigzag, ring_kernel,
+        parts = expert_parallel.build_parts(cfg, seed, grid, device, grouped, sequences_per_step, zigzag, ring_kernel,
                                             virtual_stages)
     else:
         cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
@@ -983,7 +983,8 @@ def main(argv=None):
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
     model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
                         args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                        plan.shape.sequences_per_step, args.ring_kernel, args.virtual_stages)
+                        plan.shape.sequences_per_step, args.ring_kernel, args.virtual_stages,
+                        grouped=expert_parallel.uses_grouped_mm(args, plan.cfg, precision.param_dtype, plan.grid.tp))
     pipeline = build_pipeline(model, grid, args.schedule, plan.shape, plan.cfg, device, precision,
                               args.sequence_parallel)
     optimizer = build_sharded_optimizer(model, args.lr)

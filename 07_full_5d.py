@@ -144,11 +144,12 @@ from torch.utils.checkpoint import checkpoint
 
 import picotron_like.checkpoint as checkpoints
 from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic, log0
-from picotron_like.model import RMSNorm, SwiGLU, count_parameters
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
 from picotron_like.train import batch_shape, exit_with_error, plan_run, traffic_not_counted, train
 
+tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
@@ -160,22 +161,62 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def parallelize(cfg, grid: ProcessGrid, args, device):
-    """This rank's model and, with pp > 1, the pipeline that runs it, each step a lesson's own code."""
+    """This rank's model and, with pp > 1, the pipeline that runs it: one lesson's entry point per
+    line, in the order their assumptions need. Each works on whatever the line before produced, a
+    whole GPT or one pipeline chunk; the seams where two techniques meet are the next section."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    # reference GPT or its stage, or its interleaved chunks (03) -> tp (02; experts: 05's split) -> cp attention (04)
-    # -> experts over ep (05) -> ZeRO over dp x cp (06): lesson 06's build_model composes these
-    model = zero.build_model(cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
-                             args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                             shape.sequences_per_step, args.ring_kernel, args.virtual_stages)
-    # with --compile, each block's forward compiled, inside recomputation and every wrapper's hooks
-    compile_blocks(model.module, args.compile)
-    # activation recomputation, inside every wrapper's hooks (ZeRO-3's gathers stay outside it)
-    apply_recompute(model.module, args.recompute)
-    # the pipeline schedule over this rank's chunks (03), or None
-    pipeline = zero.build_pipeline(model, grid, args.schedule, shape, cfg, device, precision,
-                                   args.sequence_parallel)
+    grouped = expert_parallel.uses_grouped_mm(args, cfg, precision.param_dtype, grid.tp_size)
+    # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1
+    chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank, args.virtual_stages)
+              if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
+    for chunk in chunks:
+        chunk.to(device)
+        if grid.tp_size > 1:            # 02: attention heads, MLP width and vocabulary over tp
+            split_over_tensor_parallel(chunk, grid, cfg, args.sequence_parallel)
+        if grid.cp_size > 1:            # 04: each attention core over the cp ranks' parts of the sequence
+            context_parallel.apply_context_parallel(chunk, context_parallel_peers(grid, args), args.cp_mode)
+        if cfg.n_experts:               # 05: the experts over ep, dispatched by all-to-all; balancing global
+            expert_parallel.apply_expert_parallel(chunk, expert_parallel.ExpertParallel.from_grid(grid), grouped,
+                                                  grid.tp_group if grid.tp_size > 1 else None)
+            expert_parallel.prepare_balancing(chunk, grid, shape.sequences_per_step)
+    # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
+    model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
+                           args.reshard_after_forward, args.prefetch, grid.edp_group if cfg.n_experts else None)
+    compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
+    apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
+    # 03: the schedule over this rank's chunks
+    pipeline = zero.build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
     return model, pipeline
+
+
+# ============================================================================ the seams: where two techniques meet
+
+
+def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool) -> None:
+    """tp x experts: lesson 02 splits the dense layers; with experts lesson 05's variant of its
+    split leaves the router and the dispatch whole on every tp rank and splits each expert
+    column/row instead (apply_expert_parallel then wraps the experts in 02's f and g)."""
+    if cfg.n_experts:
+        expert_parallel.apply_tensor_parallel(chunk, grid.tp_group)
+    else:
+        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel)
+
+
+def context_parallel_peers(grid: ProcessGrid, args):
+    """cp x tp: the attention core lesson 04 replaces receives the heads lesson 02 left this tp
+    rank, of the tokens this cp rank holds; its ring (or all-to-all) runs among the ranks of the
+    same tp rank, so the two splits never see each other."""
+    return context_parallel.ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
+
+
+def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
+    """ZeRO x pipeline: a rank's interleaved chunks are different layers sharded over the same
+    dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (06's
+    StageChunks); the schedule drives each chunk through a view whose data-parallel switch is that
+    wrapper's. The dp x cp group itself is the seam of 01 and 04: cp ranks hold the same weights
+    and each computed part of their gradient, so they are summed (ZeRO: reduce-scattered) with dp's."""
+    return zero.StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
 
 
 # ============================================================================ the technique: activation recomputation
@@ -451,7 +492,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
 
     parts = zero.model_parts(model, pipeline)
     if cfg.n_experts and recompute != "full":
-        grouped = False     # lesson 06 builds lesson 05's experts as a loop, not as grouped matmuls
+        grouped = expert_parallel.uses_grouped_mm(args, cfg, model.precision.param_dtype, grid.tp_size)
         sizes = expert_parallel.activation_bytes_by_micro_batch(
             parts, pipeline, cfg, shape, grid.cp_size, routing, expert_parallel.ExpertParallel.from_grid(grid),
             grouped, grid.tp_size, dense, model.precision.param_dtype.itemsize)

@@ -10,7 +10,7 @@ someone thought of; this draws the rest at random from everything 07's flags can
     per axis     ZeRO stage 0-3, schedule afab / 1f1b / interleaved and its virtual stages,
                  ring (fused or plain blocks) or Ulysses, zigzag or not, sequence parallelism
     model        dense or MoE (softmax or sigmoid router, shared expert, aux / z losses,
-                 capacity, bias balancing), 2-6 layers (uneven pipeline stages)
+                 capacity, bias balancing, grouped or looped experts), 2-6 layers (uneven stages)
     data         every target, or targets masked as fine-tuning data is (a row all padding)
     everywhere   recompute none / selective / full, micro-batch size and count
 
@@ -153,6 +153,8 @@ def _moe_flags(rng: random.Random, dp_cp: int) -> list[str]:
         flags += ["--capacity-factor", "1.0"]
     if rng.random() < 0.3:
         flags += ["--bias-update-rate", "0.001"]
+    if rng.random() < 0.3:
+        flags += ["--no-grouped-mm"]
     return flags
 
 
@@ -200,7 +202,8 @@ def features(layout: Draw) -> set[str]:
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
                                          ("3 virtual stages", virtual == 3)) if present}
     if moe:
-        words |= {"experts", f"ep{ep}", f"{flag('--router')} router", *(f"experts with {axis}" for axis, degree in
+        words |= {"experts", f"ep{ep}", f"{flag('--router')} router",
+                  "looped experts" if "--no-grouped-mm" in argv else "grouped experts", *(f"experts with {axis}" for axis, degree in
                                                                          (("pp", pp), ("tp", tp), ("cp", cp)) if degree > 1)}
         words |= {word for word, option in (("shared expert", "--shared-experts"), ("aux loss", "--aux-loss-coef"),
                                             ("z loss", "--z-loss-coef"), ("capacity", "--capacity-factor"),

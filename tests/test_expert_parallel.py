@@ -112,6 +112,42 @@ def test_grouped_mm_forward_and_backward_on_cpu():
     assert grads[1][1].abs().sum() == 0      # the empty group's expert gets a zero gradient
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 7, 0], [0, 0, 0, 0], [5, 2, 1, 2]])
+def test_grouped_experts_leave_empty_groups_out_of_every_call(counts, monkeypatch):
+    """What the Blackwell reports (pytorch 172439, 193633) make necessary: no call of
+    torch._grouped_mm carries an expert with no rows; the result and every gradient still equal
+    the loop's, the idle experts' gradients exactly zero (and present, for ZeRO's hooks)."""
+    torch.manual_seed(SEED)
+    experts = model_module.GroupedExperts(len(counts), CFG.hidden, CFG.ffn_hidden)
+    groups_seen, original = [], torch._grouped_mm
+
+    def checking(a, b, offs=None, **kwargs):
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+        groups_seen.append(sizes)
+        assert b.shape[0] == len(sizes) and all(size > 0 for size in sizes), sizes
+        return original(a, b, offs=offs, **kwargs)
+
+    x = torch.randn(sum(counts), CFG.hidden, generator=torch.Generator().manual_seed(1))
+    d_out = torch.randn(sum(counts), CFG.hidden, generator=torch.Generator().manual_seed(2))   # dense, as the combine's
+    results = {}
+    for name, run in (("loop", lesson.looped_experts), ("grouped", lesson.grouped_experts)):
+        for p in experts.parameters():
+            p.grad = None
+        rows = x.clone().requires_grad_()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "_grouped_mm", checking)
+            out = run(rows, counts, experts)
+            out.backward(d_out)
+        results[name] = (out.detach(), rows.grad, {n: p.grad.clone() for n, p in experts.named_parameters()})
+    assert len(groups_seen) == (3 if sum(counts) else 0)
+    torch.testing.assert_close(results["grouped"][0], results["loop"][0], **TOLERANCE)
+    torch.testing.assert_close(results["grouped"][1], results["loop"][1], **TOLERANCE)
+    for name, grad in results["grouped"][2].items():
+        torch.testing.assert_close(grad, results["loop"][2][name], **TOLERANCE)
+        idle = [e for e, count in enumerate(counts) if count == 0]
+        assert grad[idle].abs().sum() == 0, name
+
+
 @pytest.mark.parametrize("grid, ep, options, sequence_parallel, message", [
     (GridShape(dp=4), 3, {}, False, "--ep 3 does not divide dp*cp = 4*1 = 4"),
     (GridShape(dp=2, cp=2), 4, dict(n_experts=6), False, "n_experts=6 is not divisible by --ep 4"),
