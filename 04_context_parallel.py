@@ -853,6 +853,14 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="cp")
+    add_context_parallel_flags(parser)
+    pipeline_parallel.add_schedule_flags(parser)
+    add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+
+
+def add_context_parallel_flags(parser) -> None:
+    """This lesson's flags (lesson 07 takes them too)."""
     parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
                         help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,
@@ -861,9 +869,6 @@ def parse_args(argv=None):
     parser.add_argument("--ring-kernel", choices=RING_KERNELS, default="fused",
                         help="fused: each K/V block in one flash-attention kernel (CPU: float32 and bf16; CUDA: "
                              "bf16 and fp16, float32 runs plain); plain: the block's scores spelled out, the reference")
-    pipeline_parallel.add_schedule_flags(parser)
-    add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
-    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
 
 def main(argv=None):

@@ -62,6 +62,7 @@ expert memory per rank is 1/ep (1/(ep tp) with tensor parallelism).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import math
@@ -76,7 +77,7 @@ from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory, tensor_bytes)
-from picotron_like.model import GroupedExperts, Routing, count_parameters, moe_layers
+from picotron_like.model import GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
@@ -186,11 +187,6 @@ class ExpertParallel:
     @classmethod
     def from_grid(cls, grid: ProcessGrid) -> "ExpertParallel":
         return cls(grid.ep_group, grid.ep_size, grid.ep_rank)
-
-
-def is_expert_parameter(name: str) -> bool:
-    """The stacked expert weights (layers.N.mlp.experts.*): split over ep, reduced over edp."""
-    return ".experts." in name
 
 
 def shard_experts(model: nn.Module, ep: ExpertParallel, tp_group=None) -> nn.Module:
@@ -381,13 +377,19 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
     layers' outputs), so they are not part of the validation loss. Routing adds each forward's
     choices to expert_load; those of validation tokens are taken back out, or the next router-bias
     update would balance on tokens the step never trained on."""
-    parts = getattr(model_or_pipeline, "chunks", [model_or_pipeline])
+    with router_loads_kept(getattr(model_or_pipeline, "chunks", [model_or_pipeline])):
+        return context_parallel.evaluate(model_or_pipeline, batch, settings)
+
+
+@contextlib.contextmanager
+def router_loads_kept(parts):
+    """The parts' MoE layers' expert_load as it was before the block: what validation routes is not
+    what the step trained on."""
     layers = [layer for part in parts for layer in moe_layers(part)]
     loads = [layer.expert_load.clone() for layer in layers]
-    loss = context_parallel.evaluate(model_or_pipeline, batch, settings)
+    yield
     for layer, load in zip(layers, loads):
         layer.expert_load.copy_(load)
-    return loss
 
 
 # ============================================================================ the technique: composing with lessons 01-04
@@ -453,9 +455,11 @@ MOE_FLAGS = {"router": "router", "shared_experts": "n_shared_experts", "aux_loss
 
 
 def add_moe_flags(parser) -> None:
-    """The router and balancing flags, which lessons 06 and 07 take too (moe_config applies them).
+    """--ep, the router and the balancing flags, which lesson 07 takes too (moe_config applies them).
     The model's flags default to the preset's values (tiny-moe: softmax, no shared expert, no
     balancing loss, dropless), so a preset stays what it says."""
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
     unset = argparse.SUPPRESS
     parser.add_argument("--router", choices=("softmax", "sigmoid"), default=unset,
                         help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3); default: the preset's")
@@ -841,8 +845,6 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 05: expert parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp")
-    parser.add_argument("--ep", type=int, default=None,
-                        help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
     add_moe_flags(parser)
     pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)

@@ -8,7 +8,7 @@ rank before a single activation, however many ranks share the work. Yet every da
 holds the *same* optimizer states and takes the *same* step: N copies of work one copy could do.
 
 The idea (ZeRO, Rajbhandari et al. 2019). Cut the model states into N shards and let each of the
-N ranks that hold the same weights (dp x cp) keep one. Three stages, each sharding one more thing:
+N data-parallel ranks, which hold the same weights, keep one. Three stages, each sharding one more thing:
 
     stage   what each rank keeps whole      what it keeps 1/N of        bytes per parameter (bf16)
     0       weights, grads, master, Adam    -                           2 + 2 + 12          (lesson 01)
@@ -46,24 +46,12 @@ A Psi gradient payload, against Psi for a step that accumulates full gradients f
 choice, accumulating whole gradients locally and reduce-scattering once, sends Psi but holds the
 full 2 Psi of gradients during the step, ZeRO-1's memory: 2 Psi + 2 Psi + 12 Psi/N at its peak.
 
-Experts (lesson 05). An expert weight is not held by every dp x cp rank: each ep group spreads
-the experts over its ranks, and a rank shares its experts with its expert-data-parallel (edp)
-group, dp x cp / ep ranks. So a block with experts makes two flat units, the dense one sharded
-over dp x cp and the expert one over edp; both are reduced, stepped and gathered over their own
-group, and ZeRO-3 gathers them together. Lesson 05 builds the model (its tp splits each expert
-column/row, so an expert unit holds this tp rank's slices; cp cuts the sequences as in 04), ZeRO
-wraps it: ZeRO-1/2/3 with experts and tp or cp, ZeRO-1 with experts and pp (as below).
-
-Pipelines (lesson 03) take ZeRO-1. Its weights and gradients stay whole on every stage, so lesson
-03's schedule runs the stage's micro-batches unchanged; the stage's last backward reduce-scatters
-its gradients once, over that stage's dp x cp ranks, which shard its optimizer states; the norm
-from the shards also sums over pp. The formulas below hold per stage, Psi its parameters (the
-embedding sits on the first stage, the head on the last). Under the interleaved schedule a rank
-holds v chunks: one ZeRO wrapper shards all of them (StageChunks), and each unit is reduced during
-the last backward of its own chunk (PipelineChunk). ZeRO-2/3 are refused: under a pipeline
-they reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B
-interleaves, m times the traffic for m micro-batches: DeepSpeed refuses them, torchtitan keeps
-the weights gathered for the whole step.
+Experts (fenced at the end of the ZeRO-1/2 section). An expert weight is held by the ranks of
+its expert-data-parallel group (edp), not by every data-parallel rank: a block with experts makes
+two flat units, the dense one sharded over the data-parallel group and the expert one over edp,
+each reduced, stepped and gathered over its own group. This lesson trains a dense model on data
+parallelism alone; lesson 07 composes ZeRO with experts, and with pipelines (ZeRO-1 only: see
+its seams) and the other axes.
 
 Mixed precision. `--dtype bfloat16` keeps the weights in bf16 (what the model computes with and
 what ZeRO-3 all-gathers: half the bytes) and an fp32 master copy with fp32 Adam states in the
@@ -87,11 +75,7 @@ Communication per step (payload; a ring sends (N-1)/N of it per rank), A micro-b
 Run it:
     torchrun --nproc_per_node=4 06_zero.py                                  # ZeRO-3, fp32, CPU
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
-    torchrun --nproc_per_node=4 06_zero.py --dp 2 --tp 2 --zero-stage 2     # with lesson 02
-    torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1            # with lesson 03
-    torchrun --nproc_per_node=4 06_zero.py --pp 2 --zero-stage 1 --schedule interleaved --virtual-stages 2
-    torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2         # experts over edp = 2
-    torchrun --nproc_per_node=4 06_zero.py --preset tiny-moe --ep 2 --dp 2 --cp 2   # with lesson 04 too
+    torchrun --nproc_per_node=3 06_zero.py --zero-stage 2                   # every unit padded to 3 shards
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
     python 06_zero.py --memory-table                                        # the 8b preset's table
 
@@ -104,8 +88,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -115,17 +98,13 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
-from picotron_like.model import count_parameters, get_config
+from picotron_like.model import GPT, count_parameters, get_config, is_expert_parameter
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     load_lesson, shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, note_grad_norm, plan_run, traffic_not_counted, train)
+                                 build_optimizer, note_grad_norm, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
-tensor_parallel = load_lesson("02_tensor_parallel")
-pipeline_parallel = load_lesson("03_pipeline_parallel")
-context_parallel = load_lesson("04_context_parallel")
-expert_parallel = load_lesson("05_expert_parallel")
 
 # ============================================================================ the technique: units and their shards
 
@@ -235,6 +214,7 @@ class ZeroDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision(), expert_group=None):
         super().__init__()
         self.module, self.dp_group, self.stage, self.precision = module, group, stage, precision
+        self.expert_group = expert_group
         self.require_backward_grad_sync = True
         names = {param: name for name, param in module.named_parameters()}
         self.unit_groups = [self._flat_units([(names[p], p) for m in modules for p in m.parameters()], expert_group)
@@ -251,7 +231,7 @@ class ZeroDataParallel(nn.Module):
             param.register_post_accumulate_grad_hook(self._grad_ready)
 
     def _flat_units(self, named_params, expert_group) -> list[FlatUnit]:
-        is_expert = [expert_group is not None and expert_parallel.is_expert_parameter(name) for name, _ in named_params]
+        is_expert = [expert_group is not None and is_expert_parameter(name) for name, _ in named_params]
         dense = [named for named, expert in zip(named_params, is_expert) if not expert]
         experts = [named for named, expert in zip(named_params, is_expert) if expert]
         units = []
@@ -476,52 +456,7 @@ class ZeroStage3(ZeroDataParallel):
             unit.param_shard.copy_(unit.master)
 
 
-# ============================================================================ the technique: ZeRO over a rank's pipeline chunks
-
-
-class StageChunks(nn.Module):
-    """This rank's pipeline chunks (lesson 03: one, or v for the interleaved schedule) as one
-    module for ZeRO. The chunks are different layers of one model on one rank, sharded over the
-    same dp x cp group and stepped by the same optimizer, so one wrapper holds all their units.
-    To ZeroDataParallel, and to every meter that reads a stage, this looks like one stage: the
-    first chunk's embedding, every chunk's blocks under their layer indices (the reference's
-    parameter names), the last chunk's head. It has no forward: the schedule runs each chunk
-    through its PipelineChunk."""
-
-    def __init__(self, chunks: list[nn.Module]):
-        super().__init__()
-        self.chunks = tuple(chunks)     # a tuple is not registered: each block is named once, below
-        self.tok_embeddings = chunks[0].tok_embeddings
-        self.layers = pipeline_parallel.StageLayers({name: block for chunk in chunks
-                                                     for name, block in chunk.layers.named_children()})
-        self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
-
-
-class PipelineChunk(nn.Module):
-    """One chunk as lesson 03's Pipeline drives it: forward runs the chunk; the data-parallel
-    switch the schedule sets before each backward (on for a chunk's last one) and the groups are
-    the one ZeRO wrapper's. One switch serves every chunk: a unit's gradients arrive only during
-    its own chunk's backward, so the switch is on exactly when a unit's last micro-batch arrives."""
-
-    def __init__(self, sharded: "ZeroDataParallel", chunk: nn.Module):
-        super().__init__()
-        self.module = chunk
-        object.__setattr__(self, "sharded", sharded)    # not a submodule: this chunk's modules are its own
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    @property
-    def require_backward_grad_sync(self) -> bool:
-        return self.sharded.require_backward_grad_sync
-
-    @require_backward_grad_sync.setter
-    def require_backward_grad_sync(self, value: bool) -> None:
-        self.sharded.require_backward_grad_sync = value
-
-    @property
-    def dp_group(self):
-        return self.sharded.dp_group
+# ============================================================================ the technique: a ZeRO step
 
 
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
@@ -532,94 +467,47 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, stage, precision, expert_group)
 
 
-def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
-               balancing_log=None) -> StepResult:
-    """The micro-batches' forward and backward, by lesson 01's loop or by lesson 03's schedule on
-    this rank's stage, then the sharded tail: the norm from the shards, the step on the master
-    shard, the weights published. Pipeline stages hold different parameters: as in lesson 03's
-    step, the norm also sums over pp, and so does the loss (only the last stage computes it).
-    With experts, lesson 05's tail: the router biases move (`bias_update_rate`) unless the shared
-    loop skipped the step, and the step's aux and z losses go to the log (`balancing_log`)."""
-    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        model, pipeline_groups = model_or_pipeline.chunks[0].sharded, (model_or_pipeline.pp_group,)
-        loss = model_or_pipeline.forward_backward(batch)
-    else:
-        model, pipeline_groups = model_or_pipeline, ()
-        loss = data_parallel.forward_backward(model, batch, settings)
+def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """Lesson 01's micro-batch loop (forward, backward: the units reduce as their gradients arrive),
+    then the sharded tail."""
+    loss = data_parallel.forward_backward(model, batch, settings)
+    return finish_step(model, optimizer, loss, settings)
+
+
+def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings: StepSettings,
+                loss_groups=()) -> StepResult:
+    """The sharded tail of a step: the last reductions waited for, the norm from the shards, the
+    step on the master shard, the weights published, and this rank's loss share summed over the
+    data-parallel group (and `loss_groups`: a pipeline's, whose last stage alone computes it)."""
     model.finish_gradient_synchronization()
-    grad_norm = clip_sharded_grad_norm_(model, replace(settings, norm_groups=(*pipeline_groups, *settings.norm_groups)))
+    grad_norm = clip_sharded_grad_norm_(model, settings)
     model.step(optimizer)
     model.zero_grad()
-    for group in (*pipeline_groups, model.dp_group):
+    for group in (*loss_groups, model.dp_group):
         comm.call(dist.all_reduce, loss, group=group)
-    if bias_update_rate and math.isfinite(grad_norm):
-        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate)
-    return StepResult(loss.item(), grad_norm, balancing_log.step_values() if balancing_log is not None else {})
+    return StepResult(loss.item(), grad_norm)
 
 
-def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
-    """Lesson 05's forward-only loss (04's, 03's or 01's, and without experts nothing more). ZeRO-3's
-    hooks gather each unit before its forward and free it after, gradients or not; kept gathered
-    (--no-reshard-after-forward), the units are freed here instead, where backward would have freed
-    them: a step starts from shards, and validation leaves the run as it found it."""
-    loss = expert_parallel.evaluate(model_or_pipeline, batch, settings)
-    if isinstance(model_or_pipeline, ZeroStage3):
-        for unit in model_or_pipeline.units:
-            unit.release_parameters()
+def evaluate(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 01's forward-only loss, then release_gathered."""
+    loss = data_parallel.evaluate(model, batch, settings)
+    release_gathered(model)
     return loss
 
 
-def build_model(cfg, seed: int, grid: ProcessGrid, stage: int, precision: Precision, device,
-                reshard_after_forward: bool = True, prefetch: bool = True, sequence_parallel: bool = False,
-                cp_mode: str = "ring", zigzag: bool = True, sequences_per_step: int | None = None,
-                ring_kernel: str = "fused", virtual_stages: int = 1, grouped: bool = False) -> ZeroDataParallel:
-    """The reference GPT, or with pp > 1 this rank's chunks (lesson 03: its stage, or its
-    `virtual_stages` chunks) -> tensor parallel (lesson 02) -> context-parallel attention (lesson
-    04) -> experts sharded over ep and dispatched, balancing over the step's `sequences_per_step`
-    (lesson 05) -> ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp).
-    With experts, lesson 05 builds the same chain (its tp splits each expert column/row)."""
-    if cfg.n_experts:
-        parts = expert_parallel.build_parts(cfg, seed, grid, device, grouped, sequences_per_step, zigzag, ring_kernel,
-                                            virtual_stages)
-    else:
-        cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
-        parts = context_parallel.build_parts(cfg, seed, grid, device, cp, cp_mode, sequence_parallel,
-                                             virtual_stages=virtual_stages)
-    module = StageChunks(parts) if grid.pp_size > 1 else parts[0]
-    return wrap_zero(module, grid.dp_cp_group, stage, precision, reshard_after_forward, prefetch,
-                     grid.edp_group if cfg.n_experts else None)
+def release_gathered(model: ZeroDataParallel) -> None:
+    """ZeRO-3's hooks gather each unit before its forward and free it after, gradients or not; kept
+    gathered (--no-reshard-after-forward), the units are freed here instead, where backward would
+    have freed them: a step starts from shards, and validation leaves the run as it found it."""
+    if isinstance(model, ZeroStage3):
+        for unit in model.units:
+            unit.release_parameters()
 
 
-def build_pipeline(model: ZeroDataParallel, grid: ProcessGrid, schedule: str, shape, cfg, device,
-                   precision: Precision, sequence_parallel: bool = False):
-    """Lesson 03's Pipeline over this rank's chunks, or None without pipeline parallelism. The
-    boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
-    dtype: with bf16 weights the residual stream itself is bf16."""
-    if grid.pp_size == 1:
-        return None
-    b, s, h = pipeline_parallel.activation_shape(cfg, shape, grid, sequence_parallel)
-    chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
-    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, s // grid.cp_size, h),
-                                      device, precision.param_dtype, boundary_dtype=precision.param_dtype)
-
-
-def model_parts(model: ZeroDataParallel, pipeline) -> list[nn.Module]:
-    """What lesson 05's meters and formulas take as a rank's parts: with a pipeline its chunks
-    (each PipelineChunk's .module one stage of lesson 03), else the model."""
-    return list(pipeline.chunks) if pipeline is not None else [model]
-
-
-def balancing_log(model: ZeroDataParallel, pipeline, grid: ProcessGrid):
-    """Lesson 05's log of the step's aux and z losses, summed over the ranks holding other tokens
-    (dp x cp) and other layers (pp); a model without them logs and reduces nothing."""
-    return expert_parallel.BalancingLog(model_parts(model, pipeline),
-                                        (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
-
-
-def step_settings(grid: ProcessGrid, device, precision: Precision, max_grad_norm: float) -> StepSettings:
+def step_settings(device, precision: Precision, max_grad_norm: float) -> StepSettings:
     """Autocast in the weights' dtype (a no-op on bf16 weights' matmuls, the float32 norms and loss
-    as in the reference); lesson 03's norm rule for tensor-parallel shards (train_step adds pp)."""
-    return StepSettings(device, precision.param_dtype, max_grad_norm, *pipeline_parallel.norm_settings(grid))
+    as in the reference); the norm's sum over the shards is clip_sharded_grad_norm_'s own."""
+    return StepSettings(device, precision.param_dtype, max_grad_norm)
 
 
 # ============================================================================ configuration rules
@@ -631,52 +519,20 @@ def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
     return Precision(param_dtype, reduce)
 
 
-def expert_degree(ep: int | None, cfg, grid: GridShape) -> int:
-    """--ep's default: lesson 05's (every dp x cp rank its own experts) with experts, else 1."""
-    return ep if ep is not None else (grid.dp * grid.cp if cfg.n_experts else 1)
-
-
-def validate_zero(cfg, grid: GridShape, world_size: int, stage: int, dtype: str, reduce_dtype: str,
-                  seq_len: int, sequence_parallel: bool = False, cp_mode: str = "ring", zigzag: bool = True,
-                  ep: int = 1, schedule: str = "1f1b", n_micro: int = 1, virtual_stages: int = 1,
-                  bias_update_rate: float = 0.0) -> None:
-    """ZeRO's rules, then lesson 04's (which include lessons 02's, 03's and the grid's), or with
-    experts the grid's (zigzag included) and lesson 05's (its own tp split; lesson 02 refuses experts)."""
-    problems = []
-    if grid.pp > 1 and stage >= 2:
-        problems.append(f"--pp {grid.pp} with --zero-stage {stage}: ZeRO-2/3 under a pipeline reduce-scatter (and "
-                        f"ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B interleaves: "
-                        f"DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
-    if cfg.n_experts and stage == 0:
-        problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
-                        f"use --zero-stage 1, 2 or 3")
-    if not cfg.n_experts and ep != 1:
-        problems.append(f"--ep {ep} with a dense preset: there are no experts to spread; use --ep 1 or --preset tiny-moe")
-    if not cfg.n_experts and bias_update_rate:
-        problems.append(f"--bias-update-rate {bias_update_rate} with a dense preset: there are no routers to "
-                        f"balance; drop it or use --preset tiny-moe")
+def validate_zero(dtype: str, reduce_dtype: str) -> None:
+    """ZeRO's own rule, before any process group exists."""
     if dtype == "float32" and reduce_dtype == "bfloat16":
-        problems.append("--reduce-dtype bfloat16 with --dtype float32 rounds float32 gradients to 8 bits "
-                        "for nothing; use --dtype bfloat16 or --reduce-dtype float32")
-    if cfg.n_experts and cp_mode != "ring":
-        problems.append(f"--cp-mode {cp_mode} with experts: lesson 05 composes experts with ring attention; "
-                        f"use --cp-mode ring")
-    if problems:
-        raise ConfigError("bad ZeRO configuration:\n  - " + "\n  - ".join(problems))
-    if not cfg.n_experts:
-        context_parallel.validate_context_parallel(grid, world_size, cfg, seq_len, zigzag, cp_mode,
-                                                   sequence_parallel, schedule, n_micro, virtual_stages)
-        return
-    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
-    expert_parallel.validate_expert_parallel(grid, world_size, cfg, seq_len, ep, schedule, n_micro, bias_update_rate,
-                                             sequence_parallel, virtual_stages)
+        raise ConfigError("bad ZeRO configuration: --reduce-dtype bfloat16 with --dtype float32 rounds float32 "
+                          "gradients to 8 bits for nothing; use --dtype bfloat16 or --reduce-dtype float32")
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    """plan_run's hook, on the batch shape that will run: the pipeline's m is its micro-batch count."""
-    validate_zero(cfg, grid, world_size, args.zero_stage, args.dtype, args.reduce_dtype, shape.seq_len,
-                  args.sequence_parallel, args.cp_mode, args.zigzag, expert_degree(args.ep, cfg, grid),
-                  args.schedule, shape.grad_accum, args.virtual_stages, args.bias_update_rate)
+    """plan_run's hook: the grid's rules, a dense model (lesson 07 composes ZeRO with experts), ZeRO's."""
+    validate_parallel_config(grid, world_size, cfg, shape.seq_len)
+    if cfg.n_experts:
+        raise ConfigError(f"n_experts={cfg.n_experts}: this lesson shards a dense model; ZeRO with experts (their "
+                          f"units over edp) is lesson 07's composition: run 07_full_5d.py with the same flags")
+    validate_zero(args.dtype, args.reduce_dtype)
 
 
 # ============================================================================ measuring the three challenges
@@ -722,25 +578,13 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
                        storage_bytes(unit.master for unit in model.units), storage_bytes(states))
 
 
-def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
-                          experts: bool = False, virtual_stages: int = 1) -> list[int]:
-    """Parameters of each unit on one tp rank of pipeline rank `pp_rank`: the embedding (first
-    stage), the blocks of its stage (of its v chunks, interleaved), the head (last stage, which
-    is always on the last rank); norm gains stay whole under tp. With
-    experts (lesson 05's split), a block's dense unit holds the attention, the norms, the router
-    (whole on every tp rank) and the shared expert (split like a dense MLP); experts=True counts
-    each unit's routed experts instead: E/ep of them, each split over tp (none in embedding, head)."""
+def unit_parameter_counts(cfg) -> list[int]:
+    """Parameters of each unit of the dense reference GPT: the embedding, each block, the head
+    (final norm and LM head). Lesson 07's memory plan counts a composed layout's units (a pipeline
+    stage's, tp's slices, experts over ep)."""
     h, hd = cfg.hidden, cfg.head_dim
-    swiglu = 3 * h * cfg.ffn_hidden
-    if experts:
-        block, embedding, head = cfg.n_experts * swiglu // (ep * tp), 0, 0
-    else:
-        mlp = cfg.n_shared_experts * swiglu // tp + h * cfg.n_experts if cfg.n_experts else swiglu // tp
-        block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd) // tp + mlp + 2 * h
-        embedding, head = cfg.vocab_size * h // tp, h + h * cfg.vocab_size // tp
-    ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp * virtual_stages)
-    n_blocks = sum(len(ranges[stage]) for stage in range(pp_rank, pp * virtual_stages, pp))
-    return [embedding] * (pp_rank == 0) + [block] * n_blocks + [head] * (pp_rank == pp - 1)
+    block = 2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd + 3 * h * cfg.ffn_hidden + 2 * h
+    return [cfg.vocab_size * h] + [block] * cfg.n_layers + [h + h * cfg.vocab_size]
 
 
 def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
@@ -847,78 +691,43 @@ def predicted_states_of(model: ZeroDataParallel, n: int, edp: int, precision: Pr
 
 def predicted_traffic_of(model: ZeroDataParallel, n: int, edp: int, precision: Precision, n_micro: int,
                          reshard_after_forward: bool, norm_groups) -> dict:
-    """ZeRO's collectives on dp x cp and edp, and the step's loss and norm all-reduces."""
+    """ZeRO's collectives on the model's group (lesson 07: dp x cp) and on edp, and the step's loss
+    and norm all-reduces (`norm_groups` by name)."""
     dense, experts = unit_counts(model)
-    return add_traffic(predicted_zero_traffic(dense, n, model.stage, precision, n_micro, reshard_after_forward),
+    name = comm.group_name(model.dp_group)
+    return add_traffic(predicted_zero_traffic(dense, n, model.stage, precision, n_micro, reshard_after_forward, name),
                        predicted_zero_traffic(experts, edp, model.stage, precision, n_micro, reshard_after_forward,
                                               "edp") if any(experts) else {},
-                       step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
+                       step_bookkeeping_traffic(loss_groups=(name,), norm_groups=norm_groups))
 
 
-def predicted_pipeline_traffic(pipeline, precision: Precision, n_micro: int) -> dict:
-    """Lesson 03's p2p bytes of this rank's stage (boundaries in the weights' dtype), and the
-    loss and norm scalars the step sums over pp."""
-    if pipeline is None:
-        return {}
-    return add_traffic(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro, precision.param_dtype.itemsize),
-                       step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
+def predicted_step_traffic(model: ZeroDataParallel, precision: Precision, n_micro: int) -> dict:
+    """Every row of the report's traffic table, per step: ZeRO's collectives on the data-parallel
+    group (experts': on edp), and the step's loss and (sharded) norm all-reduces."""
+    n, edp = group_size(model.dp_group), group_size(model.expert_group) if model.expert_group else 1
+    return predicted_traffic_of(model, n, edp, precision, n_micro, getattr(model, "reshard_after_forward", True),
+                                (comm.group_name(model.dp_group),) if model.stage else ())
 
 
-def predicted_inner_traffic(model: ZeroDataParallel, cfg, shape, grid: ProcessGrid, cp_mode: str,
-                            sequence_parallel: bool, precision: Precision, routing=None, steps: int = 1):
-    """What tensor, context and expert parallelism move inside this rank's layers, which ZeRO
-    leaves as it is: lessons 02 and 04's formulas, with experts also lesson 05's, whose traffic
-    depends on the routing: `routing` is a RoutingMeter over `steps` steps' forwards, and the
-    result their mean. The formulas count a float32 residual stream; with bf16 weights the stream
-    is bf16, and with experts but no meter the routing is unknown: None then, and the table shows
-    '-' for those rows."""
-    has_experts = any(unit_counts(model)[1])
-    if precision.param_dtype != torch.float32 or (has_experts and routing is None):
-        return None
-    module, tp = model.module, grid.tp_size
-    n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
-    predicted = [context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, cp_mode,
-                                                       n_micro, 4, tp, n_layers)]
-    if tp > 1:
-        predicted.append(tensor_parallel.predicted_tp_traffic(
-            cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
-            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
-    if has_experts:
-        routed = expert_parallel.predicted_routed_traffic(routing, expert_parallel.ExpertParallel.from_grid(grid), tp,
-                                                          cfg.hidden, 4)
-        predicted += [expert_parallel.expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
-                      {key: value / steps for key, value in routed.items()}]
-    return add_traffic(*predicted)
+def report(model: ZeroDataParallel, optimizer, plan, precision: Precision, gathered: GatheredParameterMeter,
+           throughput, device) -> None:
+    """The model states and ZeRO-3's gathered peak (report_model_states), the traffic per step next
+    to its formula, and the compute report."""
+    report_model_states(model, optimizer, precision, gathered)
+    log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
+    log0(comm.meter.table(predicted_step_traffic(model, precision, plan.shape.grad_accum), per=throughput.steps))
+    log_compute_report(throughput, group_size(model.dp_group), plan.cfg, plan.shape.seq_len, device)
 
 
-def predicted_step_traffic(model: ZeroDataParallel, pipeline, cfg, shape, args, grid: ProcessGrid,
-                           precision: Precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
-    """Every row of the report's traffic table, per step: ZeRO's, the pipeline's and, where
-    predicted_inner_traffic predicts them (`routing` and `steps` as there), tp's, cp's and ep's,
-    with `inner_extra` added to those (a later lesson's, 07's recomputed forward); else none of them."""
-    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
-    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
-                                                 getattr(model, "reshard_after_forward", True), norm_groups),
-                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
-                            expert_parallel.balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
-                                                              args.bias_update_rate))
-    inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
-                                    routing, steps)
-    if inner is None:
-        return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    return add_traffic(predicted, inner, inner_extra or {})
-
-
-def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision: Precision,
-           gathered: GatheredParameterMeter, throughput, device, inner_extra: dict | None = None,
-           routing=None) -> None:
-    """`inner_extra`: tp / cp / ep traffic a later lesson adds inside the layers (07's recomputed
-    forward); `routing`: with experts, a RoutingMeter over every step's forwards."""
-    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+def report_model_states(model: ZeroDataParallel, optimizer, precision: Precision, gathered: GatheredParameterMeter,
+                        where: str = "") -> None:
+    """The model states measured next to their formula and, at stage 3, the peak of gathered
+    weights next to its prediction. `where` names a composed layout's place (lesson 07: a
+    pipeline stage) in the title."""
+    n = group_size(model.dp_group)
     counts, experts = unit_counts(model)
-    where = f"pipeline stage 0 of {grid.pp_size}, " if pipeline is not None else ""
-    log0(f"\n== memory (one rank; {where}ZeRO-{model.stage} over dp x cp = {n}"
+    edp = group_size(model.expert_group) if model.expert_group else 1
+    log0(f"\n== memory (one rank; {where}ZeRO-{model.stage} over {n} ranks"
          + (f", experts over edp = {edp}" if any(experts) else "")
          + f"; weights {precision.param_dtype}, gradients {precision.reduce_dtype}) ==")
     log0(model_state_table(measured_model_states(model, optimizer), predicted_states_of(model, n, edp, precision)))
@@ -928,12 +737,6 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
         largest = max(unit.numel for unit in model.units) * precision.param_dtype.itemsize
         log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {predicted / 1e6:.3f} MB "
              f"predicted (largest flat unit {largest / 1e6:.3f} MB)")
-    log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
-    with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
-        predicted = predicted_step_traffic(model, pipeline, plan.cfg, plan.shape, args, grid, precision, routing,
-                                           throughput.steps, inner_extra)
-    log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
-    log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
 
 # ============================================================================ main
@@ -942,16 +745,17 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, precision:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 06: ZeRO stages 0-3 (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_flags(parser)
+    add_parallel_flags(parser, axes=("dp",), fill_axis="dp", bucket_flag=False)
+    add_zero_flags(parser)
+    add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
     parser.add_argument("--memory-table", action="store_true",
                         help="print the 8b preset's model states per GPU at every stage and policy, and exit "
                              "(no torchrun needed)")
-    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+    return parser.parse_args(argv)
 
 
-def add_flags(parser) -> None:
-    """Every flag of this lesson's run (lesson 07 trains with the same ones)."""
-    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp", bucket_flag=False)
+def add_zero_flags(parser) -> None:
+    """This lesson's flags (lesson 07 takes them too)."""
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
                         help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights")
     parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -961,15 +765,6 @@ def add_flags(parser) -> None:
                         help="ZeRO-3: free each unit after its forward and gather it again for backward")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start gathering the next unit while this one computes")
-    parser.add_argument("--ep", type=int, default=None,
-                        help="with a mixture-of-experts preset: expert-parallel degree (lesson 05); default: dp * cp")
-    expert_parallel.add_moe_flags(parser)
-    pipeline_parallel.add_schedule_flags(parser)
-    parser.add_argument("--cp-mode", choices=("ring", "ulysses"), default="ring", help="with --cp > 1")
-    parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True, help="with --cp > 1")
-    parser.add_argument("--ring-kernel", choices=context_parallel.RING_KERNELS, default="fused",
-                        help="with --cp-mode ring: each K/V block in one flash kernel, or spelled out (lesson 04)")
-    add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
 
 
 def main(argv=None):
@@ -977,36 +772,24 @@ def main(argv=None):
     if args.memory_table:
         print(zero_memory_table("8b", (8, 64)))
         return
-    plan = plan_run(args, validate, expert_parallel.moe_config)
+    plan = plan_run(args, validate)
     device = init_distributed()
-    grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
+    grid = ProcessGrid(plan.grid)
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
-    model = build_model(plan.cfg, args.seed, grid, args.zero_stage, precision, device, args.reshard_after_forward,
-                        args.prefetch, args.sequence_parallel, args.cp_mode, args.zigzag,
-                        plan.shape.sequences_per_step, args.ring_kernel, args.virtual_stages,
-                        grouped=expert_parallel.uses_grouped_mm(args, plan.cfg, precision.param_dtype, plan.grid.tp))
-    pipeline = build_pipeline(model, grid, args.schedule, plan.shape, plan.cfg, device, precision,
-                              args.sequence_parallel)
+    model = wrap_zero(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.zero_stage, precision,
+                      args.reshard_after_forward, args.prefetch)
     optimizer = build_sharded_optimizer(model, args.lr)
-    settings = step_settings(grid, device, precision, args.max_grad_norm)
-    log0(f"lesson 06: ZeRO-{args.zero_stage} over dp x cp = {grid.dp_size * grid.cp_size} ranks "
-         f"(tp={grid.tp_size}, pp={grid.pp_size}), "
-         f"{len(model.units)} units, weights {precision.param_dtype}, gradients {precision.reduce_dtype}, "
+    settings = step_settings(device, precision, args.max_grad_norm)
+    log0(f"lesson 06: ZeRO-{args.zero_stage} over dp = {grid.dp_size} ranks, {len(model.units)} units, "
+         f"weights {precision.param_dtype}, gradients {precision.reduce_dtype}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
     gathered = GatheredParameterMeter(model.module)
-    # With experts, the tp / cp / ep traffic depends on the routing: every step's counts predict it.
-    routing = expert_parallel.RoutingMeter(model_parts(model, pipeline)) if plan.cfg.n_experts else None
-    model_or_pipeline = model if pipeline is None else pipeline
-    step = partial(train_step, model_or_pipeline, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
-                   balancing_log=balancing_log(model, pipeline, grid))
-    with routing or nullcontext():
-        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                           prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                           meters=(gathered,), evaluate=partial(evaluate, model_or_pipeline, settings=settings),
-                           val_batches=plan.val_batches, cfg=plan.cfg)
-    report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
-           routing=routing)
+    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
+                       grid.dp_rank, device, meters=(gathered,),
+                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
+                       cfg=plan.cfg)
+    report(model, optimizer, plan, precision, gathered, throughput, device)
     shutdown()
 
 

@@ -19,6 +19,11 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> activation recomputation                 (this lesson)
       -> the pipeline schedule over the stage     (03)
 
+Lessons 02-06 each teach one technique with data parallelism; everything that spans two of them
+lives here: each seam where two meet (a function of its own, below parallelize), the composed
+step (03's schedule or 01's loop, 06's sharded tail, 05's router biases), the rules of what does
+not compose (composition_problems) and the traffic prediction, each lesson's formula added once.
+
 Activation recomputation trades compute for that memory: keep less in forward, compute the rest
 again in backward. Both modes below use torch.utils.checkpoint (non-reentrant): a checkpointed
 region keeps only its inputs, and runs again when backward first needs something from inside it.
@@ -134,6 +139,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 from contextlib import nullcontext
 from dataclasses import asdict, replace
 from functools import partial
@@ -143,12 +149,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import picotron_like.checkpoint as checkpoints
-from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic, log0
+from picotron_like import comm
+from picotron_like.data import StepBatch
+from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
+                                    step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.pipeline_tools import is_transfer_batch
-from picotron_like.topology import ProcessGrid, group_rank, group_size, init_distributed, load_lesson, shutdown
-from picotron_like.train import batch_shape, exit_with_error, plan_run, traffic_not_counted, train
+from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
+                                    shutdown, validate_parallel_config)
+from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, batch_shape,
+                                 exit_with_error, plan_run, traffic_not_counted, train)
 
+data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
@@ -186,11 +198,11 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
-    pipeline = zero.build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
+    pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
     return model, pipeline
 
 
-# ============================================================================ the seams: where two techniques meet
+# ============================================================================ the technique: the seams, where two lessons meet
 
 
 def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool) -> None:
@@ -212,11 +224,126 @@ def context_parallel_peers(grid: ProcessGrid, args):
 
 def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
     """ZeRO x pipeline: a rank's interleaved chunks are different layers sharded over the same
-    dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (06's
-    StageChunks); the schedule drives each chunk through a view whose data-parallel switch is that
-    wrapper's. The dp x cp group itself is the seam of 01 and 04: cp ranks hold the same weights
+    dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (StageChunks);
+    the schedule drives each chunk through a view whose data-parallel switch is that wrapper's
+    (PipelineChunk), and each unit is reduced once, in its own chunk's last backward: ZeRO-0/1,
+    whose gradients stay whole through the step (composition_problems says why not 2/3). The dp x cp group itself is the seam of 01 and 04: cp ranks hold the same weights
     and each computed part of their gradient, so they are summed (ZeRO: reduce-scattered) with dp's."""
-    return zero.StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
+    return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
+
+
+class StageChunks(torch.nn.Module):
+    """This rank's pipeline chunks (lesson 03: one, or v for the interleaved schedule) as one
+    module for ZeRO. The chunks are different layers of one model on one rank, sharded over the
+    same dp x cp group and stepped by the same optimizer, so one wrapper holds all their units.
+    To ZeroDataParallel, and to every meter that reads a stage, this looks like one stage: the
+    first chunk's embedding, every chunk's blocks under their layer indices (the reference's
+    parameter names), the last chunk's head. It has no forward: the schedule runs each chunk
+    through its PipelineChunk."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = tuple(chunks)     # a tuple is not registered: each block is named once, below
+        self.tok_embeddings = chunks[0].tok_embeddings
+        self.layers = pipeline_parallel.StageLayers({name: block for chunk in chunks
+                                                     for name, block in chunk.layers.named_children()})
+        self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
+
+
+class PipelineChunk(torch.nn.Module):
+    """One chunk as lesson 03's Pipeline drives it: forward runs the chunk; the data-parallel
+    switch the schedule sets before each backward (on for a chunk's last one) and the groups are
+    the one ZeRO wrapper's. One switch serves every chunk: a unit's gradients arrive only during
+    its own chunk's backward, so the switch is on exactly when a unit's last micro-batch arrives."""
+
+    def __init__(self, sharded: "zero.ZeroDataParallel", chunk: torch.nn.Module):
+        super().__init__()
+        self.module = chunk
+        object.__setattr__(self, "sharded", sharded)    # not a submodule: this chunk's modules are its own
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        return self.sharded.require_backward_grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.sharded.require_backward_grad_sync = value
+
+    @property
+    def dp_group(self):
+        return self.sharded.dp_group
+
+
+def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
+                   precision, sequence_parallel: bool = False):
+    """Lesson 03's Pipeline over this rank's chunks, or None without pipeline parallelism. The
+    boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
+    dtype: with bf16 weights the residual stream itself is bf16."""
+    if grid.pp_size == 1:
+        return None
+    b, s, h = pipeline_parallel.activation_shape(cfg, shape, grid, sequence_parallel)
+    chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
+    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, s // grid.cp_size, h),
+                                      device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+
+
+def model_parts(model, pipeline) -> list[torch.nn.Module]:
+    """What lesson 05's meters and formulas take as a rank's parts: with a pipeline its chunks
+    (each PipelineChunk's .module one stage of lesson 03), else the model."""
+    return list(pipeline.chunks) if pipeline is not None else [model]
+
+
+def balancing_log(model, pipeline, grid: ProcessGrid):
+    """Lesson 05's log of the step's aux and z losses, summed over the ranks holding other tokens
+    (dp x cp) and other layers (pp); a model without them logs and reduces nothing."""
+    return expert_parallel.BalancingLog(model_parts(model, pipeline),
+                                        (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
+
+
+# ============================================================================ the technique: the composed step
+
+
+def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float) -> StepSettings:
+    """Lesson 06's settings, and the groups the norm from ZeRO's shards must also sum over:
+    pipeline stages hold different layers (pp), tensor-parallel ranks different slices of them,
+    whose replicated gains count once (lesson 03's rule for tp)."""
+    tp_groups, tp_counts = pipeline_parallel.norm_settings(grid)
+    pp_groups = (grid.pp_group,) if grid.pp_size > 1 else ()
+    return replace(zero.step_settings(device, precision, max_grad_norm), norm_groups=(*pp_groups, *tp_groups),
+                   counts_toward_norm=tp_counts)
+
+
+def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
+               balancing_log=None) -> StepResult:
+    """The micro-batches through lesson 03's schedule on this rank's chunks, or lesson 01's loop;
+    then lesson 06's sharded tail (the loss share also summed over pp, where only the last stage
+    computes it); with experts lesson 05's: the router biases move unless the shared loop skipped
+    the step (a non-finite norm, the same on every rank), and the aux and z losses go to the log."""
+    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
+        model, loss_groups = model_or_pipeline.chunks[0].sharded, (model_or_pipeline.pp_group,)
+        loss = model_or_pipeline.forward_backward(batch)
+    else:
+        model, loss_groups = model_or_pipeline, ()
+        loss = data_parallel.forward_backward(model, batch, settings)
+    result = zero.finish_step(model, optimizer, loss, settings, loss_groups)
+    if bias_update_rate and math.isfinite(result.grad_norm):
+        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate)
+    if balancing_log is None:
+        return result
+    return replace(result, extra=balancing_log.step_values())
+
+
+def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
+    """The forward-only loss through lesson 03's schedule or lesson 01's loop, the router loads as
+    the step left them (lesson 05), ZeRO-3's gathered units released (lesson 06)."""
+    pipelined = isinstance(model_or_pipeline, pipeline_parallel.Pipeline)
+    with expert_parallel.router_loads_kept(getattr(model_or_pipeline, "chunks", [model_or_pipeline])):
+        if pipelined:
+            return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
+        return zero.evaluate(model_or_pipeline, batch, settings)
 
 
 # ============================================================================ the technique: activation recomputation
@@ -403,11 +530,52 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
-    """Lesson 06's rules, which include those of 01-05 (recomputation and compiling add none);
-    the checkpoint flags and the checkpoint --resume names, checked before any process group."""
-    zero.validate(cfg, grid, shape, args, world_size)
+    """What the composition refuses (composition_problems), then each lesson's own rules: 06's,
+    04's (which include 02's, 03's and the grid's) or with experts the
+    grid's and 05's (its own tp split; lesson 02 refuses experts); the checkpoint flags and the
+    checkpoint --resume names. All before any process group (recomputation and compiling add none)."""
+    problems = composition_problems(cfg, grid, args)
+    if problems:
+        raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+    zero.validate_zero(args.dtype, args.reduce_dtype)
+    if cfg.n_experts:
+        validate_parallel_config(grid, world_size, cfg, shape.seq_len, args.zigzag)
+        expert_parallel.validate_expert_parallel(grid, world_size, cfg, shape.seq_len, expert_degree(args.ep, cfg, grid),
+                                                 args.schedule, shape.grad_accum, args.bias_update_rate,
+                                                 args.sequence_parallel, args.virtual_stages)
+    else:
+        context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
+                                                   args.sequence_parallel, args.schedule, shape.grad_accum,
+                                                   args.virtual_stages)
     checkpoints.check_flags(args)
     checkpoint_to_resume(args, cfg, shape)
+
+
+def composition_problems(cfg, grid, args) -> list[str]:
+    """The pairs of techniques this trainer does not combine, each with its reason."""
+    problems = []
+    if grid.pp > 1 and args.zero_stage >= 2:
+        problems.append(f"--pp {grid.pp} with --zero-stage {args.zero_stage}: ZeRO-2/3 under a pipeline "
+                        f"reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B "
+                        f"interleaves: DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
+    if cfg.n_experts and args.zero_stage == 0:
+        problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
+                        f"use --zero-stage 1, 2 or 3")
+    if not cfg.n_experts and args.ep not in (None, 1):
+        problems.append(f"--ep {args.ep} with a dense preset: there are no experts to spread; use --ep 1 or "
+                        f"--preset tiny-moe")
+    if not cfg.n_experts and args.bias_update_rate:
+        problems.append(f"--bias-update-rate {args.bias_update_rate} with a dense preset: there are no routers to "
+                        f"balance; drop it or use --preset tiny-moe")
+    if cfg.n_experts and args.cp_mode != "ring":
+        problems.append(f"--cp-mode {args.cp_mode} with experts: lesson 05 composes experts with ring attention; "
+                        f"use --cp-mode ring")
+    return problems
+
+
+def expert_degree(ep: int | None, cfg, grid) -> int:
+    """--ep's default: lesson 05's (every dp x cp rank its own experts) with experts, else 1."""
+    return ep if ep is not None else (grid.dp * grid.cp if cfg.n_experts else 1)
 
 
 # ============================================================================ measuring the three challenges
@@ -490,7 +658,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                args.sequence_parallel, grid.cp_size, args.cp_mode, stage,
                                                model.precision.param_dtype)
 
-    parts = zero.model_parts(model, pipeline)
+    parts = model_parts(model, pipeline)
     if cfg.n_experts and recompute != "full":
         grouped = expert_parallel.uses_grouped_mm(args, cfg, model.precision.param_dtype, grid.tp_size)
         sizes = expert_parallel.activation_bytes_by_micro_batch(
@@ -567,12 +735,69 @@ def forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid: Proc
     return (routing_at(routing, pipeline, shape.grad_accum, "F") if full else routing), extra
 
 
+def predicted_pipeline_traffic(pipeline, precision, n_micro: int) -> dict:
+    """Lesson 03's p2p bytes of this rank's stage (boundaries in the weights' dtype), and the
+    loss and norm scalars the step sums over pp."""
+    if pipeline is None:
+        return {}
+    return add_traffic(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro, precision.param_dtype.itemsize),
+                       step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
+
+
+def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
+                            sequence_parallel: bool, precision, routing=None, steps: int = 1):
+    """What tensor, context and expert parallelism move inside this rank's layers, which ZeRO
+    leaves as it is: lessons 02 and 04's formulas, with experts also lesson 05's, whose traffic
+    depends on the routing: `routing` is a RoutingMeter over `steps` steps' forwards, and the
+    result their mean. The formulas count a float32 residual stream; with bf16 weights the stream
+    is bf16, and with experts but no meter the routing is unknown: None then, and the table shows
+    '-' for those rows."""
+    has_experts = any(zero.unit_counts(model)[1])
+    if precision.param_dtype != torch.float32 or (has_experts and routing is None):
+        return None
+    module, tp = model.module, grid.tp_size
+    n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
+    predicted = [context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, cp_mode,
+                                                       n_micro, 4, tp, n_layers)]
+    if tp > 1:
+        predicted.append(tensor_parallel.predicted_tp_traffic(
+            cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
+            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
+    if has_experts:
+        routed = expert_parallel.predicted_routed_traffic(routing, expert_parallel.ExpertParallel.from_grid(grid), tp,
+                                                          cfg.hidden, 4)
+        predicted += [expert_parallel.expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
+                      {key: value / steps for key, value in routed.items()}]
+    return add_traffic(*predicted)
+
+
+def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
+                           precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
+    """Every row of the report's traffic table, per step, each lesson's formula added up once: ZeRO's
+    (06), the pipeline's (03), the balancing's (05) and, where predicted_inner_traffic predicts
+    them (`routing` and `steps` as there), tp's, cp's and ep's, with `inner_extra` added to those
+    (the recomputed forward's); else none of them."""
+    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
+    predicted = add_traffic(zero.predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
+                                                      getattr(model, "reshard_after_forward", True), norm_groups),
+                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
+                            expert_parallel.balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
+                                                              args.bias_update_rate))
+    inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
+                                    routing, steps)
+    if inner is None:
+        return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
+    return add_traffic(predicted, inner, inner_extra or {})
+
+
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,
            routing, throughput, device, every_step=None) -> None:
     """The activations this rank keeps for backward at their peak in the metered step, measured for
     the run's --recompute and predicted for every mode (with experts on the metered step's
-    `routing`), then lesson 06's report (model states, ZeRO-3's gathered weights, traffic with the
-    recomputed forward, with experts on `every_step`'s routing, compute)."""
+    `routing`); lesson 06's model states and ZeRO-3's gathered weights; the traffic of every
+    lesson's collectives next to predicted_step_traffic (with the recomputed forward, with experts
+    on `every_step`'s routing); the compute report."""
     precision, shape = model.precision, plan.shape
     with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
         predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
@@ -592,8 +817,13 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         log0("the recomputed forward's collectives, in the traffic below, predicted per step"
              + (" (with experts: on every step's routing)" if every_step is not None else "") + ", MB: "
              + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
-    zero.report(model, pipeline, optimizer, plan, args, grid, precision, gathered, throughput, device,
-                inner_extra=extra, routing=forwards)
+    zero.report_model_states(model, optimizer, precision, gathered, where)
+    log0(f"\n== communication per step ({shape.grad_accum} micro-batches) ==")
+    with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
+        predicted = predicted_step_traffic(model, pipeline, plan.cfg, shape, args, grid, precision, forwards,
+                                           throughput.steps, extra)
+    log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
+    log_compute_report(throughput, grid.shape.world_size, plan.cfg, shape.seq_len, device)
 
 
 class FirstStepsMemory:
@@ -694,7 +924,12 @@ def start_memory_history(path: str | None, device) -> str | None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 07: the full 5D-parallel trainer (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    zero.add_flags(parser)
+    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp", bucket_flag=False)
+    zero.add_zero_flags(parser)
+    expert_parallel.add_moe_flags(parser)
+    pipeline_parallel.add_schedule_flags(parser)
+    context_parallel.add_context_parallel_flags(parser)
+    add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                         help="selective: compute the norms' arithmetic and SwiGLU's silu again in backward (no "
                              "matmul, no collective); full: keep only each block's input and run its forward again")
@@ -732,29 +967,29 @@ def main(argv=None):
     manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
     snapshot = start_memory_history(args.memory_snapshot, device)
-    grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
+    grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
+    settings = step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
-    parts = zero.model_parts(model, pipeline)
+    parts = model_parts(model, pipeline)
     routing, every_step = ((expert_parallel.RoutingMeter(parts), expert_parallel.RoutingMeter(parts))
                            if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
-    step = first_steps.observe(partial(zero.train_step, model_or_pipeline, optimizer, settings=settings,
+    step = first_steps.observe(partial(train_step, model_or_pipeline, optimizer, settings=settings,
                                        bias_update_rate=args.bias_update_rate,
-                                       balancing_log=zero.balancing_log(model, pipeline, grid)))
+                                       balancing_log=balancing_log(model, pipeline, grid)))
     with every_step or nullcontext():
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                            prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
                            meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
-                           evaluate=partial(zero.evaluate, model_or_pipeline, settings=settings),
+                           evaluate=partial(evaluate, model_or_pipeline, settings=settings),
                            val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
                            after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
     report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device,

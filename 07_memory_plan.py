@@ -68,6 +68,27 @@ PLAN_MARGIN = 0.10
 GIB = 2**30
 
 
+def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                          experts: bool = False, virtual_stages: int = 1) -> list[int]:
+    """Parameters of each unit on one tp rank of pipeline rank `pp_rank`: the embedding (first
+    stage), the blocks of its stage (of its v chunks, interleaved), the head (last stage, which
+    is always on the last rank); norm gains stay whole under tp. With
+    experts (lesson 05's split), a block's dense unit holds the attention, the norms, the router
+    (whole on every tp rank) and the shared expert (split like a dense MLP); experts=True counts
+    each unit's routed experts instead: E/ep of them, each split over tp (none in embedding, head)."""
+    h, hd = cfg.hidden, cfg.head_dim
+    swiglu = 3 * h * cfg.ffn_hidden
+    if experts:
+        block, embedding, head = cfg.n_experts * swiglu // (ep * tp), 0, 0
+    else:
+        mlp = cfg.n_shared_experts * swiglu // tp + h * cfg.n_experts if cfg.n_experts else swiglu // tp
+        block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd) // tp + mlp + 2 * h
+        embedding, head = cfg.vocab_size * h // tp, h + h * cfg.vocab_size // tp
+    ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp * virtual_stages)
+    n_blocks = sum(len(ranges[stage]) for stage in range(pp_rank, pp * virtual_stages, pp))
+    return [embedding] * (pp_rank == 0) + [block] * n_blocks + [head] * (pp_rank == pp - 1)
+
+
 @lru_cache(maxsize=None)
 def stage_outline(cfg, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple:
     """Lesson 03's chunks of pipeline rank `pp_rank` (its stage, or its v interleaved chunks),
@@ -136,8 +157,8 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
     on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
     n, tp = grid.dp * grid.cp, grid.tp
-    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
-    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
+    dense = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
+    experts = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
     states = (zero.predicted_model_states(dense, n, args.zero_stage, precision)
               + zero.predicted_model_states(experts, n // ep, args.zero_stage, precision))
     gathered = (zero.predicted_gathered_peak(dense, n, precision.param_dtype.itemsize, args.reshard_after_forward,
@@ -222,8 +243,8 @@ def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int,
     """Lesson 06's traffic over dp x cp (experts: over edp) for stage `pp_rank`, less what the
     step hides: the gradient reduction behind backward, ZeRO-3's gathers behind compute."""
     n, tp = grid.dp * grid.cp, grid.tp
-    dense = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
-    experts = zero.unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
+    dense = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
+    experts = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
     traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
                                                       args.reshard_after_forward),
                           zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
@@ -363,7 +384,7 @@ def checked_plan_flags(args):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
         cfg = expert_parallel.moe_config(get_config(args.preset, n_layers=args.n_layers), args)
         grid = grid_from_args(args, args.gpus)
-        ep = zero.expert_degree(args.ep, cfg, grid)
+        ep = full_5d.expert_degree(args.ep, cfg, grid)
         shape = batch_shape(args, grid.dp)
         full_5d.validate(cfg, grid, shape, args, args.gpus)
     except (ConfigError, ValueError) as error:

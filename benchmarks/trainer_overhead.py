@@ -67,8 +67,8 @@ def trainer(argv: list[str], recompute: str, plan, grid, device):
     args = full_5d.parse_args([*argv, "--recompute", recompute, "--zero-stage", "0"])
     model, _ = full_5d.parallelize(plan.cfg, grid, args, device)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    settings = zero.step_settings(grid, device, model.precision, args.max_grad_norm)
-    step = partial(zero.train_step, model, optimizer, settings=settings)
+    settings = full_5d.step_settings(grid, device, model.precision, args.max_grad_norm)
+    step = partial(full_5d.train_step, model, optimizer, settings=settings)
     return model, (lambda index: step(plan.batches.step_batch(index, 0)))
 
 

@@ -166,9 +166,9 @@ def ours_ddp(cfg, args, grid, device, compute_dtype):
 def ours_zero(stage, reshard=True, prefetch=True):
     def build(cfg, args, grid, device, compute_dtype):
         precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-        model = zero.build_model(cfg, args.seed, grid, stage, precision, device, reshard, prefetch)
+        model = zero.wrap_zero(GPT(cfg, seed=args.seed).to(device), grid.dp_group, stage, precision, reshard, prefetch)
         optimizer = zero.build_sharded_optimizer(model, args.lr)
-        settings = zero.step_settings(grid, device, precision, args.max_grad_norm)
+        settings = zero.step_settings(device, precision, args.max_grad_norm)
         return Variant(lambda batch: zero.train_step(model, optimizer, batch, settings).loss, model.module, optimizer,
                        lambda: zero.measured_model_states(model, optimizer).total, sharded=stage == 3)
     return build

@@ -554,6 +554,12 @@ class MixtureOfExperts(nn.Module):
         self.expert_load.zero_()
 
 
+def is_expert_parameter(name: str) -> bool:
+    """The stacked expert weights (layers.N.mlp.experts.*): split over ep and reduced over edp by
+    lesson 05, sharded over edp by lesson 06."""
+    return ".experts." in name
+
+
 def moe_layers(model: nn.Module) -> list[MixtureOfExperts]:
     """The model's mixture-of-experts layers, first layer first."""
     return [module for module in model.modules() if isinstance(module, MixtureOfExperts)]

@@ -26,6 +26,7 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
@@ -243,6 +244,8 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                              "B200, B300); MFU is shown on CUDA only")
 
 
+_TECHNIQUE = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
+              "cp": "context parallelism"}
 _AXIS_HELP = {
     "dp": "data-parallel degree (lesson 01)",
     "tp": "tensor-parallel degree: ranks sharing each layer (lesson 02)",
@@ -255,14 +258,17 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_fla
                        **defaults: int) -> None:
     """--dp / --tp / --pp / --cp for the axes a lesson composes, --sequence-parallel with tp, and
     --bucket-mb with dp (unless `bucket_flag` is False: lesson 06 reduces per unit, not per bucket).
-    The `fill_axis` (the lesson's own) takes the ranks the others leave."""
-    for axis in axes:
+    The `fill_axis` (the lesson's own) takes the ranks the others leave. The other axes' flags are
+    accepted but hidden, so that check_flag_ranges refuses them with a line pointing to lesson 07
+    rather than argparse with "unrecognized arguments"."""
+    for axis in AXES:
         if axis == fill_axis:
             help_text = f"{_AXIS_HELP[axis]}; default: the world size / the other degrees"
             parser.add_argument(f"--{axis}", type=int, default=None, help=help_text)
         else:
-            parser.add_argument(f"--{axis}", type=int, default=defaults.get(axis, 1), help=_AXIS_HELP[axis])
-    parser.set_defaults(fill_axis=fill_axis)
+            parser.add_argument(f"--{axis}", type=int, default=defaults.get(axis, 1),
+                                help=_AXIS_HELP[axis] if axis in axes else argparse.SUPPRESS)
+    parser.set_defaults(fill_axis=fill_axis, lesson_axes=axes)
     if "tp" in axes:
         parser.add_argument("--sequence-parallel", action="store_true",
                             help="with --tp > 1: split norms and the residual stream along the sequence (Megatron-SP)")
@@ -299,6 +305,11 @@ def check_flag_ranges(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not rule(value):
             problems.append(f"--{name.replace('_', '-')} {value} must be {words}")
+    for axis in AXES:
+        if axis not in getattr(args, "lesson_axes", AXES) and getattr(args, axis, 1) != 1:
+            problems.append(f"--{axis} {getattr(args, axis)}: this lesson teaches its technique with data "
+                            f"parallelism alone; {_TECHNIQUE[axis]} composes with it "
+                            f"in lesson 07: run 07_full_5d.py with the same flags")
     if getattr(args, "sequence_parallel", False) and getattr(args, "tp", 1) == 1:
         problems.append("--sequence-parallel needs --tp > 1: it splits what tensor parallelism leaves "
                         "replicated; add --tp 2 (or more) or drop --sequence-parallel")

@@ -266,7 +266,7 @@ def train_draw(layout: Draw) -> dict:
     zero, context_parallel = full_5d.zero, full_5d.context_parallel
     args = full_5d.parse_args(list(layout.argv))
     plan = checked_plan(args, full_5d.validate, full_5d.expert_parallel.moe_config, layout.world_size)
-    grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
+    grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
     for group in optimizer.param_groups:
@@ -276,9 +276,9 @@ def train_draw(layout: Draw) -> dict:
     split = context_parallel.SequenceSplit(grid.cp_size, args.zigzag) if grid.cp_size > 1 else None
     if plan.cfg.n_experts:
         record_routing(model.module, plan.shape, grid, split, choices, step_of)
-    settings = zero.step_settings(grid, CPU, model.precision, args.max_grad_norm)
-    step = partial(zero.train_step, model if pipeline is None else pipeline, optimizer, settings=settings,
-                   bias_update_rate=args.bias_update_rate, balancing_log=zero.balancing_log(model, pipeline, grid))
+    settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
+    step = partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer, settings=settings,
+                   bias_update_rate=args.bias_update_rate, balancing_log=full_5d.balancing_log(model, pipeline, grid))
     cut = context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     step_batch = partial(masked_step_batch, plan.batches, mask_targets=mask_targets) if layout.masked \
         else plan.batches.step_batch

@@ -74,20 +74,20 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     manifest = full_5d.checkpoint_to_resume(args, plan.cfg, plan.shape)
     for section, values in (written or {}).items():
         manifest[section].update(values)
-    grid = ProcessGrid(plan.grid, ep=zero.expert_degree(args.ep, plan.cfg, plan.grid))
+    grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
     if router_bias:
         for layer in moe_layers(model.module):
             layer.router_bias.copy_(torch.linspace(-0.3, 0.3, layer.n_experts))
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    settings = zero.step_settings(grid, CPU, model.precision, args.max_grad_norm)
+    settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     with redirect_stdout(io.StringIO()) as resume_log:
         start_step = full_5d.resume(manifest, model, optimizer, grid, full_5d.run_settings(args, model.precision))
     first_steps = full_5d.FirstStepsMemory(model, optimizer, CPU, first_step=start_step)
     results = []
 
     def step(batch):
-        results.append(zero.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
+        results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
         return results[-1]
 
     train(args, optimizer, first_steps.observe(step), plan.batches, grid.dp_rank, CPU,

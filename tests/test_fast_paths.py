@@ -170,11 +170,11 @@ def compiled_and_eager_runs() -> dict:
                                    *(["--compile"] if compiled else [])])
         model, _ = full_5d.parallelize(CFG, grid, args, torch.device("cpu"))   # no pipeline
         optimizer = zero.build_sharded_optimizer(model, LR)
-        settings = zero.step_settings(grid, torch.device("cpu"), zero.Precision(), MAX_GRAD_NORM)
+        settings = full_5d.step_settings(grid, torch.device("cpu"), zero.Precision(), MAX_GRAD_NORM)
         data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, ACCUM, grid.dp_size), seed=SEED,
                             vocab_size=CFG.vocab_size)
         cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag)
-        results = [zero.train_step(model, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings)
+        results = [full_5d.train_step(model, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings)
                    for step in range(STEPS)]
         runs[compiled] = {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results]}
     return runs

@@ -91,24 +91,24 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
-    settings = zero.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
+    settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
                         vocab_size=cfg.vocab_size)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
     # for the recomputed forward's traffic.
-    routings = ([full_5d.expert_parallel.RoutingMeter(zero.model_parts(model, pipeline)) for _ in range(STEPS)]
+    routings = ([full_5d.expert_parallel.RoutingMeter(full_5d.model_parts(model, pipeline)) for _ in range(STEPS)]
                 if cfg.n_experts else [])
     routing = routings[0] if routings else None
-    log = zero.balancing_log(model, pipeline, grid)
+    log = full_5d.balancing_log(model, pipeline, grid)
     comm.meter.reset()
     results, biases = [], []
     for step in range(STEPS):
         with ExitStack() as metered:
             for meter in ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1]:
                 metered.enter_context(meter)
-            results.append(zero.train_step(model if pipeline is None else pipeline, optimizer,
+            results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
                                            cut(data.step_batch(step, grid.dp_rank)), settings,
                                            args.bias_update_rate, log))
         biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
@@ -130,7 +130,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
             if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
             "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
             "predicted_extra": add_traffic(*(extra for _, extra in forwards_and_extra)),
-            "predicted_traffic": add_traffic(*(zero.predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
+            "predicted_traffic": add_traffic(*(full_5d.predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
                                                                            model.precision, forwards, 1, extra)
                                                for forwards, extra in forwards_and_extra))}
 

@@ -58,14 +58,14 @@ def every_axis_run(variant: Variant) -> dict:
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS     # forced_reference's (lesson 05's tests)
     seen = observe_gradients(model, optimizer)
-    settings = zero.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
+    settings = full_5d.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag)
     choices, step_of = {}, [0]
     recording_first_forwards(model, grid, data, choices, step_of)
     results = []
     for step in range(STEPS):
         step_of[0] = step
-        results.append(zero.train_step(pipeline, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings))
+        results.append(full_5d.train_step(pipeline, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings))
     module_params = dict(model.module.named_parameters())
     return {variant: {"choices": choices}, "grads": seen["before"], "clipped_grads": seen["after"],
             "params": gathered(model, lambda unit: unit.master), "losses": [r.loss for r in results],
@@ -135,9 +135,9 @@ def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra) -> 
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
-    settings = zero.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
+    settings = full_5d.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    results = [zero.train_step(model if pipeline is None else pipeline, optimizer,
+    results = [full_5d.train_step(model if pipeline is None else pipeline, optimizer,
                                cut(data.step_batch(step, grid.dp_rank)), settings) for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,

@@ -138,7 +138,7 @@ def zero3_layout() -> tuple[float, bool]:
     grid = ProcessGrid(GridShape(dp=4))
     args = full_5d_args(grid.shape, "--zero-stage", "3", "--no-reshard-after-forward", "--recompute", "full")
     model, _ = full_5d.parallelize(CFG, grid, args, CPU)
-    loss = validate(partial(full_5d.zero.evaluate, model, settings=SETTINGS), grid)
+    loss = validate(partial(full_5d.evaluate, model, settings=SETTINGS), grid)
     return loss, all(param.numel() == 0 for unit in model.units for param in unit.params)
 
 
@@ -150,7 +150,7 @@ def interleaved_zero_layout() -> float:
     args = full_5d_args(grid.shape, "--zero-stage", "1", "--recompute", "selective", "--schedule", "interleaved",
                         "--virtual-stages", "2")
     _, pipeline = full_5d.parallelize(CFG4, grid, args, CPU)
-    return validate(partial(full_5d.zero.evaluate, pipeline, settings=SETTINGS), grid)
+    return validate(partial(full_5d.evaluate, pipeline, settings=SETTINGS), grid)
 
 
 def trained_with_validation(metrics_path: str) -> None:
@@ -165,11 +165,11 @@ def trained_with_validation(metrics_path: str) -> None:
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    settings = zero.step_settings(grid, CPU, model.precision, args.max_grad_norm)
+    settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     data = TokenBatches(builtin_corpus_paths()[0], val_batches(2).shape, seed=SEED, vocab_size=CFG.vocab_size)
     with contextlib.redirect_stdout(io.StringIO()):
-        train.train(args, optimizer, partial(zero.train_step, model, optimizer, settings=settings), data,
-                    grid.dp_rank, CPU, evaluate=partial(zero.evaluate, model, settings=settings),
+        train.train(args, optimizer, partial(full_5d.train_step, model, optimizer, settings=settings), data,
+                    grid.dp_rank, CPU, evaluate=partial(full_5d.evaluate, model, settings=settings),
                     val_batches=val_batches(2), cfg=CFG)
 
 

@@ -96,39 +96,47 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
              precision=FP32, grid=None, cfg=CFG) -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
     their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula.
-    With pp > 1 the rank's stage runs lesson 03's 1F1B schedule: it holds its stage's parameters."""
+    Dense on data parallelism alone: lesson 06 as its main() builds it. Any other layout (tp, cp,
+    pp, experts): through lesson 07's parallelize and composed step, where ZeRO meets the other
+    axes (tests/test_full_5d_composition.py); with pp > 1 the rank's stage runs lesson 03's 1F1B."""
     zero = lesson()
     grid = grid or ProcessGrid(grid_shape)
     precision = zero.Precision(**precision)
     data = batches(grid.dp_size)
-    model = zero.build_model(cfg, SEED, grid, stage, precision, CPU, reshard, prefetch,
-                             sequences_per_step=data.shape.sequences_per_step)
-    pipeline = zero.build_pipeline(model, grid, "1f1b", data.shape, cfg, CPU, precision)
+    alone = grid_shape == GridShape(dp=grid_shape.dp) and not cfg.n_experts
+    if alone:
+        model = zero.wrap_zero(GPT(cfg, seed=SEED), grid.dp_cp_group, stage, precision, reshard, prefetch)
+        pipeline, settings, step = None, zero.step_settings(CPU, precision, MAX_GRAD_NORM), zero.train_step
+    else:
+        full_5d = load_lesson("07_full_5d")
+        args = composed_args(grid, stage, reshard, prefetch, precision, data.shape)
+        model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
+        settings, step = full_5d.step_settings(grid, CPU, precision, MAX_GRAD_NORM), full_5d.train_step
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
-    settings = zero.step_settings(grid, CPU, precision, MAX_GRAD_NORM)
     split = context_split(grid)
     comm.meter.reset()
     meter = zero.GatheredParameterMeter(model.module)
     results = []
-    for step in range(STEPS):
-        batch = data.step_batch(step, grid.dp_rank)
+    for step_index in range(STEPS):
+        batch = data.step_batch(step_index, grid.dp_rank)
         if split is not None:
             batch = split(batch)
-        with meter if step == 0 else torch.enable_grad():
-            results.append(zero.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
+        with meter if step_index == 0 else torch.enable_grad():
+            results.append(step(model if pipeline is None else pipeline, optimizer, batch, settings))
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     counts, expert_counts = zero.unit_counts(model)
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     predicted = zero.predicted_traffic_of(model, n, edp, precision, data.shape.grad_accum, reshard, norm_groups)
     # tp's and cp's own traffic, from lessons 02 and 04's formulas (float32 dense runs; None otherwise)
-    inner = zero.predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
+    inner = None if alone else full_5d.predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
     predicted = add_traffic(predicted, inner or {})
     # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
     predicted_states = zero.predicted_states_of(model, n, edp, precision) if cfg.n_experts else \
-        zero.predicted_model_states(zero.unit_parameter_counts(cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
+        zero.predicted_model_states(load_lesson("07_memory_plan").unit_parameter_counts(
+            cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
                                     precision)
     params = gathered(model, lambda unit: unit.master)
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params,
@@ -142,6 +150,19 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             "traffic": {key: value.payload_bytes for key, value in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()},
             "inner_predicted": inner is not None}
+
+
+def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, shape):
+    """Lesson 07's flags for this layout and ZeRO setting, with the defaults lesson 06's own
+    build used before the composition moved to 07 (looped experts, fused zigzag ring)."""
+    dtypes = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+    return load_lesson("07_full_5d").parse_args([
+        "--dp", str(grid.dp_size), "--tp", str(grid.tp_size), "--pp", str(grid.pp_size), "--cp", str(grid.cp_size),
+        "--ep", str(grid.ep_size), "--zero-stage", str(stage), "--seed", str(SEED),
+        "--dtype", dtypes[precision.param_dtype], "--reduce-dtype", dtypes[precision.reduce_dtype],
+        "--micro-batch-size", str(shape.micro_batch_size), "--seq-len", str(shape.seq_len),
+        "--grad-accum", str(shape.grad_accum), "--no-grouped-mm",
+        *([] if reshard else ["--no-reshard-after-forward"]), *([] if prefetch else ["--no-prefetch"])])
 
 
 def context_split(grid):
@@ -259,9 +280,9 @@ def master_accumulates_small_updates() -> dict:
     by itself, the float32 master does, and after enough steps the bf16 weight follows."""
     zero = lesson()
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
-    model = zero.build_model(CFG, SEED, grid, 1, zero.Precision(**BF16), CPU)
+    model = zero.wrap_zero(GPT(CFG, seed=SEED), grid.dp_group, 1, zero.Precision(**BF16))
     optimizer = zero.build_sharded_optimizer(model, 1e-3)
-    settings = zero.step_settings(grid, CPU, zero.Precision(**BF16), MAX_GRAD_NORM)
+    settings = zero.step_settings(CPU, zero.Precision(**BF16), MAX_GRAD_NORM)
     gain = model.module.layers[0].attn_norm.weight
     data, after = batches(grid.dp_size), []
     for step in range(12):
@@ -396,135 +417,6 @@ def test_mixed_precision_and_against_pytorch(reference):
         torch.testing.assert_close(last_bf16, last_master.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
-# ----------------------------------------------------------------------------- composition with tp and cp
-
-
-def tensor_parallel_baseline(grid) -> dict:
-    """Lessons 02 + 01 on the same grid: the tensor-parallel shards this rank holds, trained with
-    the all-reduce (their equality to one device is lesson 02's proof)."""
-    data_parallel, tensor_parallel = load_lesson("01_data_parallel"), load_lesson("02_tensor_parallel")
-    module = tensor_parallel.apply_tensor_parallel(GPT(CFG, seed=SEED), grid.tp_group, False)
-    model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", 2**20)
-    optimizer = build_optimizer(module, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
-    seen = {}
-    optimizer.register_step_pre_hook(
-        lambda *_: seen.setdefault("clipped_grads", {n: p.grad.clone() for n, p in module.named_parameters()}) and None)
-    settings = StepSettings(CPU, max_grad_norm=MAX_GRAD_NORM, norm_groups=(grid.tp_group,),
-                            counts_toward_norm=tensor_parallel.tp_counts_toward_norm(grid.tp_group))
-    data = batches(grid.dp_size)
-    results = [data_parallel.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings)
-               for step in range(STEPS)]
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "clipped_grads": seen["clipped_grads"],
-            "params": {n: p.detach().clone() for n, p in module.named_parameters()}}
-
-
-def expert_parallel_baseline(grid) -> dict:
-    """Lesson 05 on the same grid: ExpertDataParallel (dense gradients summed over dp x cp, experts
-    over edp), with its tp split of every expert, cp's cut of the batch and lesson 03's 1F1B as
-    lesson 05's main builds them; its equality to one device is lesson 05's proof."""
-    expert_parallel, context_parallel = load_lesson("05_expert_parallel"), load_lesson("04_context_parallel")
-    data = batches(grid.dp_size)
-    (part,) = expert_parallel.build_model(MOE_CFG, SEED, grid, CPU, False, data.shape.sequences_per_step)
-    pipeline = context_parallel.build_pipeline([part], grid, "1f1b", data.shape, MOE_CFG, CPU, torch.float32)
-    optimizer = build_optimizer(part.module, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
-    seen = {}
-    optimizer.register_step_pre_hook(lambda *_: seen.setdefault(
-        "clipped_grads", {n: p.grad.clone() for n, p in part.module.named_parameters()}) and None)
-    settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
-    split = context_split(grid) or (lambda batch: batch)
-    results = [expert_parallel.train_step(part if pipeline is None else pipeline, optimizer,
-                                          split(data.step_batch(step, grid.dp_rank)), settings)
-               for step in range(STEPS)]
-    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
-            "clipped_grads": seen["clipped_grads"],
-            "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
-
-
-EXPERT_COMPOSITIONS = {"ep cp stage 3": (GridShape(dp=2, cp=2), 3), "ep tp stage 2": (GridShape(dp=2, tp=2), 2),
-                       "ep pp stage 1": (GridShape(dp=2, pp=2), 1)}
-
-
-def composed():
-    tp_grid, cp_grid = ProcessGrid(GridShape(dp=2, tp=2)), ProcessGrid(GridShape(dp=2, cp=2))
-    ep_grid, pp_grid = ProcessGrid(GridShape(dp=4), ep=2), ProcessGrid(GridShape(dp=2, pp=2))
-    runs = {"tp baseline": tensor_parallel_baseline(tp_grid), "ep baseline": expert_parallel_baseline(ep_grid)}
-    for stage in (0, 1):
-        runs[f"pp stage {stage}"] = zero_run(pp_grid.shape, stage, grid=pp_grid)
-    runs["pp bf16 stage 1"] = zero_run(pp_grid.shape, 1, precision=BF16, grid=pp_grid)
-    for stage in (1, 2, 3):
-        runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
-        runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
-        runs[f"ep stage {stage}"] = zero_run(ep_grid.shape, stage, grid=ep_grid, cfg=MOE_CFG)
-    for name, (shape, stage) in EXPERT_COMPOSITIONS.items():
-        grid = ProcessGrid(shape, ep=2)
-        runs[f"{name} baseline"] = expert_parallel_baseline(grid)
-        runs[name] = zero_run(shape, stage, grid=grid, cfg=MOE_CFG)
-    return runs
-
-
-def assert_equal_to_baseline(run: dict, baseline: dict, where: str) -> None:
-    for key in ("losses", "norms"):
-        torch.testing.assert_close(torch.tensor(run[key]), torch.tensor(baseline[key]), rtol=0, atol=1e-5, msg=where)
-    for name, grad in baseline["clipped_grads"].items():
-        torch.testing.assert_close(run["clipped_grads"][name], grad, **TOLERANCE, msg=f"{where} {name}")
-    for name, param in baseline["params"].items():
-        torch.testing.assert_close(run["params"][name], param, **PARAM_TOLERANCE, msg=f"{where} {name}")
-
-
-def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference):
-    """dp 2 x tp 2: ZeRO shards each tensor-parallel shard over dp (the norm from the shards adds the tp
-    group and counts replicated gains once), equal to lessons 02 + 01 on the same ranks; dp 2 x cp 2:
-    ZeRO over the four dp x cp ranks, equal to one device; pp 2 x dp 2: lesson 03's 1F1B over three
-    micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
-    equal to one device, and in bf16 to the one-device bf16 regime; dp 4 with ep 2 (tiny-moe): dense
-    units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
-    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device); and
-    experts with each other axis, each against lesson 05 on the same ranks: dp 2 x cp 2 (ZeRO-3:
-    dense units over the four dp x cp ranks, experts over edp = 2), dp 2 x tp 2 (ZeRO-2: the expert
-    units hold this tp rank's column/row slices, edp = 1), pp 2 x dp 2 (ZeRO-1 under 1F1B).
-    Formulas byte for byte in all of them."""
-    bf16 = bf16_reference(torch.bfloat16)
-    covered = {stage: set() for stage in (0, 1)}     # parameter names over both pipeline stages
-    for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
-        for stage in (0, 1):
-            run, where = runs[f"pp stage {stage}"], f"rank={rank} pp stage {stage}"
-            assert ("isend", "pp") in run["traffic"], "the stages must run lesson 03's schedule"
-            assert_equal(run, reference, where, names=run["params"])
-            assert_formulas(run, where)
-            covered[stage] |= set(run["params"])
-        run, where = runs["pp bf16 stage 1"], f"rank={rank} pp bf16 stage 1"
-        expected = {key: {name: bf16[key][name] for name in run["params"]} for key in ("grads", "params")}
-        assert relative_error(run["grads"], expected["grads"]) < 2 * BF16_ROUNDING, where
-        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(bf16["losses"]),
-                                   rtol=BF16_ROUNDING, atol=0, msg=where)
-        assert parameter_change_error(run["params"], expected["params"]) < 4 * BF16_ROUNDING, where
-        assert_formulas(run, where)
-        for stage in (1, 2, 3):
-            where = f"rank={rank} stage {stage}"
-            assert_equal(runs[f"cp stage {stage}"], reference, f"{where} cp")
-            assert_formulas(runs[f"cp stage {stage}"], f"{where} cp")
-            assert_formulas(runs[f"tp stage {stage}"], f"{where} tp")
-            torch.testing.assert_close(torch.tensor(runs[f"tp stage {stage}"]["losses"]),
-                                       torch.tensor(reference["losses"]), rtol=0, atol=1e-5)
-            assert_equal_to_baseline(runs[f"tp stage {stage}"], runs["tp baseline"], f"{where} tp")
-            ep_run = runs[f"ep stage {stage}"]
-            assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
-            assert_formulas(ep_run, f"{where} ep")
-            assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
-        for name in EXPERT_COMPOSITIONS:
-            run, where = runs[name], f"rank={rank} {name}"
-            assert any(key[1] == "edp" for key in run["traffic"]), "the experts must be sharded over edp"
-            assert ("isend", "pp") in run["traffic"] or "pp" not in name, "the stages must run lesson 03's schedule"
-            assert_formulas(run, where)
-            assert_equal_to_baseline(run, runs[f"{name} baseline"], where)
-    assert all(names == set(reference["params"]) for names in covered.values()), "the stages hold every parameter"
-
-
 # ----------------------------------------------------------------------------- the script
 
 
@@ -541,7 +433,7 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     traffic equal to the formulas, the gathered peak equal to its prediction. Three bad
     configurations at the same time: one `error:` line each, exit code 2, no traceback."""
     run = launch_lesson("--steps", "12", "--seq-len", "64", "--dtype", "bfloat16")
-    bad = {"pipeline": launch_lesson("--pp", "2", "--zero-stage", "2"),
+    bad = {"pipeline": launch_lesson("--pp", "2", "--dp", "1"),
            "reduce": launch_lesson("--dtype", "float32", "--reduce-dtype", "bfloat16"),
            "degrees": launch_lesson("--dp", "3")}
     stdout, stderr = run.communicate(timeout=300)
@@ -551,25 +443,14 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     rows = re.findall(r"^(?:parameters|gradients|master_weights|optimizer_states|total) +(\S+) +(\S+)$", stdout, re.M)
     assert len(rows) == 5 and all(measured == predicted for measured, predicted in rows), stdout
     assert re.search(r"gathered weights at the peak: (\S+) MB measured, \1 MB predicted", stdout), stdout
-    comm_rows = re.findall(r"^\S+ +dp_cp +\S+ +(\S+) +(\S+) +\S+$", stdout, re.M)
+    comm_rows = re.findall(r"^\S+ +dp +\S+ +(\S+) +(\S+) +\S+$", stdout, re.M)
     assert len(comm_rows) == 3 and all(m == p for m, p in comm_rows), stdout
     outputs = {name: process.communicate(timeout=120) for name, process in bad.items()}
     for name, process in bad.items():
         err = outputs[name][1]
         assert process.returncode != 0 and err.count("error: ") == 1, (name, err)
         assert re.search(r"exitcode\s*:\s*2\b", err) and "Traceback" not in err.split("error: ")[0], err
-    assert "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline" in outputs["pipeline"][1]
+    assert "--pp 2: this lesson teaches its technique with data parallelism alone; pipeline parallelism " \
+           "composes with it in lesson 07" in outputs["pipeline"][1]
     assert "--reduce-dtype bfloat16 with --dtype float32" in outputs["reduce"][1]
     assert "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2" in outputs["degrees"][1]
-
-
-@pytest.mark.parametrize("cfg, grid, stage, ep, message", [
-    (MOE_CFG, GridShape(dp=2), 0, 2, "--zero-stage 0: experts without sharding are lesson 05"),
-    (MOE_CFG, GridShape(dp=2, pp=2), 2, 2, "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline"),
-    (MOE_CFG, GridShape(dp=4), 1, 3, "--ep 3 does not divide dp*cp = 4*1 = 4"),
-    (CFG, GridShape(dp=2), 1, 2, "--ep 2 with a dense preset"),
-])
-def test_expert_configurations_refused_in_one_line(cfg, grid, stage, ep, message):
-    """What ZeRO does not compose with experts, and lesson 05's own rules, before any process group."""
-    with pytest.raises(Exception, match=re.escape(message)):
-        lesson().validate_zero(cfg, grid, grid.world_size, stage, "float32", "auto", SEQ, ep=ep)
