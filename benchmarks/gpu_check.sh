@@ -1,57 +1,129 @@
 #!/usr/bin/env bash
-# The device check, for a session that is lent a GPU: one short script that exercises the CUDA /
-# NCCL paths of every lesson at world size 1 in bf16 and measures tokens/s and MFU. Its output
-# goes to $OUT (or /tmp) and its figures into benchmarks/RESULTS.md with the date and the GPU.
+# The device check, for a session that is lent one GPU for about 10 minutes: one prepared command
+# that exercises the CUDA / NCCL paths of every lesson and measures lesson 07 in bf16, the most
+# valuable runs first. It installs nothing.
 #
-#   bash benchmarks/gpu_check.sh            # about 4 minutes on one H200
+#   bash benchmarks/gpu_check.sh                 # ~5 minutes on one H200; GPU_CHECK_BUDGET_S=300
+#   GPU_CHECK_OUT=/tmp/gc bash benchmarks/gpu_check.sh
+#
+# Each run has its own timeout; a failed run is recorded and the script goes on, and it exits
+# non-zero if any failed. After GPU_CHECK_BUDGET_S seconds no new run starts (those left are listed
+# as skipped). Everything lands in GPU_CHECK_OUT (default $OUT/gpu_check, or /tmp/gpu_check): the
+# whole log gpu_check.log, each run's output NAME.txt and --metrics file NAME.metrics.jsonl, and
+# for lesson 07's runs the memory plan for the same flags NAME.plan.txt; the log ends with a
+# table of tokens/s, MFU and peak memory next to the plan (benchmarks/gpu_check_table.py).
+# Copy its figures into benchmarks/RESULTS.md with the date and the GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
-out=${OUT:-/tmp}
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/gpu_check.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$out/gpu_check.txt"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=${GPU_CHECK_OUT:-${OUT:-/tmp}/gpu_check}
+budget=${GPU_CHECK_BUDGET_S:-300}
+mkdir -p "$out"
+log="$out/gpu_check.log"
+failed=() skipped=()
 
-# The fast paths' CUDA-only comparisons (the fused ring block in bf16 against the plain one, fused
-# AdamW) are tests that skip without a GPU.
-python3 -m pytest -q tests/test_fast_paths.py 2>&1 | tail -3 | tee -a "$out/gpu_check.txt"
+say() { echo "$*" | tee -a "$log"; }
 
+# run NAME TIMEOUT_S COMMAND...: the command's whole output to NAME.txt, its end to the log.
 run() {
-  echo "== $*" | tee -a "$out/gpu_check.txt"
-  timeout 120 torchrun --standalone --nproc_per_node=1 "$@" 2>&1 | grep -v '^W[0-9]' | tee -a "$out/gpu_check.txt"
+  local name=$1 limit=$2 start=$SECONDS rc
+  shift 2
+  if [ "$SECONDS" -ge "$budget" ]; then skipped+=("$name"); say "== $name: skipped (budget of $budget s spent)"; return; fi
+  # No run outlasts the budget by more than 90 s, whatever its own timeout.
+  [ "$limit" -le $((budget + 90 - SECONDS)) ] || limit=$((budget + 90 - SECONDS))
+  say "== $name: $*"
+  timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+  rc=$?
+  grep -v '^W[0-9]\|^\[W' "$out/$name.txt" | tail -n 14 | tee -a "$log"
+  say "-- $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-# 125M-parameter shape, 16 x 1024 tokens per step: big enough for MFU to mean something.
-run 01_data_parallel.py --preset 125m --seq-len 1024 --micro-batch-size 16 --grad-accum 1 --steps 30 --warmup-steps 3 --lr 6e-4 --dtype bfloat16
-run 01_data_parallel.py --preset 1b --seq-len 2048 --micro-batch-size 4 --grad-accum 1 --steps 15 --warmup-steps 3 --lr 3e-4 --dtype bfloat16
-# The other lessons at degree 1: their CUDA code paths (vocab-parallel loss, pipeline executor,
-# ring attention's block kernels) on one GPU, 125m shape, bf16.
-common="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 15 --warmup-steps 3 --lr 6e-4 --dtype bfloat16"
-run 02_tensor_parallel.py --tp 1 --dp 1 --grad-accum 1 $common
-run 03_pipeline_parallel.py --pp 1 --micro-batches 2 $common
-run 04_context_parallel.py --cp 1 --grad-accum 1 $common
-# Lesson 05 at ep = 1 (tiny-moe at a longer sequence: the grouped bf16 kernel and the MoE step on
-# CUDA), then looped against grouped experts in bf16.
-run 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 15 --warmup-steps 3 --dtype bfloat16 --aux-loss-coef 1e-2
-run benchmarks/moe_grouped_vs_loop.py --ep-degrees 1 --preset tiny-moe --n-layers 8 --seq-len 1024 --dtype bfloat16
-# Lesson 07 at world size 1: the trainer's CUDA paths (ZeRO's flat bf16 buffers, recomputation),
-# then its overhead against a plain loop and each recompute mode's time and memory.
-run 07_full_5d.py --zero-stage 1 --recompute selective $common --grad-accum 1
-run benchmarks/trainer_overhead.py --preset 125m --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 12 --dtype bfloat16
+# torchrun NAME TIMEOUT_S SCRIPT FLAGS...: one rank, with a --metrics file.
+one_gpu() {
+  local name=$1 limit=$2
+  shift 2
+  run "$name" "$limit" torchrun --standalone --nproc_per_node=1 "$@" --metrics "$out/$name.metrics.jsonl"
+}
+
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+plan_gpu=H100
+for known in B300 B200 H200 H100 A100; do case "$gpu" in *"$known"*) plan_gpu=$known; break;; esac; done
+python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" | tee -a "$log"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
+
+# Lesson 07's runs: 1b in bf16 at sequence 2048 (8,192 tokens per step), then a 2-layer Mixtral.
+b1="--preset 1b --seq-len 2048 --micro-batch-size 4 --grad-accum 1 --steps 10 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
+moe="--preset mixtral-8x7b --n-layers 2 --seq-len 2048 --micro-batch-size 2 --grad-accum 1 --steps 8 --warmup-steps 2 --lr 3e-4 --dtype bfloat16 --zero-stage 1"
+declare -A flags=(
+  [07-1b-eager]="$b1 --zero-stage 0 --recompute none"
+  [07-1b-compile]="$b1 --zero-stage 0 --recompute none --compile"
+  [07-1b-zero3]="$b1 --zero-stage 3 --recompute none"
+  [07-moe-grouped]="$moe --grouped-mm"
+  [07-moe-looped]="$moe --no-grouped-mm"
+  [07-1b-selective]="$b1 --zero-stage 0 --recompute selective"
+  [07-1b-full]="$b1 --zero-stage 0 --recompute full"
+  [07-125m-float32]="--preset 125m --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 8 --warmup-steps 2 --dtype float32 --zero-stage 1"
+  [07-1b-compile-selective]="$b1 --zero-stage 0 --recompute selective --compile"
+)
+# The plans need no GPU: they run on the host beside the first runs.
+(for name in "${!flags[@]}"; do
+   # shellcheck disable=SC2086
+   python3 07_full_5d.py --plan --gpus 1 --gpu "$plan_gpu" ${flags[$name]} >"$out/$name.plan.txt" 2>&1
+ done) &
+plans=$!
+
+# The CUDA-only tests, and one multi-rank file: the gloo proofs must run on the CPU on a GPU machine.
+run tests-cuda 120 python3 -m pytest -q -k cuda tests/test_fast_paths.py
+run tests-gloo-on-gpu-machine 120 python3 -m pytest -q tests/test_topology.py
+
+# shellcheck disable=SC2086
+for name in 07-1b-eager 07-1b-compile 07-1b-zero3 07-moe-grouped 07-moe-looped; do
+  one_gpu "$name" 240 07_full_5d.py ${flags[$name]}
+done
+# Host reads per step in the MoE hot path and the step tail (sync debug mode).
+run syncs-07-moe 90 torchrun --standalone --nproc_per_node=1 benchmarks/count_host_syncs.py 07_full_5d.py \
+  --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 2 --steps 6 --dtype bfloat16 --zero-stage 1
+# shellcheck disable=SC2086
+for name in 07-1b-selective 07-1b-full 07-125m-float32; do
+  one_gpu "$name" 180 07_full_5d.py ${flags[$name]}
+done
+
+# Every lesson at degree 1: its CUDA code paths (vocab-parallel loss, pipeline executor, ring
+# attention's block kernels, the MoE step with grouped bf16 experts, ZeRO's flat buffers).
+small="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 6 --warmup-steps 2 --lr 6e-4 --dtype bfloat16"
+one_gpu 01-dp 120 01_data_parallel.py $small --grad-accum 2
+one_gpu 02-tp 120 02_tensor_parallel.py --tp 1 $small --grad-accum 1
+one_gpu 03-pp 120 03_pipeline_parallel.py --pp 1 --micro-batches 2 $small
+one_gpu 04-cp 120 04_context_parallel.py --cp 1 $small --grad-accum 1
+one_gpu 05-ep 120 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 \
+  --steps 6 --warmup-steps 2 --dtype bfloat16 --aux-loss-coef 1e-2
+one_gpu 06-zero 120 06_zero.py --zero-stage 3 $small --grad-accum 1
+# --compile with selective recomputation: compiled once for all blocks, or recompiled per block
+# (issue 20, item 4)? TORCH_LOGS shows every recompilation and its reason.
+TORCH_LOGS=recompiles one_gpu 07-1b-compile-selective 300 07_full_5d.py ${flags[07-1b-compile-selective]}
+
+wait "$plans"
+say ""
+say "lesson 07 at world size 1 (medians after the first two steps; plan: --plan --gpus 1 --gpu $plan_gpu, same flags):"
+python3 benchmarks/gpu_check_table.py "$out" | tee -a "$log"
 
 # ---- one 8-GPU node (B300, H100 or H200): lesson 07 with the 8b preset in layouts that fit ----
 # Each rank builds its share of the reference model on the CPU before moving it to its GPU (a
 # minute or two, and up to 32 GB of host memory per rank for the tp-only layout).
 if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
-  run8() {
-    echo "== 8 GPUs: $*" | tee -a "$out/gpu_check.txt"
-    timeout 900 torchrun --standalone --nproc_per_node=8 "$@" 2>&1 | grep -v '^W[0-9]' | tee -a "$out/gpu_check.txt"
-  }
   big="--preset 8b --seq-len 4096 --micro-batch-size 1 --steps 12 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
+  eight() { local name=$1; shift; run "$name" 900 torchrun --standalone --nproc_per_node=8 "$@" --metrics "$out/$name.metrics.jsonl"; }
   # dp 2 x pp 2 x tp 2 with sequence parallelism, ZeRO-1, selective recompute: ~20 GB of model
   # states per rank, activations of two live micro-batches on the first stage.
-  run8 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big
-  # dp 2 x pp 4, interleaved over 2 chunks of 4 layers per rank, ZeRO-1, selective recompute: the
-  # memory plan gives the first stage 50 GiB (11 chunk micro-batches live at its peak).
-  run8 07_full_5d.py --dp 2 --pp 4 --schedule interleaved --virtual-stages 2 --zero-stage 1 --recompute selective --grad-accum 8 $big
+  eight 8gpu-dp2-pp2-tp2 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big
+  # dp 2 x pp 4, interleaved over 2 chunks of 4 layers per rank, ZeRO-1, selective recompute.
+  eight 8gpu-dp2-pp4-interleaved 07_full_5d.py --dp 2 --pp 4 --schedule interleaved --virtual-stages 2 --zero-stage 1 --recompute selective --grad-accum 8 $big
   # dp 8, ZeRO-3, full recompute: 16 GB of model states per rank, weights gathered per block.
-  run8 07_full_5d.py --dp 8 --zero-stage 3 --recompute full --grad-accum 1 $big
+  eight 8gpu-dp8-zero3 07_full_5d.py --dp 8 --zero-stage 3 --recompute full --grad-accum 1 $big
 fi
+
+say ""
+say "failed: ${failed[*]:-none}; skipped: ${skipped[*]:-none}; $SECONDS s in all"
+[ "${#failed[@]}" -eq 0 ]

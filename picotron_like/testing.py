@@ -53,7 +53,10 @@ def _rank_entry(fn, rank, world_size, workdir, timeout_s, args, kwargs, results)
     try:
         # The gloo timeout is shorter than the test's, so a rank waiting on a collective that a
         # crashed peer never joins raises its own error before the test gives up on it.
-        init_distributed(f"file://{workdir}/store", rank, world_size, timeout_s=max(timeout_s - 10.0, 5.0))
+        # The proofs run on the CPU everywhere, on a GPU machine too: they start more ranks than it
+        # has GPUs, and what they prove is the arithmetic, which gloo on the CPU shows exactly.
+        init_distributed(f"file://{workdir}/store", rank, world_size, timeout_s=max(timeout_s - 10.0, 5.0),
+                         device_type="cpu")
         # Pickle here with the plain pickler: the queue's pickler would move tensors through shared
         # memory that this process must keep alive, and it is about to exit.
         results.put((rank, "ok", pickle.dumps(fn(*args, **kwargs))))
@@ -207,6 +210,8 @@ def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
     targets = mask_targets(step, batches.global_batch(step)[:, 1:].clone())
     M, A = batches.shape.micro_batch_size, batches.shape.grad_accum
     first = dp_rank * M * A     # this rank's rows of the global batch, as TokenBatches cuts them
-    micro_batches = [(inputs, targets[first + a * M: first + (a + 1) * M].contiguous())
+    # A copy per micro-batch, as TokenBatches hands out: a view would keep the whole global batch's
+    # targets alive in what autograd saves (the activation meters count storages).
+    micro_batches = [(inputs, targets[first + a * M: first + (a + 1) * M].clone())
                      for a, (inputs, _) in enumerate(batches.micro_batches(step, dp_rank))]
     return StepBatch(micro_batches, int((targets != IGNORE_INDEX).sum()))

@@ -175,19 +175,44 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+# Set to "cpu" to run on the CPU over gloo on a machine that has GPUs: the test suite does, since
+# its multi-rank proofs start more ranks than a machine has GPUs (and NCCL refuses two ranks on one).
+DEVICE_ENV = "PICOTRON_LIKE_DEVICE"
+
+
+def rank_device(local_rank: int, cuda_devices: int, requested: str | None = None) -> torch.device:
+    """The device a rank computes on: GPU number LOCAL_RANK where CUDA has GPUs, else the CPU.
+
+    `requested` ("cpu" or "cuda"; None: whichever exists) comes from PICOTRON_LIKE_DEVICE. A node
+    with fewer GPUs than ranks is an error, not a second rank silently put on GPU 0.
+    """
+    if requested not in (None, "", "cpu", "cuda"):
+        raise ConfigError(f"{DEVICE_ENV}={requested}: expected cpu or cuda")
+    if requested == "cpu" or (not requested and cuda_devices == 0):
+        return torch.device("cpu")
+    if cuda_devices == 0:
+        raise ConfigError(f"{DEVICE_ENV}=cuda but no CUDA device is visible")
+    if local_rank >= cuda_devices:
+        raise ConfigError(f"local rank {local_rank} has no GPU: this node has {cuda_devices}, one per rank is needed "
+                          f"(lower --nproc_per_node, or set {DEVICE_ENV}=cpu to run on the CPU over gloo)")
+    return torch.device("cuda", local_rank)
+
+
 def init_distributed(init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None, timeout_s: float = 120.0) -> torch.device:
+                     world_size: int | None = None, timeout_s: float = 120.0,
+                     device_type: str | None = None) -> torch.device:
     """Create the default process group (see backend_for); returns this rank's device.
 
     With no arguments it reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
-    One GPU per local rank. A finite timeout turns a collective that some rank never joins into an
-    error on the others instead of a hang.
+    One GPU per local rank (rank_device); `device_type` or PICOTRON_LIKE_DEVICE=cpu keeps a rank on
+    the CPU. A finite timeout turns a collective that some rank never joins into an error on the
+    others instead of a hang.
     """
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    requested = device_type or os.environ.get(DEVICE_ENV)
+    cuda_devices = torch.cuda.device_count() if requested != "cpu" and torch.cuda.is_available() else 0
+    device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), cuda_devices, requested)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     dist.init_process_group(backend_for(device), init_method=init_method,
                             rank=-1 if rank is None else rank,
                             world_size=-1 if world_size is None else world_size,

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, backend_for, load_lesson,
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, backend_for, load_lesson, rank_device,
                                     validate_parallel_config)
 
 LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
@@ -129,6 +129,22 @@ def test_backend_for_a_device():
     assert backend_for(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
     assert backend_for(torch.device("cpu")) == "gloo"
 
+
+
+def test_rank_device_one_gpu_per_local_rank_and_the_cpu_on_request():
+    """GPU LOCAL_RANK where CUDA has GPUs; the CPU where it has none or PICOTRON_LIKE_DEVICE=cpu asks
+    (the suite's proofs, on a GPU machine too); a rank beyond the node's GPUs is one clear error,
+    not a second rank on GPU 0 that NCCL refuses later."""
+    assert rank_device(0, 0) == torch.device("cpu")
+    assert rank_device(3, 8) == torch.device("cuda", 3)
+    assert rank_device(3, 8, "cpu") == torch.device("cpu")
+    assert rank_device(7, 8, "cuda") == torch.device("cuda", 7)
+    with pytest.raises(ConfigError, match="local rank 2 has no GPU: this node has 2"):
+        rank_device(2, 2)
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        rank_device(0, 0, "cuda")
+    with pytest.raises(ConfigError, match="expected cpu or cuda"):
+        rank_device(0, 1, "gpu")
 
 TINY = get_config("tiny")  # 4 heads, 2 kv heads, hidden 128, ffn 384, vocab 256, 4 layers
 
