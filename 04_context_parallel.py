@@ -427,36 +427,6 @@ def ring_attention(q, k, v, cp: ContextParallel):
 # ============================================================================ the technique: Ulysses all-to-all
 
 
-class AllToAll(torch.autograd.Function):
-    """Slice j of dim 0 goes to rank j; the slice from rank j lands at index j of dim 0.
-
-    Even by default (dim 0 cut into group-size equal slices). With split sizes, slice j of the
-    input holds input_splits[j] rows and the output receives output_splits[j] rows from rank j
-    (lesson 05 sends each rank the tokens routed to its experts, a different number each time).
-    The exchange is its own inverse with the split sizes swapped, so backward is the same
-    all-to-all on the gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, output_splits=None, input_splits=None):
-        ctx.group, ctx.splits = group, (input_splits, output_splits)
-        return _all_to_all(x, group, output_splits, input_splits)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        return _all_to_all(d_out, ctx.group, *ctx.splits), None, None, None
-
-
-def _all_to_all(x, group, output_splits, input_splits):
-    # Contiguous first: all_to_all_single cuts dim 0 of the raw memory, and empty_like of a
-    # permuted view would inherit its permuted strides.
-    x = x.contiguous()
-    out = torch.empty_like(x) if output_splits is None else x.new_empty((sum(output_splits), *x.shape[1:]))
-    comm.call(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
-              group=group)
-    return out
-
-
 def _reorder_chunks(x, order: list[int], n_chunks: int):
     """Permute the chunks of x's sequence dim (2) into `order`."""
     if order == sorted(order):
@@ -480,7 +450,7 @@ def ulysses_attention(q, k, v, cp: ContextParallel):
 
     # q, k and v in one message: destination j gets its q heads, then its k and v heads.
     packed = torch.cat([per_destination(q), per_destination(k), per_destination(v)], dim=2).movedim(1, 0)
-    received = AllToAll.apply(packed, cp.group)                     # [source rank, b, heads/cp, s, d]
+    received = comm.AllToAll.apply(packed, cp.group)                     # [source rank, b, heads/cp, s, d]
     whole = received.movedim(0, 2).reshape(b, -1, cp.size * s, d)   # tokens of rank 0, then rank 1, ...
     # Gathered rank after rank, the zigzag chunks are out of order; causal attention needs them
     # in sequence order.
@@ -490,7 +460,7 @@ def ulysses_attention(q, k, v, cp: ContextParallel):
     heads, kv_heads = n_heads // cp.size, n_kv // cp.size
     q_heads, k_heads, v_heads = whole.split([heads, kv_heads, kv_heads], dim=1)
     out = _reorder_chunks(causal_attention(q_heads, k_heads, v_heads), rank_order, len(rank_order))
-    back = AllToAll.apply(out.reshape(b, heads, cp.size, s, d).movedim(2, 0), cp.group)
+    back = comm.AllToAll.apply(out.reshape(b, heads, cp.size, s, d).movedim(2, 0), cp.group)
     return back.movedim(0, 1).reshape(b, n_heads, s, d)
 
 

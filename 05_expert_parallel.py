@@ -15,10 +15,11 @@ of the stacked expert weights) and send every token to the rank that holds its e
     out ◄── weight, add per token ◄─────── results come back ── all-to-all ◄──┘
 
 The ranks that share their experts this way are ranks that already hold different tokens and the
-same dense weights: the dp x cp ranks (picotron_like/topology.py). Cut each dp x cp group into
-consecutive ep groups; the ranks at the same place of every ep group hold the same experts and
-form the expert-data-parallel (edp) group, over which expert gradients are summed, while dense
-gradients are still summed over all of dp x cp.
+same dense weights: the data-parallel ranks (lesson 07 adds the cp ranks, which hold other parts
+of the same sequences: picotron_like/topology.py). Cut the dp ranks into consecutive ep groups;
+the ranks at the same place of every ep group hold the same experts and form the
+expert-data-parallel (edp) group, over which expert gradients are summed, while dense gradients
+are still summed over all of dp.
 
 Four steps, in the order this file builds them:
 1. Local dispatch on one rank: sort the token-expert assignments by expert, run each expert on
@@ -27,14 +28,13 @@ Four steps, in the order this file builds them:
 2. Expert parallelism: exchange the per-expert token counts, then the tokens, with an uneven
    all-to-all (lesson 04's, with split sizes); run the local experts; send results back. Backward
    is the same exchange reversed.
-3. Gradients: expert gradients summed over edp, dense over dp x cp, both normalised as usual by
+3. Gradients: expert gradients summed over edp, dense over dp, both normalised as usual by
    the global target count and nothing else. The classic bug divides expert gradients by ep (or
    edp): they would be ep times too small. The gradient norm counts every parameter once.
 4. Balancing across ranks: the auxiliary and z losses ride on the layer's output (model.py);
    the auxiliary-loss-free router bias moves with the load summed over every rank routing tokens.
-Then composition with lessons 01-04: pipeline stages, context parallelism, and tensor parallelism,
-which splits attention as lesson 02 does and every expert column/row (apply_tensor_parallel says
-why that and not the tokens).
+Lesson 07 composes experts with the other axes: ep drawn from dp x cp, every expert split over
+tp, the MoE layers inside pipeline stages.
 
 The price, per MoE layer and micro-batch on a rank that routes n tokens with k choices each (m =
 k n assignments when dropless), h hidden, e bytes per element:
@@ -49,19 +49,19 @@ k n assignments when dropless), h hidden, e bytes per element:
 Run it:
     torchrun --nproc_per_node=4 05_expert_parallel.py                       # tiny-moe, ep = 4, CPU ~30 s
     torchrun --nproc_per_node=4 05_expert_parallel.py --ep 2 --router sigmoid --bias-update-rate 1e-3
-    torchrun --nproc_per_node=4 05_expert_parallel.py --cp 2 --ep 4 --aux-loss-coef 1e-2
-    torchrun --nproc_per_node=4 05_expert_parallel.py --pp 2 --ep 2 --capacity-factor 1.25
-    torchrun --nproc_per_node=4 05_expert_parallel.py --tp 2 --ep 2 --shared-experts 1
+    torchrun --nproc_per_node=4 05_expert_parallel.py --ep 2 --aux-loss-coef 1e-2 --capacity-factor 1.25
+    torchrun --nproc_per_node=4 05_expert_parallel.py --ep 4 --shared-experts 1 --z-loss-coef 1e-3
 
 What to look for: the loss falls as on one device (the tests prove it, gradients and parameters
 included); the all-to-all bytes and the activations equal their formulas evaluated on the run's
 real routing counts; the tokens-per-expert table shows how unbalanced the router is, and the
-expert memory per rank is 1/ep (1/(ep tp) with tensor parallelism).
+expert memory per rank is 1/ep.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import functools
@@ -76,18 +76,15 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_activation_bytes, predicted_memory, tensor_bytes)
-from picotron_like.model import GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
-from picotron_like.pipeline_tools import is_transfer_batch
+                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic,
+                                   tensor_bytes)
+from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
-tensor_parallel = load_lesson("02_tensor_parallel")
-pipeline_parallel = load_lesson("03_pipeline_parallel")
-context_parallel = load_lesson("04_context_parallel")
 
 # ============================================================================ the technique: local dispatch
 
@@ -147,16 +144,15 @@ def grouped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts)
     return matmul(hidden, experts.down_proj)
 
 
-def grouped_mm_fits(cfg, dtype: torch.dtype, tp: int = 1) -> bool:
-    """Whether torch._grouped_mm exists here and accepts this model's row strides (each expert's
-    inner width split over tp ranks: ffn_hidden / tp)."""
+def grouped_mm_fits(cfg, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm exists here and accepts this model's row strides."""
     element = torch.finfo(dtype).bits // 8
-    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden // tp))
+    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden))
 
 
-def uses_grouped_mm(args, cfg, dtype: torch.dtype, tp: int = 1) -> bool:
-    """--grouped-mm where it fits this model, its compute dtype and its tp split; looped otherwise."""
-    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype, tp)
+def uses_grouped_mm(args, cfg, dtype: torch.dtype) -> bool:
+    """--grouped-mm where it fits this model and its compute dtype; looped otherwise."""
+    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype)
 
 
 def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
@@ -189,17 +185,14 @@ class ExpertParallel:
         return cls(grid.ep_group, grid.ep_size, grid.ep_rank)
 
 
-def shard_experts(model: nn.Module, ep: ExpertParallel, tp_group=None) -> nn.Module:
+def shard_experts(model: nn.Module, ep: ExpertParallel) -> nn.Module:
     """Keep this rank's E/ep experts: rows [rank E/ep, (rank + 1) E/ep) of dim 0 of every stacked
-    expert weight, cut from the reference tensor, so the run starts from the reference's values.
-    With tensor parallelism, of each of them this tp rank's slice of the inner width, as lesson 02
-    splits a SwiGLU: gate and up by rows (dim 1), down by columns (dim 2)."""
+    expert weight, cut from the reference tensor, so the run starts from the reference's values."""
     for layer in moe_layers(model):
         local = layer.experts.n_experts // ep.size
-        for name, tp_dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+        for name in ("gate_proj", "up_proj", "down_proj"):
             mine = getattr(layer.experts, name).detach()[ep.rank * local:(ep.rank + 1) * local]
-            setattr(layer.experts, name, nn.Parameter(mine.clone()) if tp_group is None
-                    else tensor_parallel.take_shard(mine, tp_dim, tp_group))
+            setattr(layer.experts, name, nn.Parameter(mine.clone()))
     return model
 
 
@@ -227,35 +220,24 @@ def expert_parallel_compute(tokens: torch.Tensor, routing: Routing, experts: Gro
     # The all-to-all takes its split sizes as host integers: one read of each count table.
     sent_table, arrived_table = dispatch.counts.view(ep.size, n_local).tolist(), arriving.tolist()
     send_splits, receive_splits = [sum(row) for row in sent_table], [sum(row) for row in arrived_table]
-    received = context_parallel.AllToAll.apply(tokens[dispatch.token_rows], ep.group, receive_splits, send_splits)
+    received = comm.AllToAll.apply(tokens[dispatch.token_rows], ep.group, receive_splits, send_splits)
     # Number each arrived row's (source, expert) block expert-major; a stable sort by that number
     # regroups the rows by expert and keeps each block's rows in order.
     block_key = torch.arange(n_local, device=tokens.device) * ep.size + torch.arange(ep.size, device=tokens.device)[:, None]
     by_expert = block_key.flatten().repeat_interleave(arriving.flatten()).argsort(stable=True)
     expert_out = run_experts(received[by_expert], [sum(column) for column in zip(*arrived_table)], experts)
-    returned = context_parallel.AllToAll.apply(expert_out[by_expert.argsort()], ep.group, send_splits,
+    returned = comm.AllToAll.apply(expert_out[by_expert.argsort()], ep.group, send_splits,
                                                receive_splits)
     return combine(tokens, dispatch, returned)
 
 
-def tensor_parallel_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts, run_experts,
-                            group) -> torch.Tensor:
-    """run_experts on this tp rank's slice of every expert's inner width, between lesson 02's f
-    (the rows' gradient is each slice's partial sum: all-reduced in backward) and g (so is the
-    output: all-reduced in forward). Outside them everything is whole on every tp rank."""
-    x = tensor_parallel.CopyToTensorParallelRegion.apply(x, group)
-    return tensor_parallel.ReduceFromTensorParallelRegion.apply(run_experts(x, counts, experts), group)
-
-
-def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, grouped: bool, tp_group=None) -> nn.Module:
-    """Shard the experts and plug the dispatch into every MoE layer's expert_compute seam. At ep = 1
-    the local dispatch runs: no all-to-all over a group of one."""
-    run_experts = grouped_experts if grouped else looped_experts
-    if tp_group is not None:
-        run_experts = functools.partial(tensor_parallel_experts, run_experts=run_experts, group=tp_group)
+def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, run_experts=looped_experts) -> nn.Module:
+    """Shard the experts and plug the dispatch into every MoE layer's expert_compute seam;
+    `run_experts` (looped_experts or grouped_experts) runs this rank's experts on their rows. At
+    ep = 1 the local dispatch runs: no all-to-all over a group of one."""
     compute = (functools.partial(local_expert_compute, run_experts=run_experts) if ep.size == 1 else
                functools.partial(expert_parallel_compute, ep=ep, run_experts=run_experts))
-    for layer in moe_layers(shard_experts(model, ep, tp_group)):
+    for layer in moe_layers(shard_experts(model, ep)):
         layer.expert_compute = compute
     return model
 
@@ -264,27 +246,27 @@ def apply_expert_parallel(model: nn.Module, ep: ExpertParallel, grouped: bool, t
 
 
 class ExpertDataParallel(nn.Module):
-    """Lesson 01's bucketed gradient sum, twice: dense parameters over dp x cp, experts over edp.
+    """Lesson 01's bucketed gradient sum, twice: dense parameters over dp, experts over edp.
 
-    A dense weight is replicated on every dp x cp rank and each computed its gradient from its own
-    tokens: sum over dp x cp, as lesson 04 does. An expert weight lives on one rank of each ep
-    group, and its gradient there already holds the contribution of every token the ep group
-    routed to it; the other ep groups routed other tokens to their copy: sum over edp. Every
-    rank's loss share is already divided by the global target count (the batch's n_targets), so
-    both sums are plain sums. Dividing the expert sum by anything (ep, edp, the tokens the expert
-    saw) is the classic expert-parallel bug: the gradient is then ep times off the reference.
+    A dense weight is replicated on every dp rank and each computed its gradient from its own
+    tokens: sum over dp, as lesson 01 does. An expert weight lives on one rank of each ep group,
+    and its gradient there already holds the contribution of every token the ep group routed to
+    it; the other ep groups routed other tokens to their copy: sum over edp. Every rank's loss
+    share is already divided by the global target count (the batch's n_targets), so both sums
+    are plain sums. Dividing the expert sum by anything (ep, edp, the tokens the expert saw) is
+    the classic expert-parallel bug: the gradient is then ep times off the reference.
     """
 
     def __init__(self, module: nn.Module, grid: ProcessGrid, bucket_bytes: int):
         super().__init__()
         self.module = module
-        self.dp_group = grid.dp_cp_group       # the step sums the loss over every rank holding other tokens
+        self.dp_group = grid.dp_group          # the step sums the loss over every rank holding other tokens
         named = list(module.named_parameters())
         dense = [p for name, p in named if not is_expert_parameter(name)]
         expert = [p for name, p in named if is_expert_parameter(name)]
         # A tuple, not submodules: the parameters belong to `module`; the wrappers only reduce them.
         self.reducers = tuple(data_parallel.BucketedDataParallel(nn.ParameterList(params), group, bucket_bytes)
-                              for params, group in ((dense, grid.dp_cp_group), (expert, grid.edp_group)) if params)
+                              for params, group in ((dense, grid.dp_group), (expert, grid.edp_group)) if params)
         self.expert_parameters = set(expert)
 
     @property
@@ -308,77 +290,60 @@ class ExpertDataParallel(nn.Module):
             reducer.zero_grad()
 
 
-def step_settings(parts, grid: ProcessGrid, device, compute_dtype, max_grad_norm: float) -> StepSettings:
+def step_settings(model: ExpertDataParallel, grid: ProcessGrid, device, compute_dtype,
+                  max_grad_norm: float) -> StepSettings:
     """The gradient norm counts every parameter once: each ep rank adds the squares of its own
-    experts, the dense parameters (identical on every rank after the dp x cp sum) count on ep rank
-    0 only, a tp-replicated one on tp rank 0 only (lesson 03's rule), and the sum runs over the tp
-    and ep groups (a pipeline's step adds the pp group itself)."""
-    tp_groups, tp_counts = pipeline_parallel.norm_settings(grid)
-    groups = (*tp_groups, *((grid.ep_group,) if grid.ep_size > 1 else ()))
-    if not groups:
+    experts, the dense parameters (identical on every rank after the dp sum) count on ep rank 0
+    only, and the sum runs over the ep group."""
+    if grid.ep_size == 1:
         return StepSettings(device, compute_dtype, max_grad_norm)
-    experts = set().union(*(part.expert_parameters for part in parts))
-    ep_rank = grid.ep_rank
-
-    def counts_toward_norm(p) -> bool:
-        return (ep_rank == 0 or p in experts) and (tp_counts is None or tp_counts(p))
-
-    return StepSettings(device, compute_dtype, max_grad_norm, groups, counts_toward_norm)
+    experts, ep_rank = model.expert_parameters, grid.ep_rank
+    return StepSettings(device, compute_dtype, max_grad_norm, (grid.ep_group,),
+                        lambda p: ep_rank == 0 or p in experts)
 
 
-def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
-    """MixtureOfExperts.whole_sequence_counts under context parallelism: the choice counts of
-    each sequence's chunks, summed over the cp ranks holding them (constants: no autograd)."""
-    comm.call(dist.all_reduce, counts, group=group)
-    return counts
-
-
-def prepare_balancing(model: nn.Module, grid: ProcessGrid, sequences_per_step: int) -> nn.Module:
+def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
     """Every MoE layer sees part of the step's batch: its balancing losses become shares of the
-    step's means (sequences_per_step), and with cp > 1 each rank holds 1/cp of every sequence,
-    whose choice counts the aux loss needs whole (model.py's seam does the rest)."""
+    step's means over all sequences_per_step sequences (model.py's seam does the rest)."""
     for layer in moe_layers(model):
         layer.sequences_per_step = sequences_per_step
-        if grid.cp_size > 1:
-            layer.sequence_shards = grid.cp_size
-            layer.whole_sequence_counts = functools.partial(sum_over_group, group=grid.cp_group)
     return model
 
 
 @torch.no_grad()
 def update_router_biases(parts, group, rate: float) -> None:
     """Auxiliary-loss-free balancing after the optimizer step: every rank that routed different
-    tokens must move the bias by the same total load, or the replicas of the router drift apart."""
+    tokens must move the bias by the same total load, or the replicas of the router drift apart.
+    `parts`: this rank's modules holding MoE layers (lesson 07: its pipeline chunks)."""
     for layer in (layer for part in parts for layer in moe_layers(part)):
         load = layer.expert_load.clone()
         comm.call(dist.all_reduce, load, group=group)
         layer.update_router_bias(rate, load)
 
 
-def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings,
+def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings: StepSettings,
                bias_update_rate: float = 0.0, balancing_log=None) -> StepResult:
-    """Lesson 04's step (lesson 01's, or 03's with a pipeline): the dispatch lives inside the
-    layers and the gradient sums inside the wrappers. After the optimizer step, the router biases
-    move (auxiliary-loss-free balancing); the aux and z losses of the step go to the log."""
-    result = context_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
-    parts = getattr(model_or_pipeline, "chunks", [model_or_pipeline])
+    """Lesson 01's step: the dispatch lives inside the layers and the gradient sums inside the
+    wrapper. After the optimizer step, the router biases move (auxiliary-loss-free balancing);
+    the aux and z losses of the step go to the log."""
+    result = data_parallel.train_step(model, optimizer, batch, settings)
     # A step the shared loop skipped (non-finite gradient norm) moves nothing, the biases included;
     # the norm is global, so every rank makes the same choice and the loads' all-reduce stays matched.
     if bias_update_rate and math.isfinite(result.grad_norm):
-        update_router_biases([part.module for part in parts], parts[0].dp_group, bias_update_rate)
+        update_router_biases([model.module], model.dp_group, bias_update_rate)
     if balancing_log is None:
         return result
     return replace(result, extra=balancing_log.step_values())
 
 
-def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
-    """Lesson 04's forward-only loss (01's, or 03's with a pipeline): the language-model loss alone.
-    The aux and z balancing losses are training objectives that only backward sees (attached to the
-    layers' outputs), so they are not part of the validation loss. Routing adds each forward's
-    choices to expert_load; those of validation tokens are taken back out, or the next router-bias
-    update would balance on tokens the step never trained on."""
-    with router_loads_kept(getattr(model_or_pipeline, "chunks", [model_or_pipeline])):
-        return context_parallel.evaluate(model_or_pipeline, batch, settings)
+def evaluate(model: ExpertDataParallel, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 01's forward-only loss: the language-model loss alone. The aux and z balancing
+    losses are training objectives that only backward sees (attached to the layers' outputs), so
+    they are not part of the validation loss. Routing adds each forward's choices to
+    expert_load; those of validation tokens are taken back out, or the next router-bias update
+    would balance on tokens the step never trained on."""
+    with router_loads_kept([model]):
+        return data_parallel.evaluate(model, batch, settings)
 
 
 @contextlib.contextmanager
@@ -392,58 +357,12 @@ def router_loads_kept(parts):
         layer.expert_load.copy_(load)
 
 
-# ============================================================================ the technique: composing with lessons 01-04
-
-
-def apply_tensor_parallel(model: nn.Module, group) -> nn.Module:
-    """Lesson 02's split of the dense layers (embedding, attention, final norm, head), and for the
-    experts a choice: each expert split column/row over the tp ranks (shard_experts,
-    tensor_parallel_experts) rather than the tokens split among them.
-
-    Why: without sequence parallelism the tp ranks hold the same tokens. Splitting every expert
-    keeps one routing for all of them and divides the experts' weights, gradients, AdamW states
-    and FLOPs by tp, at the price a dense MLP pays: an all-reduce of the outputs (here of the rows
-    the experts received) each way. Splitting the tokens instead would keep every expert whole on
-    every tp rank, the largest weights of the model tp times over, and gather the outputs back.
-    """
-    return tensor_parallel.apply_tensor_parallel(model, group, sequence_parallel=False, split_mlp=split_moe_mlp)
-
-
-def split_moe_mlp(block, group, norm, column, row) -> None:
-    """Lesson 02's `split_mlp` for an MoE block. The router, the dispatch and the combine run whole
-    on every tp rank, so they get the reference's gradients as they are: f and g wrap the experts
-    alone (apply_expert_parallel), the MoE's norm stays a plain RMSNorm (a TensorParallelRMSNorm's
-    f would add up the tp ranks' identical gradients), and a shared expert, split like a dense
-    MLP, gets its own f in front."""
-    tp = tensor_parallel
-    tp.replicated(block.mlp_norm.weight)
-    tp.replicated(block.mlp.router.weight)
-    if block.mlp.shared_expert is not None:
-        tp.parallelize_mlp(block.mlp.shared_expert, group, column, row)
-        block.mlp.shared_expert.register_forward_pre_hook(
-            lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
-
-
-def build_model(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
-                bucket_bytes: int = 2**20, virtual_stages: int = 1) -> list[nn.Module]:
-    """This rank's parts (build_parts), their gradients summed over dp x cp and edp."""
-    return [ExpertDataParallel(part, grid, bucket_bytes)
-            for part in build_parts(cfg, seed, grid, device, grouped, sequences_per_step,
-                                    virtual_stages=virtual_stages)]
-
-
-def build_parts(cfg, seed: int, grid: ProcessGrid, device, grouped: bool, sequences_per_step: int,
-                zigzag: bool = True, ring_kernel: str = "fused", virtual_stages: int = 1) -> list[nn.Module]:
-    """This rank's parts: reference GPT (or its pipeline stage or stages, lesson 03) -> dense layers split
-    over tp (lesson 02) -> context-parallel attention (lesson 04) -> experts sharded over ep (and
-    tp) and dispatched -> balancing made global. Unwrapped: lesson 06 shards them with ZeRO."""
-    ep = ExpertParallel.from_grid(grid)
-    cp = context_parallel.ContextParallel.from_grid(grid, zigzag, ring_kernel) if grid.cp_size > 1 else None
-    tp_group = grid.tp_group if grid.tp_size > 1 else None
-    parts = context_parallel.build_parts(cfg, seed, grid, device, cp, split_tensors=apply_tensor_parallel,
-                                         virtual_stages=virtual_stages)
-    parts = [apply_expert_parallel(part, ep, grouped, tp_group) for part in parts]
-    return [prepare_balancing(part, grid, sequences_per_step) for part in parts]
+def build_model(cfg, seed: int, grid: ProcessGrid, device, run_experts, sequences_per_step: int,
+                bucket_bytes: int = 2**20) -> ExpertDataParallel:
+    """The reference GPT, its experts sharded over ep and dispatched, balancing made global, its
+    gradients summed over dp and edp."""
+    model = apply_expert_parallel(GPT(cfg, seed=seed).to(device), ExpertParallel.from_grid(grid), run_experts)
+    return ExpertDataParallel(prepare_balancing(model, sequences_per_step), grid, bucket_bytes)
 
 
 # ============================================================================ configuration rules
@@ -459,7 +378,8 @@ def add_moe_flags(parser) -> None:
     The model's flags default to the preset's values (tiny-moe: softmax, no shared expert, no
     balancing loss, dropless), so a preset stays what it says."""
     parser.add_argument("--ep", type=int, default=None,
-                        help="expert-parallel degree, drawn from the dp x cp ranks; default: dp * cp")
+                        help="expert-parallel degree, drawn from the ranks holding other tokens (lesson 05: dp; "
+                             "lesson 07: dp x cp); default: all of them")
     unset = argparse.SUPPRESS
     parser.add_argument("--router", choices=("softmax", "sigmoid"), default=unset,
                         help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3); default: the preset's")
@@ -483,39 +403,33 @@ def moe_config(cfg, args):
     return replace(cfg, **{field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if hasattr(args, flag)})
 
 
-def validate_expert_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, ep: int, schedule: str = "1f1b",
-                             n_micro: int = 1, bias_update_rate: float = 0.0, sequence_parallel: bool = False,
-                             virtual_stages: int = 1) -> None:
-    """Every rule before any process group: the grid's, ep's, and what is not composed yet."""
-    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag=True)
+def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: float = 0.0,
+                             token_axes: str = "dp") -> None:
+    """This lesson's rules, before any process group: experts to spread, ep dividing them and the
+    `token_ranks` it is drawn from (the dp ranks; lesson 07 passes dp x cp, `token_axes` names them)."""
     problems = []
     if not cfg.n_experts:
         problems.append("the model has no experts: lesson 05 needs a mixture-of-experts preset; use --preset tiny-moe")
     elif cfg.n_experts % ep:
         problems.append(f"n_experts={cfg.n_experts} is not divisible by --ep {ep}: each ep rank holds "
                         f"n_experts/ep whole experts; pick an ep that divides {cfg.n_experts}")
-    if ep < 1 or (grid.dp * grid.cp) % ep:
-        problems.append(f"--ep {ep} does not divide dp*cp = {grid.dp}*{grid.cp} = {grid.dp * grid.cp}: the ep "
-                        f"ranks are drawn from the dp x cp ranks; pick an ep that divides {grid.dp * grid.cp}")
-    if sequence_parallel:
-        problems.append("--sequence-parallel with experts is not composed: the experts are split over tp for "
-                        "tokens every tp rank holds whole; drop --sequence-parallel")
-    if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
-        problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
-                        f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
-                        f"or drop --capacity-factor")
+    if ep < 1 or token_ranks % ep:
+        problems.append(f"--ep {ep} does not divide {token_axes} = {token_ranks}: the ep ranks are drawn from the "
+                        f"ranks holding other tokens; pick an ep that divides {token_ranks}")
     if not bias_update_rate >= 0:
         problems.append(f"--bias-update-rate {bias_update_rate} must be 0 (off) or positive")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
-    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
-    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
+
+
+def expert_degree(args, grid: GridShape) -> int:
+    """--ep, by default every dp rank its own experts (ep = dp)."""
+    return args.ep if args.ep is not None else grid.dp
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    ep = args.ep if args.ep is not None else grid.dp * grid.cp
-    validate_expert_parallel(grid, world_size, cfg, shape.seq_len, ep, args.schedule,
-                             shape.grad_accum, args.bias_update_rate, args.sequence_parallel, args.virtual_stages)
+    validate_parallel_config(grid, world_size, cfg)
+    validate_expert_parallel(cfg, expert_degree(args, grid), grid.dp, args.bias_update_rate)
 
 
 # ============================================================================ measuring the three challenges
@@ -613,7 +527,7 @@ def rows_sent_and_received(meter: RoutingMeter, ep: ExpertParallel) -> tuple[lis
 
 
 def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
-                               grouped: bool, tp: int = 1, element_bytes: int = 4) -> int:
+                               grouped: bool, element_bytes: int = 4) -> int:
     """Bytes autograd keeps for backward of one MoE layer on one micro-batch of one rank, with
     this file's dispatch (DESIGN rule 9; lesson 07's memory plan uses it).
 
@@ -630,18 +544,17 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
                      capacity: the bool mask of kept choices (weights * kept)          k
                      sigmoid router with the aux loss: the scores' row sums            4
                      z-loss: the router logits and their logsumexp                    4E + 4
-                     shared expert: SwiGLU's gate, silu(gate), up, product            4e f_shared / tp
+                     shared expert: SwiGLU's gate, silu(gate), up, product            4e f_shared
       per sequence   aux loss: f_i                                                    4E
       per m          int64 (token, choice) pairs 16, their order by expert 8, the
                      permuted token rows 8; the combine weight e                      32 + e
                      the expert output back at the token's rank, and weighted         2e h
-      per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   e (h + 4f / tp)
+      per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   e (h + 4f)
                      ep > 1: the permutations into and out of expert order, int64     16
       grouped        the int32 offsets of the rank's E/ep experts                     4E/ep
-    With tp > 1 each tp rank holds its 1/tp slice of every expert's inner width (f / tp), and
-    everything else whole.
+    (Lesson 07 splits every expert's inner width over tp: there f is ffn_hidden / tp.)
     """
-    E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden // tp
+    E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden
     e = element_bytes
     per_token = 12 * E + 4 * k + 4 + 4 * e * cfg.n_shared_experts * f
     per_token += (k if cfg.capacity_factor is not None else 0) + (4 * E + 4 if cfg.z_loss_coef else 0)
@@ -653,90 +566,52 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
 
 
 def moe_layer_bytes_over_dense(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
-                               grouped: bool, tp: int = 1, element_bytes: int = 4) -> int:
+                               grouped: bool, element_bytes: int = 4) -> int:
     """What one MoE layer adds to the dense formula, which counts a dense SwiGLU in its place
-    (gate, up, silu(gate) and their product: 4 f / tp elements per token)."""
-    return (moe_layer_activation_bytes(cfg, tokens, sequences, sent, received, ep, grouped, tp, element_bytes)
-            - 4 * element_bytes * cfg.ffn_hidden // tp * tokens)
+    (gate, up, silu(gate) and their product: 4 f elements per token)."""
+    return (moe_layer_activation_bytes(cfg, tokens, sequences, sent, received, ep, grouped, element_bytes)
+            - 4 * element_bytes * cfg.ffn_hidden * tokens)
 
 
-def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
-                           sequence_parallel: bool = False) -> int:
-    """One micro-batch of this rank's model or pipeline stage with a dense MLP: the reference
-    formula, lesson 02's with tp > 1, lesson 03's for a stage, lesson 04's when context-parallel
-    attention runs (cp > 1; this lesson's is the ring, lesson 07 also asks for Ulysses)."""
-    if cp > 1:
-        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, cp_mode, tp=tp,
-                                                              sequence_parallel=sequence_parallel, stage=stage)
-    if stage is not None:
-        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp,
-                                                                  sequence_parallel)
-    if tp > 1:
-        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, sequence_parallel)
-    return predicted_activation_bytes(cfg, micro_batch, seq_len)
-
-
-def activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
-                                    grouped: bool, tp: int = 1, dense=None, element_bytes: int = 4) -> dict:
-    """This rank's activations per (part, micro-batch) of the metered step: the dense formula
-    with each MoE layer's SwiGLU replaced by moe_layer_activation_bytes on that layer's counts. `dense(stage)` gives a part's dense bytes
-    (default: dense_activation_bytes) and `element_bytes` the rows' dtype: lesson 07 asks for its
-    recompute modes and bf16 that way."""
-    micro, tokens = shape.micro_batch_size, shape.micro_batch_size * shape.seq_len // cp
-    dense = dense or functools.partial(dense_activation_bytes, cfg, micro, shape.seq_len, cp, tp)
-    sizes = {}
-    for part_index, part in enumerate(parts):
-        part_bytes = dense(part.module if pipeline is not None else None)
-        for micro_batch in range(shape.grad_accum):
-            sizes[(part_index, micro_batch)] = part_bytes
+def moe_bytes_by_micro_batch(cfg, tokens: int, sequences: int, meter: RoutingMeter, ep: ExpertParallel,
+                             grouped: bool, element_bytes: int = 4) -> collections.Counter:
+    """(part, micro-batch) -> what that micro-batch's MoE layers add over the dense formula, on
+    the routing counts the meter recorded (a part: one of the meter's modules; here the model,
+    in lesson 07 a pipeline chunk). `tokens` and `sequences`: one micro-batch's, on this rank."""
+    extra = collections.Counter()
     for call, sent, received in zip(meter.calls, *rows_sent_and_received(meter, ep)):
-        sizes[(meter.part_of[call.layer], call.micro_batch)] += moe_layer_bytes_over_dense(
-            cfg, tokens, micro, sent, received, ep.size, grouped, tp, element_bytes)
-    return sizes
+        extra[(meter.part_of[call.layer], call.micro_batch)] += moe_layer_bytes_over_dense(
+            cfg, tokens, sequences, sent, received, ep.size, grouped, element_bytes)
+    return extra
 
 
-def schedule_peak(sizes: dict, pipeline) -> int:
-    """The most bytes of (part, micro-batch) activations alive at once: the largest micro-batch
-    without a pipeline, lesson 03's live micro-batches with one."""
-    if pipeline is None:
-        return max(sizes.values())
-    live = peak = 0
-    for step in pipeline.program:
-        if not is_transfer_batch(step):
-            live += sizes[(step.chunk, step.micro_batch)] * (1 if step.kind == "F" else -1)
-            peak = max(peak, live)
-    return peak
+def predicted_peak_activation_bytes(cfg, shape, meter: RoutingMeter, ep: ExpertParallel, grouped: bool) -> int:
+    """This rank's activations at their peak in the metered step (float32): the dense formula of
+    one micro-batch with each MoE layer's SwiGLU replaced by its routed bytes, at the micro-batch
+    that kept most (lesson 01 runs one micro-batch's forward and backward at a time)."""
+    micro = shape.micro_batch_size
+    extra = moe_bytes_by_micro_batch(cfg, micro * shape.seq_len, micro, meter, ep, grouped)
+    return (predicted_activation_bytes(cfg, micro, shape.seq_len)
+            + max(extra[(0, micro_batch)] for micro_batch in range(shape.grad_accum)))
 
 
-def predicted_peak_activation_bytes(parts, pipeline, cfg, shape, cp: int, meter: RoutingMeter, ep: ExpertParallel,
-                                    grouped: bool, tp: int = 1) -> int:
-    """This rank's activations at their peak in the metered step (float32)."""
-    return schedule_peak(activation_bytes_by_micro_batch(parts, pipeline, cfg, shape, cp, meter, ep, grouped, tp),
-                         pipeline)
+def expert_memory_bytes(cfg, ep: int, n_layers: int) -> int:
+    """Weights of this rank's experts: n_layers x 3 h f E / ep float32 parameters."""
+    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // ep
 
 
-def expert_memory_bytes(cfg, ep: int, n_layers: int, tp: int = 1) -> int:
-    """Weights of this rank's experts: n_layers x 3 h f E / (ep tp) float32 parameters."""
-    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // (ep * tp)
-
-
-def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, tp: int, hidden: int,
-                             element_bytes: int, forward_only: bool = False) -> dict:
-    """The bytes that depend on the routing, from the counts of every recorded call: the ep
-    all-to-all, 2 (m + r) h e + 8 E (m rows out and r back in forward, the same reversed in
-    backward, and the E int64 counts), and with tp > 1 the experts' g (r h e, forward) and f
-    (r h float32 gradients, backward). `forward_only`: the forward's share, (m + r) h e + 8 E
-    and g's r h e (lesson 07's recomputed forward)."""
+def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, hidden: int, element_bytes: int,
+                             forward_only: bool = False) -> dict:
+    """The ep all-to-all's bytes, from the counts of every recorded call: 2 (m + r) h e + 8 E (m
+    rows out and r back in forward, the same reversed in backward, and the E int64 counts).
+    `forward_only`: the forward's share, (m + r) h e + 8 E (lesson 07's recomputed forward)."""
+    if ep.size == 1:
+        return {}
     sent, received = rows_sent_and_received(meter, ep)
     passes = 1 if forward_only else 2
-    predicted = {}
-    if ep.size > 1:
-        n_experts = meter.layers[0].n_experts
-        predicted[("all_to_all_single", "ep")] = sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts
-                                                     for m, r in zip(sent, received))
-    if tp > 1:
-        predicted[("all_reduce", "tp")] = sum(received) * hidden * (element_bytes + (0 if forward_only else 4))
-    return predicted
+    n_experts = meter.layers[0].n_experts
+    return {("all_to_all_single", "ep"): sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts
+                                             for m, r in zip(sent, received))}
 
 
 def log_routing(meter: RoutingMeter, group) -> None:
@@ -754,87 +629,56 @@ def log_routing(meter: RoutingMeter, group) -> None:
     log0(f"assignments dropped by capacity: {int(dropped)}")
 
 
-def expert_layer_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, compute_dtype) -> dict:
-    """What experts change inside the layers of a dense prediction, routing aside
-    (predicted_routed_traffic): the cp sum of the auxiliary loss's int64 counts per sequence, and,
-    with tp > 1 and no shared expert, the dense MLP's f and g taken out (an MoE layer's are its
-    experts', or its shared expert's, as many as a dense MLP's). Lesson 06 adds it to its own."""
-    extra = []
-    if grid.cp_size > 1 and cfg.aux_loss_coef:
-        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
-    if grid.tp_size > 1 and not cfg.n_shared_experts:
-        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
-        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
-    return add_traffic(*extra)
+def predicted_step_traffic(model: ExpertDataParallel, cfg, grid: ProcessGrid, bias_update_rate: float) -> dict:
+    """Every collective of a step but the all-to-all (predicted_routed_traffic): lesson 01's
+    gradient all-reduce, the experts' share of it moved from dp to edp, the loss scalar over dp
+    and the norm scalar over ep, and the balancing bookkeeping."""
+    n_params = sum(p.numel() for p in model.module.parameters())
+    expert_bytes = 4 * sum(p.numel() for p in model.expert_parameters)
+    return add_traffic(data_parallel.predicted_dp_traffic(n_params, 4),
+                       {("all_reduce", "dp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes},
+                       step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("ep",) if grid.ep_size > 1 else ()),
+                       balancing_traffic(cfg, len(model.module.layers), bias_update_rate, "dp"))
 
 
-def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, compute_dtype,
-                           bias_update_rate: float) -> dict:
-    """Every collective of a step but the routing-dependent ones (predicted_routed_traffic): lesson
-    04's prediction (cp ring, tp, pp, the gradient sum, loss and norm scalars) with the expert
-    gradients moved from dp x cp to edp, the ep norm scalar, the enabled aux and z log values, the
-    router loads of auxiliary-loss-free balancing, and expert_layer_traffic."""
-    predicted = context_parallel.predicted_step_traffic(parts, pipeline, cfg, shape, grid, "ring", False,
-                                                        compute_dtype)
-    expert_bytes = 4 * sum(p.numel() for part in parts for p in part.expert_parameters)
-    n_layers = sum(len(part.module.layers) for part in parts)
-    extra = [{("all_reduce", "dp_cp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes},
-             expert_layer_traffic(cfg, shape, grid, n_layers, compute_dtype),
-             balancing_traffic(cfg, n_layers, pipeline is not None, bias_update_rate)]
-    if grid.ep_size > 1:
-        extra.append({("all_reduce", "ep"): 4})
-    return add_traffic(predicted, *extra)
-
-
-def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: float) -> dict:
-    """The step's balancing bookkeeping: BalancingLog's enabled values (aux, z: one float each)
-    summed over dp x cp, and over pp when `pipelined`; with auxiliary-loss-free balancing, the
-    router loads, E floats per MoE layer, summed over dp x cp."""
+def balancing_traffic(cfg, n_layers: int, bias_update_rate: float, token_group: str) -> dict:
+    """The step's balancing bookkeeping, summed over the ranks holding other tokens (`token_group`:
+    dp here, dp x cp in lesson 07): BalancingLog's enabled values (aux, z: one float each), and with
+    auxiliary-loss-free balancing the router loads, E floats per MoE layer."""
     log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    traffic = [{("all_reduce", "dp_cp"): 4 * log_values}] if log_values else []
-    if pipelined and log_values:
-        traffic.append({("all_reduce", "pp"): 4 * log_values})
-    if bias_update_rate:
-        traffic.append({("all_reduce", "dp_cp"): 4 * cfg.n_experts * n_layers})
-    return add_traffic(*traffic)
+    return add_traffic({("all_reduce", token_group): 4 * log_values} if log_values else {},
+                       {("all_reduce", token_group): 4 * cfg.n_experts * n_layers} if bias_update_rate else {})
 
 
-def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, measured_step: RoutingMeter,
-           every_step: RoutingMeter, throughput, device, compute_dtype, grouped: bool, args) -> None:
+def report(model: ExpertDataParallel, optimizer, plan, grid: ProcessGrid, activations, measured_step: RoutingMeter,
+           every_step: RoutingMeter, throughput, device, grouped: bool, args) -> None:
     cfg, shape, ep = plan.cfg, plan.shape, ExpertParallel.from_grid(grid)
     # What training moved, before the report's own bookkeeping collectives (routing counts) add to it.
     training_traffic = copy.deepcopy(comm.meter)
-    modules = nn.ModuleList(part.module for part in parts)
-    n_params = sum(p.numel() for p in modules.parameters())
-    n_layers = sum(len(module.layers) for module in modules)
-    predicted = predicted_peak_activation_bytes(parts, pipeline, cfg, shape, grid.cp_size, measured_step, ep, grouped,
-                                                grid.tp_size)
+    n_params = sum(p.numel() for p in model.module.parameters())
+    predicted = predicted_peak_activation_bytes(cfg, shape, measured_step, ep, grouped)
     log0("\n== memory (one rank; activations at their peak in step 0) ==")
-    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
+    log0(memory_table(measured_memory(model.module, optimizer, activations.peak_bytes),
                       predicted_memory(n_params, predicted)))
     log0("predicted activations: the dense formula with each MoE layer's SwiGLU replaced by "
          "moe_layer_activation_bytes, evaluated on step 0's routing counts (rows sent and received per layer "
          "and micro-batch)")
-    experts = [p for part in parts for p in part.expert_parameters]
+    experts = list(model.expert_parameters)
     states = (v for p in experts for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0)
     measured = [tensor_bytes(experts), tensor_bytes(p.grad for p in experts if p.grad is not None), tensor_bytes(states)]
-    weights = expert_memory_bytes(cfg, ep.size, n_layers, grid.tp_size)
-    log0("experts on this rank (3 h f E / (ep tp) per layer), measured / predicted MB: " + ", ".join(
+    weights = expert_memory_bytes(cfg, ep.size, len(model.module.layers))
+    log0("experts on this rank (3 h f E / ep per layer), measured / predicted MB: " + ", ".join(
         f"{name} {bytes_ / 1e6:.3f} / {times * weights / 1e6:.3f}"
         for name, bytes_, times in zip(("weights", "gradients", "AdamW states"), measured, (1, 1, 2))))
-    element_bytes = torch.finfo(compute_dtype).bits // 8
-    routed = predicted_routed_traffic(every_step, ep, grid.tp_size, cfg.hidden, element_bytes)
-    log0(f"\n== communication per step (ep={ep.size} drawn from dp x cp = {grid.dp_size} x {grid.cp_size}) ==")
-    log0(training_traffic.table(add_traffic(predicted_step_traffic(parts, pipeline, cfg, shape, grid, compute_dtype,
-                                                                   args.bias_update_rate),
+    routed = predicted_routed_traffic(every_step, ep, cfg.hidden, 4)
+    log0(f"\n== communication per step (ep={ep.size} of dp = {grid.dp_size}) ==")
+    log0(training_traffic.table(add_traffic(predicted_step_traffic(model, cfg, grid, args.bias_update_rate),
                                             {key: value / args.steps for key, value in routed.items()}),
                                 per=args.steps))
-    formulas = {("all_to_all_single", "ep"): "all_to_all_single 2 (sent + received) h e + 8 E",
-                ("all_reduce", "tp"): "the experts' tp all-reduces (e + 4) h per row received"}
     if routed:
         log0("predicted from every step's routing counts, per layer and micro-batch: "
-             + "; ".join(formulas[key] for key in routed))
-    log_routing(measured_step, grid.dp_cp_group)
+             "all_to_all_single 2 (sent + received) h e + 8 E")
+    log_routing(measured_step, grid.dp_group)
     log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
 
 
@@ -844,12 +688,11 @@ def report(parts, pipeline, optimizer, plan, grid: ProcessGrid, activations, mea
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 05: expert parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp")
+    add_parallel_flags(parser, axes=("dp",), fill_axis="dp")
     add_moe_flags(parser)
-    pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)
     parser.set_defaults(preset="tiny-moe")
-    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
@@ -857,34 +700,28 @@ def main(argv=None):
     plan = plan_run(args, validate, moe_config)
     cfg, shape = plan.cfg, plan.shape
     device = init_distributed()
-    grid = ProcessGrid(plan.grid, ep=args.ep if args.ep is not None else plan.grid.dp * plan.grid.cp)
+    grid = ProcessGrid(plan.grid, ep=expert_degree(args, plan.grid))
     compute_dtype = autocast_dtype(args.dtype, device)
-    grouped = uses_grouped_mm(args, cfg, compute_dtype, plan.grid.tp)
-    parts = build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step, int(args.bucket_mb * 2**20),
-                        args.virtual_stages)
-    pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)
-    optimizer = build_optimizer(nn.ModuleList(part.module for part in parts), args.lr)
-    settings = step_settings(parts, grid, device, compute_dtype, args.max_grad_norm)
-    log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp x cp = {grid.dp_size} x {grid.cp_size} "
-         f"(pp={grid.pp_size}, tp={grid.tp_size}), {cfg.n_experts} experts top-{cfg.experts_per_token} "
-         f"({cfg.router} router, {'grouped matmuls' if grouped else 'looped experts'}), "
-         f"{cfg.n_experts // grid.ep_size} experts per rank{' (each split over tp)' if grid.tp_size > 1 else ''}, "
-         f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step")
+    grouped = uses_grouped_mm(args, cfg, compute_dtype)
+    model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,
+                        shape.sequences_per_step, int(args.bucket_mb * 2**20))
+    optimizer = build_optimizer(model.module, args.lr)
+    settings = step_settings(model, grid, device, compute_dtype, args.max_grad_norm)
+    log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp = {grid.dp_size}, {cfg.n_experts} experts "
+         f"top-{cfg.experts_per_token} ({cfg.router} router, {'grouped matmuls' if grouped else 'looped experts'}), "
+         f"{cfg.n_experts // grid.ep_size} experts per rank, {count_parameters(cfg)['total']:,} parameters, "
+         f"{shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    activations, measured_step, every_step = ActivationMeter(*parts), RoutingMeter(parts), RoutingMeter(parts)
-    log_groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
-    model_or_pipeline = parts[0] if pipeline is None else pipeline
-    step = functools.partial(train_step, model_or_pipeline, optimizer, settings=settings,
-                             bias_update_rate=args.bias_update_rate, balancing_log=BalancingLog(parts, log_groups))
+    activations, measured_step, every_step = ActivationMeter(model), RoutingMeter([model]), RoutingMeter([model])
+    step = functools.partial(train_step, model, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
+                             balancing_log=BalancingLog([model], (grid.dp_group,)))
     with every_step:
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                           prepare_batch=context_parallel.sequence_cut(grid, zigzag=True),
                            meters=(activations, measured_step),
-                           evaluate=functools.partial(evaluate, model_or_pipeline, settings=settings),
+                           evaluate=functools.partial(evaluate, model, settings=settings),
                            val_batches=plan.val_batches, cfg=cfg)
-    report(parts, pipeline, optimizer, plan, grid, activations, measured_step, every_step, throughput, device,
-           compute_dtype, grouped, args)
+    report(model, optimizer, plan, grid, activations, measured_step, every_step, throughput, device, grouped, args)
     shutdown()
 
 

@@ -145,6 +145,7 @@ from dataclasses import asdict, replace
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
@@ -152,8 +153,8 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
-                                    step_bookkeeping_traffic)
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
+                                    predicted_activation_bytes, step_bookkeeping_traffic)
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
                                     shutdown, validate_parallel_config)
@@ -178,7 +179,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     whole GPT or one pipeline chunk; the seams where two techniques meet are the next section."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    grouped = expert_parallel.uses_grouped_mm(args, cfg, precision.param_dtype, grid.tp_size)
+    grouped = expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, grid.tp_size), precision.param_dtype)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1
     chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank, args.virtual_stages)
               if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
@@ -189,9 +190,13 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
         if grid.cp_size > 1:            # 04: each attention core over the cp ranks' parts of the sequence
             context_parallel.apply_context_parallel(chunk, context_parallel_peers(grid, args), args.cp_mode)
         if cfg.n_experts:               # 05: the experts over ep, dispatched by all-to-all; balancing global
-            expert_parallel.apply_expert_parallel(chunk, expert_parallel.ExpertParallel.from_grid(grid), grouped,
-                                                  grid.tp_group if grid.tp_size > 1 else None)
-            expert_parallel.prepare_balancing(chunk, grid, shape.sequences_per_step)
+            expert_parallel.apply_expert_parallel(chunk, expert_parallel.ExpertParallel.from_grid(grid),
+                                                  expert_runner(grouped, grid))
+            expert_parallel.prepare_balancing(chunk, shape.sequences_per_step)
+            if grid.tp_size > 1:        # tp x experts: each of this rank's experts split over tp
+                split_experts_over_tensor_parallel(chunk, grid.tp_group)
+            if grid.cp_size > 1:        # cp x balancing: the aux loss counts whole sequences
+                count_choices_over_context_parallel(chunk, grid.cp_group)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
                            args.reshard_after_forward, args.prefetch, grid.edp_group if cfg.n_experts else None)
@@ -206,13 +211,80 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
 
 
 def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool) -> None:
-    """tp x experts: lesson 02 splits the dense layers; with experts lesson 05's variant of its
-    split leaves the router and the dispatch whole on every tp rank and splits each expert
-    column/row instead (apply_expert_parallel then wraps the experts in 02's f and g)."""
+    """tp x experts, the dense half: lesson 02 splits the dense layers; an MoE block's router,
+    dispatch and combine stay whole on every tp rank (split_moe_mlp), and its experts are split
+    column/row once lesson 05 has cut them over ep (split_experts_over_tensor_parallel).
+
+    Why split every expert, not the tokens: without sequence parallelism the tp ranks hold the
+    same tokens. Splitting every expert keeps one routing for all of them and divides the experts'
+    weights, gradients, AdamW states and FLOPs by tp, at the price a dense MLP pays: an all-reduce
+    of the outputs (here of the rows the experts received) each way. Splitting the tokens instead
+    would keep every expert whole on every tp rank, the largest weights of the model tp times over."""
     if cfg.n_experts:
-        expert_parallel.apply_tensor_parallel(chunk, grid.tp_group)
+        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel=False, split_mlp=split_moe_mlp)
     else:
         tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel)
+
+
+def split_moe_mlp(block, group, norm, column, row) -> None:
+    """Lesson 02's `split_mlp` for an MoE block. The router, the dispatch and the combine run whole
+    on every tp rank, so they get the reference's gradients as they are: f and g wrap the experts
+    alone (tensor_parallel_experts), the MoE's norm stays a plain RMSNorm (a TensorParallelRMSNorm's
+    f would add up the tp ranks' identical gradients), and a shared expert, split like a dense
+    MLP, gets its own f in front."""
+    tp = tensor_parallel
+    tp.replicated(block.mlp_norm.weight)
+    tp.replicated(block.mlp.router.weight)
+    if block.mlp.shared_expert is not None:
+        tp.parallelize_mlp(block.mlp.shared_expert, group, column, row)
+        block.mlp.shared_expert.register_forward_pre_hook(
+            lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
+
+
+def experts_per_tp_rank(cfg, tp: int):
+    """The experts as one tp rank holds them: every expert's inner width ffn_hidden / tp (a shared
+    expert's too). Lesson 05's formulas and its grouped-matmul check read them from this config."""
+    return replace(cfg, ffn_hidden=cfg.ffn_hidden // tp)
+
+
+def expert_runner(grouped: bool, grid: ProcessGrid):
+    """Lesson 05's run_experts, looped or grouped, and with tp > 1 inside lesson 02's f and g."""
+    run_experts = expert_parallel.grouped_experts if grouped else expert_parallel.looped_experts
+    return partial(tensor_parallel_experts, run_experts=run_experts, group=grid.tp_group) if grid.tp_size > 1 \
+        else run_experts
+
+
+def tensor_parallel_experts(x: torch.Tensor, counts: list[int], experts, run_experts, group) -> torch.Tensor:
+    """run_experts on this tp rank's slice of every expert's inner width, between lesson 02's f
+    (the rows' gradient is each slice's partial sum: all-reduced in backward) and g (so is the
+    output: all-reduced in forward). Outside them everything is whole on every tp rank: the
+    all-to-all sends the same rows from every tp rank of an ep group's ranks."""
+    x = tensor_parallel.CopyToTensorParallelRegion.apply(x, group)
+    return tensor_parallel.ReduceFromTensorParallelRegion.apply(run_experts(x, counts, experts), group)
+
+
+def split_experts_over_tensor_parallel(chunk, group) -> None:
+    """tp x experts, the experts' half: of each of the E/ep experts lesson 05 left this rank, this
+    tp rank's slice of the inner width, as lesson 02 splits a SwiGLU: gate and up by rows (dim 1 of
+    the stacked weights), down by columns (dim 2)."""
+    for layer in moe_layers(chunk):
+        for name, tp_dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+            setattr(layer.experts, name, tensor_parallel.take_shard(getattr(layer.experts, name).detach(), tp_dim,
+                                                                    group))
+
+
+def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
+    comm.call(dist.all_reduce, counts, group=group)
+    return counts
+
+
+def count_choices_over_context_parallel(chunk, group) -> None:
+    """cp x balancing: each cp rank holds 1/cp of every sequence, and the auxiliary loss needs each
+    sequence's choice counts whole: model.py's seam sums them over the cp ranks (constants, no
+    autograd) before the loss divides them."""
+    for layer in moe_layers(chunk):
+        layer.sequence_shards = group_size(group)
+        layer.whole_sequence_counts = partial(sum_over_group, group=group)
 
 
 def context_parallel_peers(grid: ProcessGrid, args):
@@ -531,18 +603,21 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
     """What the composition refuses (composition_problems), then each lesson's own rules: 06's,
-    04's (which include 02's, 03's and the grid's) or with experts the
-    grid's and 05's (its own tp split; lesson 02 refuses experts); the checkpoint flags and the
-    checkpoint --resume names. All before any process group (recomputation and compiling add none)."""
+    04's (which include 02's, 03's and the grid's) or with experts the grid's, 05's (ep drawn from
+    dp x cp) and 03's (lesson 02's refuse experts: their tp split is this lesson's seam); the
+    checkpoint flags and the checkpoint --resume names. All before any process group
+    (recomputation and compiling add none)."""
     problems = composition_problems(cfg, grid, args)
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     zero.validate_zero(args.dtype, args.reduce_dtype)
     if cfg.n_experts:
         validate_parallel_config(grid, world_size, cfg, shape.seq_len, args.zigzag)
-        expert_parallel.validate_expert_parallel(grid, world_size, cfg, shape.seq_len, expert_degree(args.ep, cfg, grid),
-                                                 args.schedule, shape.grad_accum, args.bias_update_rate,
-                                                 args.sequence_parallel, args.virtual_stages)
+        expert_parallel.validate_expert_parallel(cfg, expert_degree(args.ep, cfg, grid), grid.dp * grid.cp,
+                                                 args.bias_update_rate, f"dp*cp = {grid.dp}*{grid.cp}")
+        # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages,
+                                                   shape.grad_accum)
     else:
         context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
                                                    args.sequence_parallel, args.schedule, shape.grad_accum,
@@ -568,8 +643,15 @@ def composition_problems(cfg, grid, args) -> list[str]:
         problems.append(f"--bias-update-rate {args.bias_update_rate} with a dense preset: there are no routers to "
                         f"balance; drop it or use --preset tiny-moe")
     if cfg.n_experts and args.cp_mode != "ring":
-        problems.append(f"--cp-mode {args.cp_mode} with experts: lesson 05 composes experts with ring attention; "
-                        f"use --cp-mode ring")
+        problems.append(f"--cp-mode {args.cp_mode} with experts: this trainer composes experts with ring "
+                        f"attention; use --cp-mode ring")
+    if cfg.n_experts and args.sequence_parallel:
+        problems.append("--sequence-parallel with experts is not composed: the experts are split over tp for "
+                        "tokens every tp rank holds whole; drop --sequence-parallel")
+    if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
+        problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
+                        f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
+                        f"or drop --capacity-factor")
     return problems
 
 
@@ -587,8 +669,8 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     """One micro-batch of this rank's model, or of its pipeline stage `stage`, with dense MLPs (a
     model with experts: lesson 05 then swaps each MoE layer's SwiGLU for its routed bytes).
 
-    --recompute none is the earlier lessons' float32 formula (lesson 05's dense_activation_bytes
-    picks 04's, 03's, 02's or the reference's). Its difference between two layers and one is one
+    --recompute none is the earlier lessons' float32 formula (dense_activation_bytes picks 04's,
+    03's, 02's or the reference's). Its difference between two layers and one is one
     block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
     elements, with T_n the tokens a norm sees (/tp under sequence parallelism):
       none       the earlier formula's block
@@ -606,8 +688,7 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     layers = cfg.n_layers if stage is None else len(stage.layer_ids)
 
     def none(cfg, stage=None):
-        return expert_parallel.dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, cp_mode,
-                                                      sequence_parallel)
+        return dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, cp_mode, sequence_parallel)
 
     block = none(replace(cfg, n_layers=2)) - none(replace(cfg, n_layers=1))
     outside = none(cfg, stage) - layers * block
@@ -619,6 +700,35 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
         "selective": (block // 4 - 2 * (h + 1) * norm_tokens - swiglu_inner * tokens, log_sum_exp),
         "full": (h * norm_tokens, 0)}[recompute]
     return outside + layers * (e * elements + (4 - e) * in_float32)
+
+
+def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
+                           sequence_parallel: bool = False) -> int:
+    """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32: lesson
+    04's formula when context-parallel attention runs (it takes tp, sequence parallelism and the
+    stage into account), else lesson 03's for a stage, 02's with tp > 1, the reference's."""
+    if cp > 1:
+        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, cp_mode, tp=tp,
+                                                              sequence_parallel=sequence_parallel, stage=stage)
+    if stage is not None:
+        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp,
+                                                                  sequence_parallel)
+    if tp > 1:
+        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, sequence_parallel)
+    return predicted_activation_bytes(cfg, micro_batch, seq_len)
+
+
+def schedule_peak(sizes: dict, pipeline) -> int:
+    """The most bytes of (part, micro-batch) activations alive at once: the largest micro-batch
+    without a pipeline, lesson 03's live micro-batches with one."""
+    if pipeline is None:
+        return max(sizes.values())
+    live = peak = 0
+    for step in pipeline.program:
+        if not is_transfer_batch(step):
+            live += sizes[(step.chunk, step.micro_batch)] * (1 if step.kind == "F" else -1)
+            peak = max(peak, live)
+    return peak
 
 
 def routing_at(routing, pipeline, n_micro: int, kind: str):
@@ -649,9 +759,9 @@ def routing_at(routing, pipeline, n_micro: int, kind: str):
 
 def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
     """This rank's kept activations at their peak in the metered step under `recompute`: each
-    micro-batch's bytes (with experts, lesson 05's on the step's routing counts; under full a
-    block keeps its input only, whatever the routing), then the schedule's peak (lesson 05's walk
-    over lesson 03's program)."""
+    micro-batch's bytes (with experts, lesson 05's on the step's routing counts, for the experts
+    as a tp rank holds them; under full a block keeps its input only, whatever the routing), then
+    the schedule's peak over lesson 03's program."""
 
     def dense(stage):
         return predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
@@ -659,15 +769,17 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                model.precision.param_dtype)
 
     parts = model_parts(model, pipeline)
+    sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
+             for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
     if cfg.n_experts and recompute != "full":
-        grouped = expert_parallel.uses_grouped_mm(args, cfg, model.precision.param_dtype, grid.tp_size)
-        sizes = expert_parallel.activation_bytes_by_micro_batch(
-            parts, pipeline, cfg, shape, grid.cp_size, routing, expert_parallel.ExpertParallel.from_grid(grid),
-            grouped, grid.tp_size, dense, model.precision.param_dtype.itemsize)
-    else:
-        sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
-                 for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
-    return expert_parallel.schedule_peak(sizes, pipeline)
+        experts, dtype = experts_per_tp_rank(cfg, grid.tp_size), model.precision.param_dtype
+        micro = shape.micro_batch_size
+        routed = expert_parallel.moe_bytes_by_micro_batch(
+            experts, micro * shape.seq_len // grid.cp_size, micro, routing,
+            expert_parallel.ExpertParallel.from_grid(grid), expert_parallel.uses_grouped_mm(args, experts, dtype),
+            dtype.itemsize)
+        sizes = {key: size + routed[key] for key, size in sizes.items()}
+    return schedule_peak(sizes, pipeline)
 
 
 def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
@@ -716,9 +828,7 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
     if cp > 1 and cfg.n_experts and cfg.aux_loss_coef:     # the auxiliary loss's int64 counts per sequence
         extra.append({("all_reduce", "cp"): runs * 8 * cfg.n_experts * shape.micro_batch_size})
     if recomputed is not None:
-        ep = expert_parallel.ExpertParallel.from_grid(grid)
-        routed = expert_parallel.predicted_routed_traffic(recomputed, ep, tp, cfg.hidden, element_bytes,
-                                                          forward_only=True)
+        routed = routed_traffic(recomputed, grid, cfg.hidden, element_bytes, forward_only=True)
         extra.append({key: value / steps for key, value in routed.items()})
     return add_traffic(*extra)
 
@@ -764,11 +874,46 @@ def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
             cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
             n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
     if has_experts:
-        routed = expert_parallel.predicted_routed_traffic(routing, expert_parallel.ExpertParallel.from_grid(grid), tp,
-                                                          cfg.hidden, 4)
-        predicted += [expert_parallel.expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
+        routed = routed_traffic(routing, grid, cfg.hidden, 4)
+        predicted += [expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
                       {key: value / steps for key, value in routed.items()}]
     return add_traffic(*predicted)
+
+
+def routed_traffic(routing, grid: ProcessGrid, hidden: int, element_bytes: int, forward_only: bool = False) -> dict:
+    """The bytes that depend on the routing, from the counts of every call `routing` recorded:
+    lesson 05's all-to-all, and with tp > 1 the experts' g (r h e, forward) and f (r h float32
+    gradients, backward) around the r rows this rank's experts received (tp x experts).
+    `forward_only`: the forward's share (the recomputed forward)."""
+    ep = expert_parallel.ExpertParallel.from_grid(grid)
+    predicted = expert_parallel.predicted_routed_traffic(routing, ep, hidden, element_bytes, forward_only)
+    if grid.tp_size == 1:
+        return predicted
+    _, received = expert_parallel.rows_sent_and_received(routing, ep)
+    return add_traffic(predicted, {("all_reduce", "tp"): sum(received) * hidden
+                                   * (element_bytes + (0 if forward_only else 4))})
+
+
+def expert_layer_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, compute_dtype) -> dict:
+    """What experts change inside the layers of a dense prediction, routing aside (routed_traffic):
+    the cp sum of the auxiliary loss's int64 counts per sequence (cp x balancing), and, with tp > 1
+    and no shared expert, the dense MLP's f and g taken out (an MoE layer's are its experts', or
+    its shared expert's, as many as a dense MLP's)."""
+    extra = []
+    if grid.cp_size > 1 and cfg.aux_loss_coef:
+        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
+    if grid.tp_size > 1 and not cfg.n_shared_experts:
+        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
+        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
+    return add_traffic(*extra)
+
+
+def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: float) -> dict:
+    """Lesson 05's balancing bookkeeping over the dp x cp ranks, and the logged aux and z values
+    summed over pp too when `pipelined` (each stage holds other layers)."""
+    log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
+    return add_traffic(expert_parallel.balancing_traffic(cfg, n_layers, bias_update_rate, "dp_cp"),
+                       {("all_reduce", "pp"): 4 * log_values} if pipelined and log_values else {})
 
 
 def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
@@ -782,8 +927,8 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
     predicted = add_traffic(zero.predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
                                                       getattr(model, "reshard_after_forward", True), norm_groups),
                             predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
-                            expert_parallel.balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
-                                                              args.bias_update_rate))
+                            balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
+                                              args.bias_update_rate))
     inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
                                     routing, steps)
     if inner is None:

@@ -113,7 +113,8 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
     (chunk, micro-batch) pair."""
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
-    grouped = expert_parallel.uses_grouped_mm(args, cfg, precision.param_dtype, tp)
+    experts = full_5d.experts_per_tp_rank(cfg, tp)
+    grouped = expert_parallel.uses_grouped_mm(args, experts, precision.param_dtype)
 
     def one_micro_batch(stage) -> int:
         kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
@@ -123,8 +124,8 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
             tokens = micro * shape.seq_len // grid.cp
             routed = cfg.experts_per_token * tokens
             layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-            kept += layers * expert_parallel.moe_layer_bytes_over_dense(cfg, tokens, micro, routed, routed, ep, grouped,
-                                                                        tp, e)
+            kept += layers * expert_parallel.moe_layer_bytes_over_dense(experts, tokens, micro, routed, routed, ep,
+                                                                        grouped, e)
         return kept
 
     sizes = [one_micro_batch(stage) for stage in chunks]

@@ -8,12 +8,11 @@ step, at several expert-parallel degrees in one torchrun run.
         --seq-len 1024 --dtype bfloat16                                                  # on GPUs
 
 Every flag of 05_expert_parallel.py is accepted and means what it means there (preset, batch shape,
---dp/--cp/--pp, router, balancing, --dtype; `python 05_expert_parallel.py --help`), except --ep and
+--dp, router, balancing, --dtype; `python 05_expert_parallel.py --help`), except --ep and
 --grouped-mm, which this script sets itself: the ep degrees come from --ep-degrees (default: every
-power of two that divides dp x cp and the number of experts; at world size 4, dp = 4 and ep = 1, 2,
-4), and each degree runs twice, looped experts and grouped matmuls. Each variant is the lesson's
-own: its build_model, build_pipeline, step_settings and train_step, with the batch cut as its main()
-cuts it. Not included: the lesson's log line and its aux / z log all-reduce (balancing_log), which
+power of two that divides dp and the number of experts; at world size 4, dp = 4 and ep = 1, 2, 4),
+and each degree runs twice, looped experts and grouped matmuls. Each variant is the lesson's own:
+its build_model, step_settings and train_step, as its main() calls them. Not included: the lesson's log line and its aux / z log all-reduce (balancing_log), which
 are reporting, not training. The learning rate stays at --lr (the lesson's warm-up and decay are
 irrelevant to the time of a step).
 
@@ -46,7 +45,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from picotron_like import comm
 from picotron_like.metrics import log0
@@ -54,13 +52,12 @@ from picotron_like.topology import ProcessGrid, init_distributed, load_lesson, s
 from picotron_like.train import autocast_dtype, build_optimizer, plan_run
 
 lesson = load_lesson("05_expert_parallel")
-context_parallel = lesson.context_parallel
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ep-degrees", type=int, nargs="+", default=None,
-                        help="expert-parallel degrees to compare; default: powers of two dividing dp x cp and E")
+                        help="expert-parallel degrees to compare; default: powers of two dividing dp and E")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     parser.add_argument("--steps-per-round", type=int, default=3, help="timed steps per variant and round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each runs every variant in turn")
@@ -105,20 +102,18 @@ class Variant:
         self.ep, self.grouped, self.grid = grid.ep_size, grouped, grid
         self.batches, self.next_step = plan.batches, 0
         cfg, shape = plan.cfg, plan.shape
-        parts = lesson.build_model(cfg, args.seed, grid, device, grouped, shape.sequences_per_step,
+        run_experts = lesson.grouped_experts if grouped else lesson.looped_experts
+        model = lesson.build_model(cfg, args.seed, grid, device, run_experts, shape.sequences_per_step,
                                    int(args.bucket_mb * 2**20))
-        pipeline = context_parallel.build_pipeline(parts, grid, args.schedule, shape, cfg, device, compute_dtype)
-        optimizer = build_optimizer(nn.ModuleList(part.module for part in parts), args.lr)
-        settings = lesson.step_settings(parts, grid, device, compute_dtype, args.max_grad_norm)
-        self.step_fn = functools.partial(lesson.train_step, parts[0] if pipeline is None else pipeline, optimizer,
-                                         settings=settings, bias_update_rate=args.bias_update_rate)
-        self.cut = functools.partial(context_parallel.context_parallel_batch,
-                                     split=context_parallel.SequenceSplit(grid.cp_size, True), cp_rank=grid.cp_rank)
+        optimizer = build_optimizer(model.module, args.lr)
+        settings = lesson.step_settings(model, grid, device, compute_dtype, args.max_grad_norm)
+        self.step_fn = functools.partial(lesson.train_step, model, optimizer, settings=settings,
+                                         bias_update_rate=args.bias_update_rate)
         self.wall, self.cpu, self.all_to_all, self.loss = [], [], [], None
 
     def run(self, steps: int, timer: AllToAllTimer, device, record: bool = True) -> None:
         for _ in range(steps):
-            batch = self.cut(self.batches.step_batch(self.next_step, self.grid.dp_rank))
+            batch = self.batches.step_batch(self.next_step, self.grid.dp_rank)
             self.next_step += 1
             dist.barrier()
             timer.seconds, wall, cpu = 0.0, time.perf_counter(), time.process_time()
@@ -142,7 +137,7 @@ class Variant:
 
 
 def default_ep_degrees(plan) -> list[int]:
-    ranks, degrees = plan.grid.dp * plan.grid.cp, [1]
+    ranks, degrees = plan.grid.dp, [1]
     while ranks % (degrees[-1] * 2) == 0 and plan.cfg.n_experts % (degrees[-1] * 2) == 0:
         degrees.append(degrees[-1] * 2)
     return degrees

@@ -16,6 +16,10 @@ Two sizes are recorded per call:
   NCCL and gloo use for large messages: an all-reduce of S bytes over n ranks sends 2(n-1)/n * S
   (a reduce-scatter then an all-gather, each (n-1)/n * S). It is a model of the wire, derived
   from the measured payload, not a packet capture.
+
+``AllToAll`` is the one collective with its own autograd rule here: an uneven all-to-all whose
+backward is the all-to-all with the split sizes swapped. Ulysses (lesson 04) and the expert
+dispatch (lesson 05) both use it, so it lives with the meter rather than in either lesson.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the single-tensor collectives: all_gather_into_tensor became
@@ -160,3 +165,37 @@ class CommMeter:
 
 meter = CommMeter()
 call = meter.call
+
+
+# ---------------------------------------------------------------------------- a differentiable all-to-all
+
+
+class AllToAll(torch.autograd.Function):
+    """Slice j of dim 0 goes to rank j; the slice from rank j lands at index j of dim 0.
+
+    Even by default (dim 0 cut into group-size equal slices). With split sizes, slice j of the
+    input holds input_splits[j] rows and the output receives output_splits[j] rows from rank j
+    (lesson 04's Ulysses attention exchanges even slices of heads; lesson 05 sends each rank the
+    tokens routed to its experts, a different number each time).
+    The exchange is its own inverse with the split sizes swapped, so backward is the same
+    all-to-all on the gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits=None, input_splits=None):
+        ctx.group, ctx.splits = group, (input_splits, output_splits)
+        return _all_to_all(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        return _all_to_all(d_out, ctx.group, *ctx.splits), None, None, None
+
+
+def _all_to_all(x, group, output_splits, input_splits):
+    # Contiguous first: all_to_all_single cuts dim 0 of the raw memory, and empty_like of a
+    # permuted view would inherit its permuted strides.
+    x = x.contiguous()
+    out = torch.empty_like(x) if output_splits is None else x.new_empty((sum(output_splits), *x.shape[1:]))
+    call(dist.all_to_all_single, out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+         group=group)
+    return out

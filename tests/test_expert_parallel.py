@@ -1,8 +1,10 @@
 """Lesson 05 proven equal: local dispatch (loop and grouped matmuls) and expert-parallel training
-against one device.
+over the dp ranks against one device. Experts with the other axes (ep drawn from dp x cp, experts
+split over tp, MoE layers in pipeline stages) prove themselves through lesson 07, with this file's
+teacher-forced reference: tests/test_full_5d_expert_composition.py.
 
 Tolerances are lesson 04's: gradients 1e-6 absolute (float32 sums in another order: per rank,
-then over dp x cp or edp), losses, gradient norms and balancing losses 1e-5, parameters after
+then over dp or edp), losses, gradient norms and balancing losses 1e-5, parameters after
 AdamW 1e-2 * lr (Adam's normalised step turns the rounding noise of a ~0 gradient into a step of
 that order; a real error moves a parameter by order lr). Both runs use AdamW with eps = ADAM_EPS
 (1e-4), as lessons 02 and 06's tests do: a gradient at float32's rounding floor has its sign decided
@@ -83,7 +85,7 @@ def test_local_dispatch_loop_and_grouped_equal_the_reference(options):
             loss = model(tokens, targets)
         loss.backward()
         results[name] = (loss.detach(), {n: p.grad for n, p in model.named_parameters()})
-        predicted = lesson.predicted_peak_activation_bytes([model], None, cfg, BatchShape(2, SEQ, 1, 1), 1, routing,
+        predicted = lesson.predicted_peak_activation_bytes(cfg, BatchShape(2, SEQ, 1, 1), routing,
                                                            lesson.ExpertParallel(None, 1, 0), name == "grouped")
         activations[name] = (meter.peak_bytes, predicted)
     # The formula describes this file's dispatch at ep = 1 (the reference loop keeps other tensors).
@@ -148,17 +150,15 @@ def test_grouped_experts_leave_empty_groups_out_of_every_call(counts, monkeypatc
         assert grad[idle].abs().sum() == 0, name
 
 
-@pytest.mark.parametrize("grid, ep, options, sequence_parallel, message", [
-    (GridShape(dp=4), 3, {}, False, "--ep 3 does not divide dp*cp = 4*1 = 4"),
-    (GridShape(dp=2, cp=2), 4, dict(n_experts=6), False, "n_experts=6 is not divisible by --ep 4"),
-    (GridShape(dp=2, tp=2), 2, {}, True, "--sequence-parallel with experts is not composed"),
-    (GridShape(dp=2, cp=2), 2, dict(capacity_factor=1.25), False, "--capacity-factor with --cp 2 is not supported"),
-    (GridShape(dp=2), 2, dict(n_experts=0, experts_per_token=2), False, "the model has no experts"),
+@pytest.mark.parametrize("dp, ep, options, bias_update_rate, message", [
+    (4, 3, {}, 0.0, "--ep 3 does not divide dp = 4"),
+    (4, 4, dict(n_experts=6), 0.0, "n_experts=6 is not divisible by --ep 4"),
+    (2, 2, dict(n_experts=0, experts_per_token=2), 0.0, "the model has no experts"),
+    (2, 2, {}, -1e-3, "--bias-update-rate -0.001 must be 0 (off) or positive"),
 ])
-def test_bad_configurations_name_value_rule_and_fix(grid, ep, options, sequence_parallel, message):
+def test_bad_configurations_name_value_rule_and_fix(dp, ep, options, bias_update_rate, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        lesson.validate_expert_parallel(grid, grid.world_size, replace(CFG, **options), SEQ, ep,
-                                        sequence_parallel=sequence_parallel)
+        lesson.validate_expert_parallel(replace(CFG, **options), ep, dp, bias_update_rate)
 
 
 def test_moe_flags_change_only_what_is_given():
@@ -174,7 +174,8 @@ def test_moe_flags_on_a_dense_preset_and_top_k_above_experts_stop_the_script():
     """One error line, exit code 2, no process group (one process stands for every rank)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0")
     for flags, message in ((["--preset", "tiny", "--router", "sigmoid"], "router='sigmoid' needs a mixture-of-experts"),
-                           (["--ep", "3"], "--ep 3 does not divide dp*cp = 2*1 = 2")):
+                           (["--ep", "3"], "--ep 3 does not divide dp = 2"),
+                           (["--cp", "2"], "lesson 07")):
         result = subprocess.run([sys.executable, str(REPO_ROOT / "05_expert_parallel.py"), *flags],
                                 capture_output=True, text=True, timeout=120, env=env, cwd=REPO_ROOT)
         assert result.returncode == 2, result.stdout + result.stderr
@@ -193,7 +194,6 @@ class Variant:
     grouped: bool = True
     masked: bool = False
     scale_expert_grads: float = 1.0  # the mutation: != 1 must fail the comparison
-    virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, one part per chunk
 
     @property
     def cfg(self):
@@ -238,71 +238,60 @@ def record_choices(parts, grid, data, choices: dict, step_of: list):
 
 
 def expert_parallel_run(variant: Variant):
+    """STEPS steps as lesson 05's main runs them, step 0 metered (activations, routing), every
+    step's routing counted for the all-to-all's prediction."""
     grid = ProcessGrid(variant.shape, ep=variant.ep)
     data = batches(variant.shape.dp)
-    parts = lesson.build_model(variant.cfg, SEED, grid, CPU, variant.grouped, data.shape.sequences_per_step,
-                               bucket_bytes=64 * 1024, virtual_stages=variant.virtual_stages)
-    schedule = "interleaved" if variant.virtual_stages > 1 else "1f1b"
-    pipeline = context_parallel.build_pipeline(parts, grid, schedule, data.shape, variant.cfg, CPU, torch.float32)
-    optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), LR)
+    model = lesson.build_model(variant.cfg, SEED, grid, CPU,
+                               lesson.grouped_experts if variant.grouped else lesson.looped_experts,
+                               data.shape.sequences_per_step, bucket_bytes=64 * 1024)
+    optimizer = build_optimizer(model.module, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    settings = lesson.step_settings(parts, grid, CPU, torch.float32, MAX_GRAD_NORM)
-    groups = (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ()))
-    log = lesson.BalancingLog(parts, groups)
+    settings = lesson.step_settings(model, grid, CPU, torch.float32, MAX_GRAD_NORM)
+    log = lesson.BalancingLog([model], (grid.dp_group,))
     choices, step_of = {}, [0]
-    record_choices(parts, grid, data, choices, step_of)
+    record_choices([model], grid, data, choices, step_of)
 
-    # The step finishes the parts' gradient sums in order: the last one's finish sees them all.
-    seen, finish = {}, parts[-1].finish_gradient_synchronization
-
-    def every_gradient() -> dict:
-        return {name: grad for part in parts for name, grad in gradients(part.module).items()}
+    seen, finish = {}, model.finish_gradient_synchronization
 
     def finish_then_snapshot():
         finish()
         if variant.scale_expert_grads != 1.0:
-            for p in (p for part in parts for p in part.expert_parameters):
+            for p in model.expert_parameters:
                 p.grad.mul_(variant.scale_expert_grads)
-        seen.setdefault("before", every_gradient())
+        seen.setdefault("before", gradients(model.module))
 
-    parts[-1].finish_gradient_synchronization = finish_then_snapshot
-    optimizer.register_step_pre_hook(lambda *_: seen.setdefault("after", every_gradient()) and None)
+    model.finish_gradient_synchronization = finish_then_snapshot
+    optimizer.register_step_pre_hook(lambda *_: seen.setdefault("after", gradients(model.module)) and None)
     step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
         else data.step_batch
     results, biases = [], []
-    activations, measured_step, every_step = (ActivationMeter(*parts), lesson.RoutingMeter(parts),
-                                              lesson.RoutingMeter(parts))
+    activations, measured_step, every_step = ActivationMeter(model), lesson.RoutingMeter([model]), \
+        lesson.RoutingMeter([model])
     with every_step:
         for step in range(STEPS):
             step_of[0] = step
-            batch = context_parallel.context_parallel_batch(step_batch(step, grid.dp_rank),
-                                                            context_parallel.SequenceSplit(grid.cp_size, True),
-                                                            grid.cp_rank)
             with ExitStack() as metering:
                 for meter in (activations, measured_step) if step == 0 else ():
                     metering.enter_context(meter)
-                results.append(lesson.train_step(parts[0] if pipeline is None else pipeline, optimizer, batch,
-                                                 settings, variant.bias_update_rate, log))
-            biases.append({n: b.clone() for part in parts for n, b in part.module.named_buffers()
-                           if n.endswith("router_bias")})
+                results.append(lesson.train_step(model, optimizer, step_batch(step, grid.dp_rank), settings,
+                                                 variant.bias_update_rate, log))
+            biases.append({n: b.clone() for n, b in model.module.named_buffers() if n.endswith("router_bias")})
     traffic = {key: t.payload_bytes for key, t in comm.meter.traffic.items()}   # before the gathers below
     ep = lesson.ExpertParallel.from_grid(grid)
-    per_step = lesson.predicted_step_traffic(parts, pipeline, variant.cfg, data.shape, grid, torch.float32,
-                                             variant.bias_update_rate)
+    per_step = lesson.predicted_step_traffic(model, variant.cfg, grid, variant.bias_update_rate)
     predicted = add_traffic({key: STEPS * value for key, value in per_step.items()},
-                            lesson.predicted_routed_traffic(every_step, ep, grid.tp_size, CFG.hidden, 4))
+                            lesson.predicted_routed_traffic(every_step, ep, CFG.hidden, 4))
     return {"activations": activations.peak_bytes, "traffic": traffic, "predicted_traffic": predicted,
-            "predicted_activations": lesson.predicted_peak_activation_bytes(
-                parts, pipeline, variant.cfg, data.shape, grid.cp_size, measured_step, ep, variant.grouped,
-                grid.tp_size),
-            "tp_rank": grid.tp_rank, "split_dims": {n: getattr(p, "tp_split_dim", None)
-                                                    for part in parts for n, p in part.module.named_parameters()},
+            "predicted_activations": lesson.predicted_peak_activation_bytes(variant.cfg, data.shape, measured_step,
+                                                                            ep, variant.grouped),
+            "tp_rank": 0, "split_dims": {n: None for n, _ in model.module.named_parameters()},
             "grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
             "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
             "z": [r.extra.get("z", 0.0) for r in results], "logged": set(results[0].extra), "biases": biases,
             "choices": choices, "ep_rank": grid.ep_rank,
-            "params": {n: p.detach().clone() for part in parts for n, p in part.module.named_parameters()}}
+            "params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
 
 
 def several_variants(variants):
@@ -312,16 +301,12 @@ def several_variants(variants):
 BALANCED = (("aux_loss_coef", 1e-2), ("z_loss_coef", 1e-3))
 VARIANTS = [
     Variant(GridShape(dp=4), 4, BALANCED),
-    Variant(GridShape(dp=2, cp=2), 2, (("router", "sigmoid"), ("aux_loss_coef", 1e-2), ("n_shared_experts", 1)),
+    Variant(GridShape(dp=4), 2, (("router", "sigmoid"), ("aux_loss_coef", 1e-2), ("n_shared_experts", 1)),
             bias_update_rate=1e-3, grouped=False),
-    Variant(GridShape(dp=2, cp=2), 4, BALANCED, bias_update_rate=1e-3, masked=True),
+    Variant(GridShape(dp=4), 4, BALANCED, bias_update_rate=1e-3, masked=True),
     Variant(GridShape(dp=4), 2, (("capacity_factor", 1.0), ("aux_loss_coef", 1e-2))),
-    Variant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3),
-    # lesson 03's interleaved schedule: two chunks of one layer per pipeline rank
-    Variant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), bias_update_rate=1e-3, virtual_stages=2),
-    Variant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1))),
-    Variant(GridShape(cp=2, tp=2), 2, (("router", "sigmoid"), ("aux_loss_coef", 1e-2)), bias_update_rate=1e-3,
-            grouped=False, masked=True),
+    # ep = 1: every rank holds every expert (the local dispatch), edp = dp
+    Variant(GridShape(dp=4), 1, (("router", "sigmoid"), ("aux_loss_coef", 1e-2)), bias_update_rate=1e-3),
 ]
 # The classic bugs: expert gradients divided by ep (normalised by the tokens of one ep group), or
 # multiplied by it. Without balancing losses, which the meters check too.
@@ -397,11 +382,10 @@ def assert_equals_reference(result, reference, variant: Variant, where: str):
 
 
 def test_expert_parallel_training_equals_one_device(four_rank_training):
-    """ep = 4 over dp = 4, ep = 2 and 4 over dp x cp = 2 x 2 (cp pairs inside an ep group, and ep
-    spanning both), capacity with drops at ep = 2 of dp = 4, ep = 2 with two pipeline stages (1F1B,
-    and interleaved with two chunks per rank), and
-    ep = 2 with every expert split over tp = 2, of dp = 2 and of cp = 2: softmax and sigmoid
-    routers, aux / z losses, the shared expert (split over tp too), router bias, masked targets.
+    """Over dp = 4: ep = 4 (one expert per rank), ep = 2 (two ep groups, edp = 2), capacity with
+    drops at ep = 2, and ep = 1 (every expert on every rank, summed over edp = dp): softmax and
+    sigmoid routers, aux / z losses, the shared expert, router bias, masked targets, looped and
+    grouped experts.
     On every rank, the activations at step 0's peak equal the MoE formula on that step's routing
     counts, and every collective's bytes over the run equal the prediction, the all-to-all's from
     every step's counts."""

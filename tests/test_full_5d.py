@@ -5,8 +5,9 @@ built by 07's own parallelize() from its own flags. Recomputation repeats the sa
 operations in the same order, so selective, full and none agree to rounding (lesson 06's
 tolerances: 1e-6 on gradients before and after clipping, 1e-5 on losses, 1e-2 lr on parameters
 after AdamW). Dense float32 layouts are also compared with the one-device reference; the experts'
-layout and the bf16 one with their none run (lesson 06's tests prove those equal to lesson 05 and
-to one device). Activations kept for backward, at their peak in a step (a pipeline stage's, a
+layouts and the bf16 ones with their none run (tests/test_full_5d_expert_composition.py proves
+experts with every axis equal to one device, lesson 06's tests the bf16 regime), and 07 with lesson
+05's router and balancing flags on dp 4 with lesson 05 itself. Activations kept for backward, at their peak in a step (a pipeline stage's, a
 layout with experts on its step's routing, bf16), and the recomputed forward's traffic are
 compared with their formulas byte for byte, and so is every row of the report's traffic table.
 Two layouts run lesson 03's interleaved schedule (two chunks per pipeline rank, one ZeRO wrapper
@@ -64,8 +65,9 @@ LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
                                                      (*INTERLEAVED, *AUX))}
 # This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
 PLAIN_RING = "pp2 x cp2 ZeRO-1"
-# And this one as lesson 05 runs it, with the same flags on the same ranks.
-MOE_FLAGS_LAYOUT = "dp2 x cp2 moe ep2 ZeRO-1 sigmoid, shared, bias"
+# Lesson 05's flags once more on dp 4 (lesson 05 is data parallelism alone), run by 07 (--recompute
+# none) and by lesson 05 itself on the same ranks.
+LESSON_05_LAYOUT = (GridShape(dp=4), 2, 1, MOE_CFG, MOE_FLAGS)
 
 
 def lesson():
@@ -139,27 +141,27 @@ def lesson_05_run(grid: ProcessGrid, extra) -> dict:
     """Lesson 05's own run of the same flags on the same ranks (its ExpertDataParallel, its step
     with the router-bias update and the balancing log): what 07 must equal with lesson 05's flags."""
     expert_parallel = lesson().expert_parallel
-    args = expert_parallel.parse_args(["--dp", str(grid.dp_size), "--cp", str(grid.cp_size), "--seq-len", str(SEQ),
+    args = expert_parallel.parse_args(["--dp", str(grid.dp_size), "--ep", str(grid.ep_size), "--seq-len", str(SEQ),
                                        "--micro-batch-size", str(MICRO), "--grad-accum",
                                        str(GLOBAL_SEQUENCES // (MICRO * grid.dp_size)), *extra])
     cfg = expert_parallel.moe_config(MOE_CFG, args)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
                         vocab_size=cfg.vocab_size)
-    (part,) = expert_parallel.build_model(cfg, SEED, grid, CPU, False, data.shape.sequences_per_step)
-    optimizer = build_optimizer(part.module, LR)
+    model = expert_parallel.build_model(cfg, SEED, grid, CPU, expert_parallel.looped_experts,
+                                        data.shape.sequences_per_step)
+    optimizer = build_optimizer(model.module, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
-    log = expert_parallel.BalancingLog([part], (grid.dp_cp_group,))
-    cut = lesson().context_parallel.sequence_cut(grid, zigzag=True)     # lesson 05's main's cut
+    settings = expert_parallel.step_settings(model, grid, CPU, torch.float32, MAX_GRAD_NORM)
+    log = expert_parallel.BalancingLog([model], (grid.dp_group,))
     results, biases = [], []
     for step in range(STEPS):
-        results.append(expert_parallel.train_step(part, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings,
+        results.append(expert_parallel.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings,
                                                   args.bias_update_rate, log))
-        biases.append({name: bias.clone() for name, bias in part.module.named_buffers()
+        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
                        if name.endswith("router_bias")})
     return {"losses": [r.loss for r in results], "aux": [r.extra.get("aux") for r in results], "biases": biases,
-            "params": {name: p.detach().clone() for name, p in part.module.named_parameters()}}
+            "params": {name: p.detach().clone() for name, p in model.module.named_parameters()}}
 
 
 def every_layout() -> dict:
@@ -168,8 +170,9 @@ def every_layout() -> dict:
         grid = ProcessGrid(shape, ep=ep)
         for recompute in MODES:
             runs[name, recompute] = run(grid, stage, recompute, cfg, extra)
-    shape, ep, _, _, extra = LAYOUTS[MOE_FLAGS_LAYOUT]
-    runs[MOE_FLAGS_LAYOUT, "lesson 05"] = lesson_05_run(ProcessGrid(shape, ep=ep), extra)
+    shape, ep, stage, cfg, extra = LESSON_05_LAYOUT
+    runs["lesson 05 flags", "07"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg, extra)
+    runs["lesson 05 flags", "lesson 05"] = lesson_05_run(ProcessGrid(shape, ep=ep), extra)
     shape, ep, stage, cfg, extra = LAYOUTS[PLAIN_RING]
     runs[PLAIN_RING, "plain ring"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg,
                                          (*extra, "--ring-kernel", "plain"))
@@ -197,7 +200,9 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
     selective, on any group, and tp's, cp's and, with experts, ep's under full (on each step's
     routing); every row of the report's traffic table equal to its prediction, experts' tp, cp and
     ep rows too (float32; on each step's routing). --ring-kernel plain reaches lesson 04's ring
-    through 06's flags, and equals one device and the fused kernel's losses."""
+    through 06's flags, and equals one device and the fused kernel's losses. Lesson 05's router and
+    balancing flags on dp 4 (ep 2): 07 equal to lesson 05 itself (losses, aux losses, the router
+    biases of every step bit for bit, parameters)."""
     one_device = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, GLOBAL_SEQUENCES // MICRO, 1),
                               seed=SEED, vocab_size=CFG.vocab_size)
     references = {cfg: train_reference(cfg, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
@@ -238,7 +243,7 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
                 unpredicted = set(run_["traffic"]) - set(table)
                 assert not unpredicted if "--dtype" not in extra else {key[1] for key in unpredicted} <= {
                     "tp", "cp", "ep"}, f"{where} {recompute}: {unpredicted}"
-        ours, theirs, where = runs[MOE_FLAGS_LAYOUT, "none"], runs[MOE_FLAGS_LAYOUT, "lesson 05"], f"rank={rank} 05"
+        ours, theirs, where = runs["lesson 05 flags", "07"], runs["lesson 05 flags", "lesson 05"], f"rank={rank} 05"
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=0, atol=1e-5)
         assert ours["aux"] == pytest.approx(theirs["aux"], rel=1e-5) and all(theirs["aux"]), (ours["aux"], theirs["aux"])
         assert any(bias.abs().sum() > 0 for bias in theirs["biases"][-1].values()), "the biases must move"

@@ -1,5 +1,6 @@
-"""ZeRO with every other axis, through lesson 07's composition: tp, cp and pp, and experts with
-each of them, each against one device or the technique's own lesson on the same ranks.
+"""ZeRO with every other axis, through lesson 07's composition: tp, cp, pp and experts, each against
+one device or the technique's own lesson on the same ranks (experts with ZeRO and a third axis:
+tests/test_full_5d_expert_composition.py).
 
 These proofs lived in lesson 06's tests while lesson 06 composed the other lessons; since 07 is the
 only lesson that composes, they build the model with 07's parallelize() and step it with 07's
@@ -19,7 +20,7 @@ from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid, load_lesson
 from picotron_like.train import StepSettings, build_optimizer
 from test_zero import (ADAM_EPS, BF16, BF16_ROUNDING, CFG, CPU, LR, MAX_GRAD_NORM, MOE_CFG, PARAM_TOLERANCE, SEED,
-                       SEQ, STEPS, TOLERANCE, assert_equal, assert_formulas, batches, bf16_reference, context_split,
+                       SEQ, STEPS, TOLERANCE, assert_equal, assert_formulas, batches, bf16_reference,
                        parameter_change_error, reference, relative_error, zero_run)
 
 __all__ = ["reference"]     # the one-device fixture, shared with lesson 06's tests
@@ -48,31 +49,25 @@ def tensor_parallel_baseline(grid) -> dict:
 
 
 def expert_parallel_baseline(grid) -> dict:
-    """Lesson 05 on the same grid: ExpertDataParallel (dense gradients summed over dp x cp, experts
-    over edp), with its tp split of every expert, cp's cut of the batch and lesson 03's 1F1B as
-    lesson 05's main builds them; its equality to one device is lesson 05's proof."""
-    expert_parallel, context_parallel = load_lesson("05_expert_parallel"), load_lesson("04_context_parallel")
+    """Lesson 05 on the same ranks: ExpertDataParallel (dense gradients summed over dp, experts over
+    edp) with looped experts, as lesson 05's main builds it; its equality to one device is lesson
+    05's proof."""
+    expert_parallel = load_lesson("05_expert_parallel")
     data = batches(grid.dp_size)
-    (part,) = expert_parallel.build_model(MOE_CFG, SEED, grid, CPU, False, data.shape.sequences_per_step)
-    pipeline = context_parallel.build_pipeline([part], grid, "1f1b", data.shape, MOE_CFG, CPU, torch.float32)
-    optimizer = build_optimizer(part.module, LR)
+    model = expert_parallel.build_model(MOE_CFG, SEED, grid, CPU, expert_parallel.looped_experts,
+                                        data.shape.sequences_per_step)
+    optimizer = build_optimizer(model.module, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = {}
     optimizer.register_step_pre_hook(lambda *_: seen.setdefault(
-        "clipped_grads", {n: p.grad.clone() for n, p in part.module.named_parameters()}) and None)
-    settings = expert_parallel.step_settings([part], grid, CPU, torch.float32, MAX_GRAD_NORM)
-    split = context_split(grid) or (lambda batch: batch)
-    results = [expert_parallel.train_step(part if pipeline is None else pipeline, optimizer,
-                                          split(data.step_batch(step, grid.dp_rank)), settings)
+        "clipped_grads", {n: p.grad.clone() for n, p in model.module.named_parameters()}) and None)
+    settings = expert_parallel.step_settings(model, grid, CPU, torch.float32, MAX_GRAD_NORM)
+    results = [expert_parallel.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings)
                for step in range(STEPS)]
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "clipped_grads": seen["clipped_grads"],
-            "params": {n: p.detach().clone() for n, p in part.module.named_parameters()}}
-
-
-EXPERT_COMPOSITIONS = {"ep cp stage 3": (GridShape(dp=2, cp=2), 3), "ep tp stage 2": (GridShape(dp=2, tp=2), 2),
-                       "ep pp stage 1": (GridShape(dp=2, pp=2), 1)}
+            "params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
 
 
 def composed():
@@ -86,10 +81,6 @@ def composed():
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
         runs[f"ep stage {stage}"] = zero_run(ep_grid.shape, stage, grid=ep_grid, cfg=MOE_CFG)
-    for name, (shape, stage) in EXPERT_COMPOSITIONS.items():
-        grid = ProcessGrid(shape, ep=2)
-        runs[f"{name} baseline"] = expert_parallel_baseline(grid)
-        runs[name] = zero_run(shape, stage, grid=grid, cfg=MOE_CFG)
     return runs
 
 
@@ -109,11 +100,9 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
     equal to one device, and in bf16 to the one-device bf16 regime; dp 4 with ep 2 (tiny-moe): dense
     units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
-    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device); and
-    experts with each other axis, each against lesson 05 on the same ranks: dp 2 x cp 2 (ZeRO-3:
-    dense units over the four dp x cp ranks, experts over edp = 2), dp 2 x tp 2 (ZeRO-2: the expert
-    units hold this tp rank's column/row slices, edp = 1), pp 2 x dp 2 (ZeRO-1 under 1F1B).
-    Formulas byte for byte in all of them."""
+    routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
+    Formulas byte for byte in all of them. Experts with ZeRO and each other axis together (cp with
+    ZeRO-3, tp with ZeRO-2, pp with ZeRO-1) are tests/test_full_5d_expert_composition.py's."""
     bf16 = bf16_reference(torch.bfloat16)
     covered = {stage: set() for stage in (0, 1)}     # parameter names over both pipeline stages
     for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
@@ -142,27 +131,24 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
             assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
             assert_formulas(ep_run, f"{where} ep")
             assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
-        for name in EXPERT_COMPOSITIONS:
-            run, where = runs[name], f"rank={rank} {name}"
-            assert any(key[1] == "edp" for key in run["traffic"]), "the experts must be sharded over edp"
-            assert ("isend", "pp") in run["traffic"] or "pp" not in name, "the stages must run lesson 03's schedule"
-            assert_formulas(run, where)
-            assert_equal_to_baseline(run, runs[f"{name} baseline"], where)
     assert all(names == set(reference["params"]) for names in covered.values()), "the stages hold every parameter"
 
 
-@pytest.mark.parametrize("cfg, grid, stage, ep, message", [
-    (MOE_CFG, GridShape(dp=2), 0, 2, "--zero-stage 0: experts without sharding are lesson 05"),
-    (MOE_CFG, GridShape(dp=2, pp=2), 2, 2, "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline"),
-    (MOE_CFG, GridShape(dp=4), 1, 3, "--ep 3 does not divide dp*cp = 4*1 = 4"),
-    (CFG, GridShape(dp=2), 1, 2, "--ep 2 with a dense preset"),
+@pytest.mark.parametrize("cfg, grid, stage, ep, extra, message", [
+    (MOE_CFG, GridShape(dp=2), 0, 2, [], "--zero-stage 0: experts without sharding are lesson 05"),
+    (MOE_CFG, GridShape(dp=2, pp=2), 2, 2, [], "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline"),
+    (MOE_CFG, GridShape(dp=4), 1, 3, [], "--ep 3 does not divide dp*cp = 4*1 = 4"),
+    (CFG, GridShape(dp=2), 1, 2, [], "--ep 2 with a dense preset"),
+    (MOE_CFG, GridShape(dp=2, tp=2), 1, 2, ["--sequence-parallel"], "--sequence-parallel with experts"),
+    (MOE_CFG, GridShape(dp=2, cp=2), 1, 2, ["--capacity-factor", "1.25"], "--capacity-factor with --cp 2"),
 ])
-def test_expert_configurations_refused_in_one_line(cfg, grid, stage, ep, message):
-    """What ZeRO does not compose with experts or pipelines, and lesson 05's own rules, in lesson
-    07's checks before any process group."""
+def test_expert_configurations_refused_in_one_line(cfg, grid, stage, ep, extra, message):
+    """What ZeRO does not compose with experts or pipelines, what 07 does not compose of experts
+    with tp and cp, and lesson 05's own rules, in lesson 07's checks before any process group."""
     full_5d = load_lesson("07_full_5d")
-    args = full_5d.parse_args(["--dp", str(grid.dp), "--pp", str(grid.pp), "--zero-stage", str(stage),
-                               "--ep", str(ep), "--seq-len", str(SEQ)])
+    args = full_5d.parse_args(["--dp", str(grid.dp), "--pp", str(grid.pp), "--tp", str(grid.tp), "--cp", str(grid.cp),
+                               "--zero-stage", str(stage), "--ep", str(ep), "--seq-len", str(SEQ), *extra])
+    cfg = full_5d.expert_parallel.moe_config(cfg, args) if cfg.n_experts else cfg
     shape = full_5d.batch_shape(args, grid.dp)
     with pytest.raises(Exception, match=re.escape(message)):
         full_5d.validate(cfg, grid, shape, args, grid.world_size)

@@ -107,19 +107,18 @@ def context_parallel_layout() -> float:
 
 
 def expert_parallel_layout() -> tuple[float, bool]:
-    """Lesson 05's main: dp 2 x cp 2 with experts over ep 2, aux and z losses on. Validation must
+    """Lesson 05's main: dp 4 with experts over ep 2, grouped, aux and z losses on. Validation must
     leave the routing state alone: the load the router biases balance on, the balancing-loss log,
     and the every-step routing meter that predicts the all-to-all traffic."""
     moe = load_lesson("05_expert_parallel")
-    grid = ProcessGrid(GridShape(dp=2, cp=2), ep=2)
-    shape = val_batches(2).shape
-    parts = moe.build_model(MOE_CFG, SEED, grid, CPU, True, shape.sequences_per_step)
-    loads = [layer.expert_load.clone() for layer in moe_layers(parts[0])]
-    log, routing = moe.BalancingLog(parts, (grid.dp_cp_group,)), moe.RoutingMeter(parts)
+    grid = ProcessGrid(GridShape(dp=4), ep=2)
+    shape = val_batches(4).shape
+    model = moe.build_model(MOE_CFG, SEED, grid, CPU, moe.grouped_experts, shape.sequences_per_step)
+    loads = [layer.expert_load.clone() for layer in moe_layers(model)]
+    log, routing = moe.BalancingLog([model], (grid.dp_group,)), moe.RoutingMeter([model])
     with routing:
-        loss = validate(partial(moe.evaluate, parts[0], settings=SETTINGS), grid,
-                        moe.context_parallel.sequence_cut(grid, zigzag=True))
-    untouched = (all(torch.equal(layer.expert_load, load) for layer, load in zip(moe_layers(parts[0]), loads))
+        loss = validate(partial(moe.evaluate, model, settings=SETTINGS), grid)
+    untouched = (all(torch.equal(layer.expert_load, load) for layer, load in zip(moe_layers(model), loads))
                  and not log.totals.any() and not routing.calls)
     return loss, untouched
 
@@ -175,7 +174,7 @@ def trained_with_validation(metrics_path: str) -> None:
 
 def every_layout(metrics_path: str) -> dict:
     results = {"02 dp2 x tp2 SP": tensor_parallel_layout(), "03 dp2 x pp2 interleaved": pipeline_layout(),
-               "04 pp2 x cp2 ring": context_parallel_layout(), "05 dp2 x cp2 ep2": expert_parallel_layout(),
+               "04 pp2 x cp2 ring": context_parallel_layout(), "05 dp4 ep2": expert_parallel_layout(),
                "06/07 dp4 ZeRO-3 kept gathered": zero3_layout(), "07 pp2 x dp2 interleaved": interleaved_zero_layout()}
     trained_with_validation(metrics_path)
     return results
@@ -190,7 +189,7 @@ def test_every_lessons_validation_equals_one_device(tmp_path):
             assert result[name] == pytest.approx(dense, rel=1e-6, abs=0), (rank, name)
         for name in ("03 dp2 x pp2 interleaved", "07 pp2 x dp2 interleaved"):
             assert result[name] == pytest.approx(one_device_val_loss(CFG4), rel=1e-6, abs=0), (rank, name)
-        loss, untouched = result["05 dp2 x cp2 ep2"]
+        loss, untouched = result["05 dp4 ep2"]
         assert loss == pytest.approx(moe, rel=1e-6, abs=0) and untouched, rank
         loss, released = result["06/07 dp4 ZeRO-3 kept gathered"]
         assert loss == pytest.approx(dense, rel=1e-6, abs=0) and released, rank

@@ -1,0 +1,150 @@
+"""Experts with every other axis, through lesson 07's composition, against one device: ep drawn
+from dp x cp, every expert split over tp, MoE layers in pipeline stages (1F1B and interleaved),
+under ZeRO-1, 2 and 3.
+
+These proofs lived in lesson 05's tests while lesson 05 composed the other lessons; since 07 is the
+only lesson that composes, they build the model with 07's parallelize() and step it with 07's
+composed train_step. The one-device reference is lesson 05's teacher-forced one
+(tests/test_expert_parallel.py: every token routed where the distributed run routed it, and a
+choice the reference would have made differently allowed only at a float32 tie). Each run also
+checks lesson 07's formulas against its meters on every rank: the activations kept at step 0's
+peak (on that step's routing counts), every row of the traffic table over the run (the
+all-to-all's and the experts' tp all-reduces on each step's counts) and ZeRO's model states.
+
+Tolerances are lesson 05's.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+
+import pytest
+
+from picotron_like import comm
+from picotron_like.metrics import ActivationMeter, add_traffic
+from picotron_like.testing import masked_step_batch, run_ranks
+from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
+                                  assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
+from test_zero import gathered, observe_gradients
+
+
+@dataclass(frozen=True)
+class ComposedVariant(Variant):
+    zero_stage: int = 1
+    virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, several chunks per pipeline rank
+
+
+SIGMOID_AUX = (("router", "sigmoid"), ("aux_loss_coef", 1e-2))
+VARIANTS = [
+    # cp pairs inside an ep group (ep = 2 of dp x cp = 4), and ep spanning both (ep = 4)
+    ComposedVariant(GridShape(dp=2, cp=2), 2, (*SIGMOID_AUX, ("n_shared_experts", 1)), bias_update_rate=1e-3,
+                    grouped=False),
+    ComposedVariant(GridShape(dp=2, cp=2), 4, BALANCED, bias_update_rate=1e-3, masked=True, zero_stage=3),
+    # two pipeline stages, 1F1B; then interleaved with two chunks of one layer per pipeline rank
+    ComposedVariant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3),
+    ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), bias_update_rate=1e-3,
+                    virtual_stages=2),
+    # every expert (and the shared one) split over tp = 2, of dp = 2 and of cp = 2
+    ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=2),
+    ComposedVariant(GridShape(cp=2, tp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, grouped=False, masked=True),
+]
+
+
+def composed_run(variant: ComposedVariant) -> dict:
+    """STEPS steps as lesson 07's main runs them: step 0 metered (activations), each step's
+    routing counted, the choices recorded for the teacher-forced reference."""
+    full_5d = load_lesson("07_full_5d")
+    zero = full_5d.zero
+    grid = ProcessGrid(variant.shape, ep=variant.ep)
+    data = batches(grid.dp_size)
+    shape = variant.shape
+    args = full_5d.parse_args([
+        "--dp", str(shape.dp), "--pp", str(shape.pp), "--cp", str(shape.cp), "--tp", str(shape.tp),
+        "--ep", str(variant.ep), "--zero-stage", str(variant.zero_stage), "--seq-len", str(SEQ),
+        "--micro-batch-size", str(MICRO), "--grad-accum", str(data.shape.grad_accum), "--seed", str(SEED),
+        "--lr", str(LR), "--bias-update-rate", str(variant.bias_update_rate),
+        *(["--schedule", "interleaved", "--virtual-stages", str(variant.virtual_stages)]
+          if variant.virtual_stages > 1 else []),
+        *([] if variant.grouped else ["--no-grouped-mm"])])
+    model, pipeline = full_5d.parallelize(variant.cfg, grid, args, CPU)
+    optimizer = zero.build_sharded_optimizer(model, LR)
+    for group in optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    seen = observe_gradients(model, optimizer)
+    settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
+    log = full_5d.balancing_log(model, pipeline, grid)
+    choices, step_of = {}, [0]
+    record_choices([model], grid, data, choices, step_of)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
+    step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
+        else data.step_batch
+    parts = full_5d.model_parts(model, pipeline)
+    activations = ActivationMeter(model.module)
+    routings = [full_5d.expert_parallel.RoutingMeter(parts) for _ in range(STEPS)]
+    comm.meter.reset()
+    results, biases = [], []
+    for step in range(STEPS):
+        step_of[0] = step
+        with ExitStack() as metered:
+            for meter in ([activations] if step == 0 else []) + [routings[step]]:
+                metered.enter_context(meter)
+            results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
+                                              cut(step_batch(step, grid.dp_rank)), settings,
+                                              args.bias_update_rate, log))
+        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
+                       if name.endswith("router_bias")})
+    traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}   # before the gathers below
+    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
+    return {"grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
+            "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
+            "z": [r.extra.get("z", 0.0) for r in results], "biases": biases, "choices": choices,
+            "ep_rank": grid.ep_rank, "tp_rank": grid.tp_rank,
+            "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
+            "kept": activations.peak_bytes,
+            "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, variant.cfg, data.shape, args, grid,
+                                                             routings[0])["none"],
+            "traffic": traffic,
+            "predicted_traffic": add_traffic(*(full_5d.predicted_step_traffic(model, pipeline, variant.cfg, data.shape,
+                                                                              args, grid, model.precision, routing)
+                                               for routing in routings)),
+            "states": asdict(zero.measured_model_states(model, optimizer)),
+            "predicted_states": asdict(zero.predicted_states_of(model, n, edp, model.precision)),
+            "params": gathered(model, lambda unit: unit.master)}
+
+
+def every_variant() -> dict:
+    return {variant: composed_run(variant) for variant in VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def composed_training():
+    return run_ranks(4, every_variant, timeout_s=500)
+
+
+def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_training):
+    """ep = 2 and 4 over dp x cp = 2 x 2 (ZeRO-1 and ZeRO-3), ep = 2 with two pipeline stages
+    (1F1B, and interleaved with two chunks per rank), ep = 2 with every expert split over tp = 2,
+    of dp = 2 (ZeRO-2) and of cp = 2: softmax and sigmoid routers, aux / z losses, the shared
+    expert (split over tp too), router bias, masked targets. On every rank: gradients before and
+    after clipping, losses, norms, balancing losses, router biases and parameters equal the
+    teacher-forced one-device reference's (this rank's slices); the kept activations at step 0's
+    peak, every collective's bytes and ZeRO's model states equal lesson 07's predictions."""
+    for variant in VARIANTS:
+        reference = forced_reference(variant, composed_training)
+        print(f"{variant}: {reference['flips']} routing choices forced at rounding-level ties")
+        for rank, results in enumerate(composed_training):
+            run, where = results[variant], f"rank {rank} {variant}"
+            assert_equals_reference(run, reference, variant, where)
+            assert run["kept"] == run["predicted_kept"], where
+            assert {key: run["traffic"].get(key, 0) for key in run["predicted_traffic"]} == run["predicted_traffic"], \
+                where
+            assert set(run["traffic"]) <= set(run["predicted_traffic"]), where
+            assert run["states"] == run["predicted_states"], where
+            if variant.shape.pp > 1:
+                assert ("isend", "pp") in run["traffic"], "the stages must run lesson 03's schedule"
+        if variant.bias_update_rate:
+            assert any(b.abs().sum() > 0 for b in reference["router_biases"][-1].values())
+
