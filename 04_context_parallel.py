@@ -58,6 +58,12 @@ The price, per layer and micro-batch of b sequences of S tokens, n_kv kv-heads o
                 the rank: shrinks as 1/cp, but attention cannot start before it arrives.
     gradients   every rank holds every weight, so one all-reduce over the dp × cp ranks per step.
 
+This lesson composes context parallelism with data parallelism alone (the gradients' sum is lesson
+01's, over dp × cp). Lesson 07 composes it with the other axes: attention cores over a
+tensor-parallel rank's heads (Ulysses then needs heads per tp rank divisible by cp), inside a
+pipeline stage, around experts and under ZeRO; --tp and --pp here are refused with a line pointing
+there.
+
 The loss is token-weighted over the global batch: each rank sums the losses of its own tokens and
 divides by the number of valid targets in the whole global batch (known from the data), so the
 shares of all ranks add up to the one-device mean, and the gradients are simply summed over
@@ -67,8 +73,7 @@ Run it:
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4                        # CPU, ~30 s
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4 --no-zigzag            # imbalance
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 2 --dp 2 --cp-mode ulysses
-    torchrun --nproc_per_node=8 04_context_parallel.py --dp 2 --cp 2 --tp 2          # with lesson 02
-    torchrun --nproc_per_node=4 04_context_parallel.py --cp 2 --pp 2                 # with lesson 03
+    torchrun --nproc_per_node=3 04_context_parallel.py --cp 3 --seq-len 252          # odd: 6 zigzag chunks
     torchrun --nproc_per_node=8 04_context_parallel.py --cp 8 --preset 1b --seq-len 32768 --micro-batch-size 1
 
 What to look for: the loss falls as on one device (the tests prove equality to float32 precision);
@@ -91,15 +96,12 @@ from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compu
                                    memory_table, predicted_activation_bytes, predicted_memory,
                                    step_bookkeeping_traffic)
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
-from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
-tensor_parallel = load_lesson("02_tensor_parallel")
-pipeline_parallel = load_lesson("03_pipeline_parallel")
 
 # ============================================================================ the technique: splitting the sequence
 
@@ -471,8 +473,8 @@ CP_MODES = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
 def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: str = "ring") -> torch.nn.Module:
-    """Replace the attention core of every Attention in `model` (a GPT, a pipeline stage, a
-    tensor-parallel model: whatever holds Attention modules) with the context-parallel one.
+    """Replace the attention core of every Attention in `model` (whatever holds Attention modules:
+    lesson 07 hands it pipeline stages and tensor-parallel blocks too) with the context-parallel one.
 
     Nothing else changes: every other layer is per token and runs on this rank's S/cp tokens as
     it is. The gradients then need one more thing, done by the caller: a sum over the dp × cp
@@ -501,116 +503,46 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
     return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
 
-def build_parts(cfg, seed: int, grid: ProcessGrid, device, cp: ContextParallel | None, mode: str = "ring",
-                sequence_parallel: bool = False, split_tensors=None, virtual_stages: int = 1) -> list[torch.nn.Module]:
-    """This rank's model parts, unwrapped, in the order the techniques apply:
-
-        reference GPT, or with pp > 1 this rank's pipeline stage (lesson 03; its v chunks with
-        `virtual_stages` v > 1, for the interleaved schedule)
-        -> split by tensor parallelism with tp > 1 (lesson 02)
-        -> context-parallel attention cores (this lesson), unless `cp` is None
-
-    Context parallelism composes by touching only the attention core, which receives this rank's
-    heads (tp) of this rank's tokens (cp) and does not care which layers (pp) it serves. Lessons 05
-    and 06 build on this chain: `split_tensors(part, tp_group)` replaces lesson 02's split (05 splits
-    the experts its own way), and they pass no `cp` at cp = 1 (attention stays the reference's).
-    """
-    if grid.pp_size > 1:
-        parts = pipeline_parallel.build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
-    else:
-        parts = [GPT(cfg, seed=seed)]
-    parts = [part.to(device) for part in parts]
-    if grid.tp_size > 1:
-        split = split_tensors or functools.partial(tensor_parallel.apply_tensor_parallel,
-                                                   sequence_parallel=sequence_parallel)
-        parts = [split(part, grid.tp_group) for part in parts]
-    if cp is not None:
-        parts = [apply_context_parallel(part, cp, mode) for part in parts]
-    return parts
-
-
 def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
-                sequence_parallel: bool = False, bucket_bytes: int = 2**20,
-                virtual_stages: int = 1) -> list[torch.nn.Module]:
-    """This rank's parts (build_parts), their gradients summed over dp × cp (lesson 01)."""
-    return [wrap_gradient_reduction(part, grid, bucket_bytes)
-            for part in build_parts(cfg, seed, grid, device, cp, mode, sequence_parallel,
-                                    virtual_stages=virtual_stages)]
+                bucket_bytes: int = 2**20) -> torch.nn.Module:
+    """The reference GPT with context-parallel attention cores, its gradients summed over dp × cp
+    (lesson 01)."""
+    model = apply_context_parallel(GPT(cfg, seed=seed).to(device), cp, mode)
+    return wrap_gradient_reduction(model, grid, bucket_bytes)
 
 
-def build_pipeline(parts, grid: ProcessGrid, schedule: str, shape, cfg, device, compute_dtype,
-                   sequence_parallel: bool = False):
-    """Lesson 03's Pipeline over the parts (one chunk each, interleaved several), or None without
-    pipeline parallelism. The tensor between stages holds this rank's S/cp tokens (S/cp/tp under
-    sequence parallelism)."""
-    if grid.pp_size == 1:
-        return None
-    tokens = shape.seq_len // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
-    return pipeline_parallel.Pipeline(
-        parts, grid, schedule, shape.grad_accum, len(parts), (shape.micro_batch_size, tokens, cfg.hidden), device,
-        compute_dtype)
+def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+    """Lesson 01's step as it is: context parallelism adds nothing to the step. The batch holds
+    this rank's tokens (context_parallel_batch) and the global target count; the wrapper sums the
+    gradients over dp × cp, and the step sums the loss shares over the same group, which gives the
+    global batch's mean. Every cp rank then holds the same gradients, as dp replicas do: clipping
+    needs no rule of its own (plain StepSettings)."""
+    return data_parallel.train_step(model, optimizer, batch, settings)
 
 
-def step_settings(grid: ProcessGrid, device, compute_dtype, max_grad_norm: float) -> StepSettings:
-    """cp ranks hold identical gradients after the dp × cp sum, as dp replicas do: clipping needs
-    only lesson 03's rule for tensor-parallel shards (the pipeline's step adds the pp group)."""
-    norm_groups, counts_toward_norm = pipeline_parallel.norm_settings(grid)
-    return StepSettings(device, compute_dtype, max_grad_norm, norm_groups, counts_toward_norm)
-
-
-def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
-    """Lesson 01's step, or lesson 03's with a pipeline, as they are: context parallelism adds
-    nothing to the step. The batch holds this rank's tokens (context_parallel_batch) and the
-    global target count; the parts' wrappers sum gradients over dp × cp, and the step sums the
-    loss shares over the same group (and the pipeline's), which gives the global batch's mean.
-    """
-    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        return pipeline_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
-    return data_parallel.train_step(model_or_pipeline, optimizer, batch, settings)
-
-
-def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
-    """Lesson 01's forward-only loss, or lesson 03's with a pipeline: the attention cores run their
-    ring (or all-to-all) forward as in training, and the loss shares are summed over dp x cp."""
-    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
-    return data_parallel.evaluate(model_or_pipeline, batch, settings)
+def evaluate(model, batch: StepBatch, settings: StepSettings) -> float:
+    """Lesson 01's forward-only loss: the attention cores run their ring (or all-to-all) forward as
+    in training, and the loss shares are summed over dp × cp."""
+    return data_parallel.evaluate(model, batch, settings)
 
 
 # ============================================================================ configuration rules
 
 
-def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str,
-                              sequence_parallel: bool = False, schedule: str = "1f1b", n_micro: int = 1,
-                              virtual_stages: int = 1) -> None:
+def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str) -> None:
     """Every rule, before any process group exists: the grid's (including seq_len divisible by
-    2·cp for the zigzag split), Ulysses' heads, and lessons 02 and 03's when tp or pp > 1."""
+    2·cp for the zigzag split) and Ulysses' heads."""
     validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
-    problems = []
-    if mode == "ulysses":
-        for field in ("n_heads", "n_kv_heads"):
-            heads = getattr(cfg, field) // grid.tp
-            if heads % grid.cp:
-                problems.append(f"{field}={getattr(cfg, field)} gives {heads} heads per tp rank, not divisible "
-                                f"by --cp {grid.cp}: Ulysses gives each cp rank whole heads; use --cp-mode ring "
-                                f"or a cp that divides {heads}")
-    if sequence_parallel and (seq_len // grid.cp) % grid.tp:
-        problems.append(f"--seq-len {seq_len} leaves {seq_len // grid.cp} tokens per cp rank, not divisible by "
-                        f"--tp {grid.tp}: sequence parallelism splits each cp rank's tokens over tp; use a "
-                        f"multiple of {math.lcm(SequenceSplit(grid.cp, zigzag).n_chunks, grid.cp * grid.tp)}")
+    problems = [f"{field}={getattr(cfg, field)} is not divisible by --cp {grid.cp}: Ulysses gives each cp rank "
+                f"whole heads; use --cp-mode ring or a cp that divides {getattr(cfg, field)}"
+                for field in ("n_heads", "n_kv_heads") if mode == "ulysses" and getattr(cfg, field) % grid.cp]
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
-    if grid.tp > 1:
-        tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
-    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
-    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    """plan_run's hook: this lesson's rules, on the batch shape that will really run (the
-    pipeline's micro-batch count derived from --global-batch-tokens included)."""
-    validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
-                              args.sequence_parallel, args.schedule, shape.grad_accum, args.virtual_stages)
+    """plan_run's hook: this lesson's rules."""
+    validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
 
 
 # ============================================================================ measuring the three challenges
@@ -650,51 +582,37 @@ class AttentionWork:
 
 
 def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, n_micro: int,
-                         element_bytes: int = 4, tp: int = 1, n_layers: int | None = None) -> dict:
-    """Payload bytes per optimizer step on the cp group, by (collective, group), for the n_layers
-    layers this rank holds (all of them without pipeline parallelism) and its heads (n/tp)."""
+                         element_bytes: int = 4) -> dict:
+    """Payload bytes per optimizer step on the cp group, by (collective, group), for the model's
+    n_layers layers and its heads (lesson 07 passes the layers and heads one rank holds)."""
     tokens, d = micro_batch * seq_len // cp, cfg.head_dim
-    n_heads, n_kv = cfg.n_heads // tp, cfg.n_kv_heads // tp
-    per_step = (cfg.n_layers if n_layers is None else n_layers) * n_micro
+    per_step = cfg.n_layers * n_micro
     if mode == "ring":
         if cp == 1:
             return {}       # a ring of one: its own block, nothing passed
-        kv_block = 2 * tokens * n_kv * d
+        kv_block = 2 * tokens * cfg.n_kv_heads * d
         # forward: cp-1 K/V blocks; backward: cp-1 K/V blocks again and cp float32 dK/dV blocks
         p2p = per_step * (2 * (cp - 1) * kv_block * element_bytes + cp * kv_block * 4)
         return {("isend", "cp"): p2p, ("irecv", "cp"): p2p}
     # forward: q, k, v out and the output back; backward: the same two in reverse (at cp = 1 the
     # all-to-alls still run, over a group of one, and send nothing off the rank)
-    return {("all_to_all_single", "cp"): per_step * 2 * tokens * (2 * n_heads + 2 * n_kv) * d * element_bytes}
+    return {("all_to_all_single", "cp"):
+            per_step * 2 * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * d * element_bytes}
 
 
-def predicted_step_traffic(parts, pipeline, cfg, shape, grid: ProcessGrid, mode: str, sequence_parallel: bool,
-                           compute_dtype) -> dict:
+def predicted_step_traffic(model, cfg, shape, grid: ProcessGrid, mode: str, compute_dtype) -> dict:
     """Every collective of one step by (kind, group): the cp traffic, the gradients' sum over
-    dp × cp, the tp and pp traffic from lessons 02 and 03, and the loss and norm scalars."""
-    modules = [part.module for part in parts]
-    n_params = sum(p.numel() for module in modules for p in module.parameters())
-    n_layers = sum(len(module.layers) for module in modules)
-    micro, tokens, n_micro, tp = shape.micro_batch_size, shape.seq_len // grid.cp_size, shape.grad_accum, grid.tp_size
+    dp × cp, and the loss scalar."""
+    n_params = sum(p.numel() for p in model.module.parameters())
     gradients = data_parallel.predicted_dp_traffic(n_params, 4)[("all_reduce", "dp")]
-    predicted = [predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, mode, n_micro,
-                                      torch.finfo(compute_dtype).bits // 8, tp, n_layers),
-                 {("all_reduce", "dp_cp"): gradients}]
-    if tp > 1:
-        predicted.append(tensor_parallel.predicted_tp_traffic(
-            cfg, micro, tokens, n_micro, tp, sequence_parallel, compute_dtype, n_layers,
-            with_embedding=any(module.tok_embeddings is not None for module in modules),
-            with_head=any(module.lm_head is not None for module in modules)))
-    pipelined = ("pp",) if pipeline is not None else ()
-    if pipelined:
-        predicted.append(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro))
-    predicted.append(step_bookkeeping_traffic(loss_groups=(*pipelined, "dp_cp"),
-                                              norm_groups=(*pipelined, *(("tp",) if tp > 1 else ()))))
-    return add_traffic(*predicted)
+    return add_traffic(predicted_cp_traffic(cfg, shape.micro_batch_size, shape.seq_len, grid.cp_size, mode,
+                                            shape.grad_accum, torch.finfo(compute_dtype).bits // 8),
+                       {("all_reduce", "dp_cp"): gradients},
+                       step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=()))
 
 
 def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigzag: bool, cp_rank: int,
-                             n_micro: int, mode: str = "ring", tp: int = 1, n_layers: int | None = None) -> int:
+                             n_micro: int, mode: str = "ring") -> int:
     """Query-key scores one rank's attention forward computes per optimizer step.
 
     A diagonal (causal) block is computed whole and then masked, so it counts in full.
@@ -702,8 +620,7 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     Zigzag ring, chunk c = S/2cp: 3 chunk pairs on its own block, 2 on each of the cp−1 others,
     (2·cp+1)·c² on every rank. Ulysses: heads/cp heads over the whole sequence, S².
     """
-    layers = cfg.n_layers if n_layers is None else n_layers
-    per_head = micro_batch * n_micro * layers * (cfg.n_heads // tp)
+    per_head = micro_batch * n_micro * cfg.n_layers * cfg.n_heads
     if mode == "ulysses":
         return per_head * seq_len ** 2 // cp
     if zigzag and cp > 1:
@@ -711,40 +628,27 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     return per_head * (cp_rank + 1) * (seq_len // cp) ** 2
 
 
-def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, element_bytes: int = 4,
-                                  tp: int = 1, sequence_parallel: bool = False, stage=None) -> int:
-    """Activations of one micro-batch on one rank: the reference formula for S/cp tokens, of the
-    whole model (metrics.predicted_activation_bytes, or lesson 02's when tp > 1) or of one pipeline
-    stage's layers, embedding and head (lesson 03's), with one difference per mode in what
-    attention keeps, per token and layer:
-      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d (per tp rank: /tp);
+def attention_kept_difference(cfg, micro_batch: int, tokens: int, mode: str, element_bytes: int = 4) -> int:
+    """What a context-parallel attention keeps for backward beyond the reference attention's, per
+    micro-batch of `tokens` tokens on one rank, over the model's layers (negative: less). Per token
+    and layer:
+      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d;
       Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
-               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more (/tp)."""
-    tokens = seq_len // cp
-    if stage is not None:
-        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens, tp,
-                                                                   sequence_parallel)
-    elif tp == 1:
-        local = predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
-    else:
-        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel)
-    n_layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more.
+    Lesson 07 adds it to the other lessons' formulas, with the layers and heads one rank holds."""
     kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
     per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
-    return local + element_bytes * n_layers * micro_batch * tokens * per_token // tp
+    return element_bytes * cfg.n_layers * micro_batch * tokens * per_token
 
 
-def predicted_peak_activation_bytes(pipeline, cfg, shape, cp: int, mode: str, tp: int = 1,
-                                    sequence_parallel: bool = False) -> int:
-    """This rank's activations at their peak in a step. Without a pipeline the micro-batches run
-    one after another: one micro-batch of the whole model. With one, lesson 03's program decides
-    which micro-batches of which chunk it keeps alive at once (peak_live_micro_batches), each
-    one micro-batch of that chunk, over S/cp tokens."""
-    one_micro_batch = functools.partial(predicted_cp_activation_bytes, cfg, shape.micro_batch_size, shape.seq_len,
-                                        cp, mode, tp=tp, sequence_parallel=sequence_parallel)
-    if pipeline is None:
-        return one_micro_batch()
-    return peak_live_micro_batches(pipeline.program, [one_micro_batch(stage=chunk.module) for chunk in pipeline.chunks])
+def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str,
+                                  element_bytes: int = 4) -> int:
+    """Activations of one micro-batch on one rank: the reference formula for S/cp tokens
+    (metrics.predicted_activation_bytes) and what this mode's attention keeps differently. The
+    micro-batches of a step run one after another, so this is also the step's peak."""
+    tokens = seq_len // cp
+    return (predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
+            + attention_kept_difference(cfg, micro_batch, tokens, mode, element_bytes))
 
 
 def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
@@ -756,46 +660,39 @@ def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
     return [int(w) for w in everyone.tolist()]
 
 
-def log_memory(modules, pipeline, optimizer, cfg, shape, cp_size: int, mode: str, tp: int, sequence_parallel: bool,
-               activations: ActivationMeter) -> None:
+def log_memory(model, optimizer, cfg, shape, cp_size: int, mode: str, activations: ActivationMeter) -> None:
     seq, micro, tokens = shape.seq_len, shape.micro_batch_size, shape.seq_len // cp_size
     log0(f"\n== memory (one rank; a micro-batch here is {micro} x {tokens} tokens) ==")
-    if pipeline is not None:
-        log0(f"stage 0's rank: activations at the schedule's peak, {peak_live_micro_batches(pipeline.program)} "
-             f"micro-batches of this stage kept (lesson 03 explains the peak)")
-    predicted = predicted_peak_activation_bytes(pipeline, cfg, shape, cp_size, mode, tp, sequence_parallel)
-    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
-                      predicted_memory(sum(p.numel() for p in modules.parameters()), predicted)))
+    predicted = predicted_cp_activation_bytes(cfg, micro, seq, cp_size, mode)
+    log0(memory_table(measured_memory(model.module, optimizer, activations.peak_bytes),
+                      predicted_memory(sum(p.numel() for p in model.module.parameters()), predicted)))
     log0(f"the same micro-batch on one device (seq {seq}): {predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} "
          f"MB predicted; per cp rank, that of seq/cp = {tokens} tokens")
 
 
-def log_communication(parts, pipeline, cfg, shape, grid: ProcessGrid, mode: str, sequence_parallel: bool,
-                      compute_dtype, steps: int) -> None:
-    cp, tp, n_micro = grid.cp_size, grid.tp_size, shape.grad_accum
+def log_communication(model, cfg, shape, grid: ProcessGrid, mode: str, compute_dtype, steps: int) -> None:
+    cp, n_micro = grid.cp_size, shape.grad_accum
     log0(f"\n== communication per step (cp={cp} {mode}; gradients over dp x cp = {grid.dp_size} x {cp}) ==")
-    log0(comm.meter.table(predicted_step_traffic(parts, pipeline, cfg, shape, grid, mode, sequence_parallel,
-                                                 compute_dtype), per=steps))
-    kv_bytes, n_layers = torch.finfo(compute_dtype).bits // 8, sum(len(part.module.layers) for part in parts)
-    kv_block = 2 * shape.micro_batch_size * (shape.seq_len // cp) * (cfg.n_kv_heads // tp) * cfg.head_dim
+    log0(comm.meter.table(predicted_step_traffic(model, cfg, shape, grid, mode, compute_dtype), per=steps))
+    kv_bytes = torch.finfo(compute_dtype).bits // 8
+    kv_block = 2 * shape.micro_batch_size * (shape.seq_len // cp) * cfg.n_kv_heads * cfg.head_dim
     if mode == "ring":
         log0(f"ring, per layer and micro-batch: cp-1 = {cp - 1} K/V blocks of {kv_block * kv_bytes / 1e3:.1f} kB "
              f"forward, {cp - 1} again backward, and cp = {cp} float32 dK/dV blocks of "
-             f"{kv_block * 4 / 1e3:.1f} kB; x {n_layers} layers x {n_micro} micro-batches")
+             f"{kv_block * 4 / 1e3:.1f} kB; x {cfg.n_layers} layers x {n_micro} micro-batches")
     other = "ulysses" if mode == "ring" else "ring"
     other_bytes = sum(v for (kind, _), v in predicted_cp_traffic(cfg, shape.micro_batch_size, shape.seq_len, cp, other,
-                                                                 n_micro, kv_bytes, tp, n_layers).items()
+                                                                 n_micro, kv_bytes).items()
                       if kind != "irecv")
     log0(f"the {other} mode would move {other_bytes / 1e6:.4f} MB payload per step here (formula; Ulysses "
-         f"needs heads and kv-heads per tp rank divisible by cp)")
+         f"needs heads and kv-heads divisible by cp)")
 
 
-def log_attention_work(attention_work: AttentionWork, cp: ContextParallel, cfg, shape, mode: str, zigzag: bool,
-                       tp: int, n_layers: int) -> None:
+def log_attention_work(attention_work: AttentionWork, cp: ContextParallel, cfg, shape, mode: str, zigzag: bool) -> None:
     """Measured on one step (the meter is entered for one), next to the formula."""
     work = gather_attention_work(attention_work.scores, cp)
     predicted = [predicted_attention_work(cfg, shape.micro_batch_size, shape.seq_len, cp.size, zigzag, r,
-                                          shape.grad_accum, mode, tp, n_layers) for r in range(cp.size)]
+                                          shape.grad_accum, mode) for r in range(cp.size)]
     log0(f"\n== attention work per cp rank (query-key scores computed per step, {mode}, "
          f"{'zigzag' if zigzag else 'contiguous'}) ==")
     log0("cp rank   " + "".join(f"{r:>12}" for r in range(cp.size)))
@@ -804,15 +701,11 @@ def log_attention_work(attention_work: AttentionWork, cp: ContextParallel, cfg, 
     log0(f"max/min = {max(work) / max(min(work), 1):.2f} (every step waits for the busiest rank)")
 
 
-def report(parts, pipeline, optimizer, plan, args, grid: ProcessGrid, cp: ContextParallel,
-           activations: ActivationMeter, attention_work: AttentionWork, throughput, device, compute_dtype) -> None:
-    modules = torch.nn.ModuleList(part.module for part in parts)
-    log_memory(modules, pipeline, optimizer, plan.cfg, plan.shape, cp.size, args.cp_mode, grid.tp_size,
-               args.sequence_parallel, activations)
-    log_communication(parts, pipeline, plan.cfg, plan.shape, grid, args.cp_mode, args.sequence_parallel,
-                      compute_dtype, args.steps)
-    log_attention_work(attention_work, cp, plan.cfg, plan.shape, args.cp_mode, args.zigzag, grid.tp_size,
-                       sum(len(module.layers) for module in modules))
+def report(model, optimizer, plan, args, grid: ProcessGrid, cp: ContextParallel, activations: ActivationMeter,
+           attention_work: AttentionWork, throughput, device, compute_dtype) -> None:
+    log_memory(model, optimizer, plan.cfg, plan.shape, cp.size, args.cp_mode, activations)
+    log_communication(model, plan.cfg, plan.shape, grid, args.cp_mode, compute_dtype, args.steps)
+    log_attention_work(attention_work, cp, plan.cfg, plan.shape, args.cp_mode, args.zigzag)
     log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
 
 
@@ -822,11 +715,10 @@ def report(parts, pipeline, optimizer, plan, args, grid: ProcessGrid, cp: Contex
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 04: context parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="cp")
+    add_parallel_flags(parser, axes=("dp", "cp"), fill_axis="cp")
     add_context_parallel_flags(parser)
-    pipeline_parallel.add_schedule_flags(parser)
     add_training_flags(parser, seq_len=256, micro_batch_size=4, grad_accum=2, steps=20)
-    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+    return parser.parse_args(argv)
 
 
 def add_context_parallel_flags(parser) -> None:
@@ -848,28 +740,23 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     cp = ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
     compute_dtype = autocast_dtype(args.dtype, device)
-    parts = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, args.sequence_parallel,
-                        int(args.bucket_mb * 2**20), args.virtual_stages)
-    pipeline = build_pipeline(parts, grid, args.schedule, plan.shape, plan.cfg, device, compute_dtype,
-                              args.sequence_parallel)
-    optimizer = build_optimizer(torch.nn.ModuleList(part.module for part in parts), args.lr)
-    settings = step_settings(grid, device, compute_dtype, args.max_grad_norm)
+    model = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, int(args.bucket_mb * 2**20))
+    optimizer = build_optimizer(model.module, args.lr)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
     shape = plan.shape
     log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'} "
          f"split), {count_parameters(plan.cfg)['total']:,} parameters, seq {shape.seq_len} = "
          f"{shape.seq_len // cp.size} tokens per rank, {shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    activations, attention_work = ActivationMeter(*parts), AttentionWork()
-    model_or_pipeline = parts[0] if pipeline is None else pipeline
-    step = functools.partial(train_step, model_or_pipeline, optimizer, settings=settings)
+    activations, attention_work = ActivationMeter(model), AttentionWork()
+    step = functools.partial(train_step, model, optimizer, settings=settings)
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=sequence_cut(grid, args.zigzag),
                        meters=(activations, attention_work),
-                       evaluate=functools.partial(evaluate, model_or_pipeline, settings=settings),
+                       evaluate=functools.partial(evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
-    report(parts, pipeline, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device,
-           compute_dtype)
+    report(model, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device, compute_dtype)
     shutdown()
 
 

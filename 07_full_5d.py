@@ -157,7 +157,7 @@ from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traff
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch
 from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
-                                    shutdown, validate_parallel_config)
+                                    shutdown)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, batch_shape,
                                  exit_with_error, plan_run, traffic_not_counted, train)
 
@@ -239,6 +239,14 @@ def split_moe_mlp(block, group, norm, column, row) -> None:
         tp.parallelize_mlp(block.mlp.shared_expert, group, column, row)
         block.mlp.shared_expert.register_forward_pre_hook(
             lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
+
+
+def attention_of_one_rank(cfg, tp: int, n_layers: int):
+    """Attention as one rank of a tp x pp layout holds it, for lesson 04's formulas: its n_layers
+    layers, n_heads / tp heads and n_kv_heads / tp kv-heads of the same head_dim (hidden / tp
+    keeps it). Lesson 04 counts the attention of the model it is given."""
+    return replace(cfg, hidden=cfg.hidden // tp, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
+                   n_layers=n_layers)
 
 
 def experts_per_tp_rank(cfg, tp: int):
@@ -603,31 +611,31 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
     """What the composition refuses (composition_problems), then each lesson's own rules: 06's,
-    04's (which include 02's, 03's and the grid's) or with experts the grid's, 05's (ep drawn from
-    dp x cp) and 03's (lesson 02's refuse experts: their tp split is this lesson's seam); the
+    04's (which include the grid's), 05's with experts (ep drawn from dp x cp) or else 02's with
+    tp > 1 (lesson 02's refuse experts: their tp split is this lesson's seam), and 03's; the
     checkpoint flags and the checkpoint --resume names. All before any process group
     (recomputation and compiling add none)."""
     problems = composition_problems(cfg, grid, args)
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     zero.validate_zero(args.dtype, args.reduce_dtype)
+    # lesson 04's rules include the grid's
+    context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
     if cfg.n_experts:
-        validate_parallel_config(grid, world_size, cfg, shape.seq_len, args.zigzag)
         expert_parallel.validate_expert_parallel(cfg, expert_degree(args.ep, cfg, grid), grid.dp * grid.cp,
                                                  args.bias_update_rate, f"dp*cp = {grid.dp}*{grid.cp}")
-        # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
-        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages,
-                                                   shape.grad_accum)
-    else:
-        context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode,
-                                                   args.sequence_parallel, args.schedule, shape.grad_accum,
-                                                   args.virtual_stages)
+    elif grid.tp > 1:
+        tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
+    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
+    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages,
+                                               shape.grad_accum)
     checkpoints.check_flags(args)
     checkpoint_to_resume(args, cfg, shape)
 
 
 def composition_problems(cfg, grid, args) -> list[str]:
-    """The pairs of techniques this trainer does not combine, each with its reason."""
+    """The pairs of techniques this trainer does not combine, and the rules two gain together (Ulysses
+    over a tp rank's heads, sequence parallelism over a cp rank's tokens), each with its reason."""
     problems = []
     if grid.pp > 1 and args.zero_stage >= 2:
         problems.append(f"--pp {grid.pp} with --zero-stage {args.zero_stage}: ZeRO-2/3 under a pipeline "
@@ -642,6 +650,18 @@ def composition_problems(cfg, grid, args) -> list[str]:
     if not cfg.n_experts and args.bias_update_rate:
         problems.append(f"--bias-update-rate {args.bias_update_rate} with a dense preset: there are no routers to "
                         f"balance; drop it or use --preset tiny-moe")
+    if args.cp_mode == "ulysses" and grid.tp > 1:
+        for field in ("n_heads", "n_kv_heads"):
+            heads = getattr(cfg, field) // grid.tp
+            if heads % grid.cp:
+                problems.append(f"{field}={getattr(cfg, field)} gives {heads} heads per tp rank, not divisible "
+                                f"by --cp {grid.cp}: Ulysses gives each cp rank whole heads of its tp rank; use "
+                                f"--cp-mode ring or a cp that divides {heads}")
+    if args.sequence_parallel and (args.seq_len // grid.cp) % grid.tp:
+        chunks = context_parallel.SequenceSplit(grid.cp, args.zigzag).n_chunks
+        problems.append(f"--seq-len {args.seq_len} leaves {args.seq_len // grid.cp} tokens per cp rank, not "
+                        f"divisible by --tp {grid.tp}: sequence parallelism splits each cp rank's tokens over tp; "
+                        f"use a multiple of {math.lcm(chunks, grid.cp * grid.tp)}")
     if cfg.n_experts and args.cp_mode != "ring":
         problems.append(f"--cp-mode {args.cp_mode} with experts: this trainer composes experts with ring "
                         f"attention; use --cp-mode ring")
@@ -669,8 +689,8 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     """One micro-batch of this rank's model, or of its pipeline stage `stage`, with dense MLPs (a
     model with experts: lesson 05 then swaps each MoE layer's SwiGLU for its routed bytes).
 
-    --recompute none is the earlier lessons' float32 formula (dense_activation_bytes picks 04's,
-    03's, 02's or the reference's). Its difference between two layers and one is one
+    --recompute none is the earlier lessons' float32 formula (dense_activation_bytes: 03's for a
+    stage, 02's, or the reference's, with 04's attention difference under cp). Its difference between two layers and one is one
     block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
     elements, with T_n the tokens a norm sees (/tp under sequence parallelism):
       none       the earlier formula's block
@@ -704,18 +724,23 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
 
 def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
                            sequence_parallel: bool = False) -> int:
-    """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32: lesson
-    04's formula when context-parallel attention runs (it takes tp, sequence parallelism and the
-    stage into account), else lesson 03's for a stage, 02's with tp > 1, the reference's."""
-    if cp > 1:
-        return context_parallel.predicted_cp_activation_bytes(cfg, micro_batch, seq_len, cp, cp_mode, tp=tp,
-                                                              sequence_parallel=sequence_parallel, stage=stage)
+    """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32, over
+    its seq_len / cp tokens: lesson 03's formula for a stage, 02's with tp > 1, the reference's;
+    with context-parallel attention, plus what lesson 04's attention keeps differently, for the
+    layers and heads this rank holds."""
+    tokens = seq_len // cp
     if stage is not None:
-        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, seq_len, tp,
-                                                                  sequence_parallel)
-    if tp > 1:
-        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, seq_len, tp, sequence_parallel)
-    return predicted_activation_bytes(cfg, micro_batch, seq_len)
+        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens, tp,
+                                                                   sequence_parallel)
+    elif tp > 1:
+        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel)
+    else:
+        local = predicted_activation_bytes(cfg, micro_batch, tokens)
+    if cp == 1:
+        return local
+    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+    return local + context_parallel.attention_kept_difference(attention_of_one_rank(cfg, tp, layers), micro_batch,
+                                                              tokens, cp_mode)
 
 
 def schedule_peak(sizes: dict, pipeline) -> int:
@@ -867,8 +892,8 @@ def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
         return None
     module, tp = model.module, grid.tp_size
     n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
-    predicted = [context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, grid.cp_size, cp_mode,
-                                                       n_micro, 4, tp, n_layers)]
+    predicted = [context_parallel.predicted_cp_traffic(attention_of_one_rank(cfg, tp, n_layers), micro, shape.seq_len,
+                                                       grid.cp_size, cp_mode, n_micro, 4)]
     if tp > 1:
         predicted.append(tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,

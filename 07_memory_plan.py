@@ -224,7 +224,8 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
             n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None)
         exposed += wire_bytes(on_axis(traffic, "tp"), tp) / bandwidth(grid.group_ranks(("tp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
-        traffic = context_parallel.predicted_cp_traffic(cfg, micro, shape.seq_len, cp, "ulysses", m, e, tp, n_layers)
+        traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,
+                                                        shape.seq_len, cp, "ulysses", m, e)
         exposed += wire_bytes(on_axis(traffic, "cp"), cp) / bandwidth(grid.group_ranks(("cp",)))
     if cfg.n_experts and ep > 1:    # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
         routed = cfg.experts_per_token * micro * shape.seq_len // cp

@@ -34,7 +34,7 @@ from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic
 from picotron_like.model import GPT, get_config
-from picotron_like.testing import run_ranks, train_reference
+from picotron_like.testing import masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
 from picotron_like.train import build_optimizer
 from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gradients
@@ -74,19 +74,21 @@ def lesson():
     return load_lesson("07_full_5d")
 
 
-def flags(grid: GridShape, stage: int, recompute: str, extra=()) -> list[str]:
+def flags(grid: GridShape, stage: int, recompute: str, extra=(), seq_len: int = SEQ) -> list[str]:
     accum = GLOBAL_SEQUENCES // (MICRO * grid.dp)
     return ["--dp", str(grid.dp), "--tp", str(grid.tp), "--pp", str(grid.pp), "--cp", str(grid.cp),
-            "--zero-stage", str(stage), "--recompute", recompute, "--seq-len", str(SEQ), "--micro-batch-size",
+            "--zero-stage", str(stage), "--recompute", recompute, "--seq-len", str(seq_len), "--micro-batch-size",
             str(MICRO), "--grad-accum", str(accum), "--seed", str(SEED), "--lr", str(LR), *extra]
 
 
-def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
+def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: int = SEQ,
+        mask_targets=None) -> dict:
     """Three steps as 07's main runs them, step 0 metered (activations; with experts, every step's
-    routing), with lesson 05's router and balancing flags applied to `cfg` (moe_config)."""
+    routing), with lesson 05's router and balancing flags applied to `cfg` (moe_config); on
+    sequences of seq_len tokens, the targets masked by `mask_targets` if given (masked_step_batch)."""
     full_5d = lesson()
     zero = full_5d.zero
-    args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra))
+    args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra, seq_len))
     cfg = full_5d.expert_parallel.moe_config(cfg, args)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
     optimizer = zero.build_sharded_optimizer(model, LR)
@@ -94,8 +96,9 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
-    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, grid.dp_size), seed=SEED,
-                        vocab_size=cfg.vocab_size)
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq_len, args.grad_accum, grid.dp_size),
+                        seed=SEED, vocab_size=cfg.vocab_size)
+    step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if mask_targets else data.step_batch
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
@@ -111,7 +114,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
             for meter in ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1]:
                 metered.enter_context(meter)
             results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
-                                           cut(data.step_batch(step, grid.dp_rank)), settings,
+                                           cut(step_batch(step, grid.dp_rank)), settings,
                                            args.bias_update_rate, log))
         biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
                        if name.endswith("router_bias")})
@@ -123,7 +126,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
                                                                  routings[step] if routings else None)
                           for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
-            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,
+            "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "aux": [r.extra.get("aux") for r in results], "biases": biases, "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
             "predicted_gathered": zero.predicted_gathered_peak(zero.unit_counts(model)[0], grid.dp_size * grid.cp_size,
                                                                e, model.reshard_after_forward, model.prefetch)
