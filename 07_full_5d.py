@@ -140,9 +140,10 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, replace
-from functools import partial
+from functools import lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -437,26 +438,42 @@ def recomputed_forward(forward, x, rope):
     return checkpoint(lambda x, cos, sin: forward(x, (cos, sin)), x, cos, sin, use_reentrant=False)
 
 
-def recompute_normalisation(norm: RMSNorm) -> None:
-    """The norm's arithmetic under checkpoint: it keeps its input, and backward computes 1/rms and
+class RecomputedNormalisation:
+    """A norm's arithmetic under checkpoint: it keeps its input, and backward computes 1/rms and
     the normalised copy again. The entry into lesson 02's tensor-parallel region that a tp norm
     adds after it (enter_region) stays outside: under sequence parallelism that entry is an
     all-gather, which the second forward would otherwise send again."""
-    normalise = partial(checkpoint, partial(RMSNorm.forward, norm), use_reentrant=False)
-    enter = getattr(norm, "enter_region", None)
-    norm.forward = normalise if enter is None else lambda x: enter(normalise(x))
+
+    def forward(self, x):
+        normalised = checkpoint(RMSNorm.forward, self, x, use_reentrant=False)
+        enter = getattr(self, "enter_region", None)
+        return normalised if enter is None else enter(normalised)
 
 
 def silu_product(gate, up):
     return F.silu(gate) * up
 
 
-def recompute_swiglu_product(mlp: SwiGLU) -> None:
+class RecomputedSwiGLUProduct:
     """SwiGLU's elementwise middle under checkpoint: gate and up (the matmuls' outputs) stay kept,
     silu(gate) is computed again in backward. Its product stays too: down_proj keeps it as its
     input, and only recomputing down_proj itself, a matmul, could drop it."""
-    product = partial(checkpoint, silu_product, use_reentrant=False)
-    mlp.forward = lambda x: mlp.down_proj(product(mlp.gate_proj(x), mlp.up_proj(x)))
+
+    def forward(self, x):
+        return self.down_proj(checkpoint(silu_product, self.gate_proj(x), self.up_proj(x), use_reentrant=False))
+
+
+@lru_cache(maxsize=None)
+def recomputed_class(recomputation: type, module_class: type) -> type:
+    """`module_class` with `recomputation`'s forward: one class per kind of module (a plain norm,
+    lesson 02's tp norms), shared by every block. A class, not a forward set on each instance:
+    torch.compile guards on the forward it calls, and one per instance would make every block a
+    new compilation (after 8, Dynamo gives up and runs the rest eagerly)."""
+    return type(recomputation.__name__ + module_class.__name__, (recomputation, module_class), {})
+
+
+def recompute_inside(module: torch.nn.Module, recomputation: type) -> None:
+    module.__class__ = recomputed_class(recomputation, type(module))
 
 
 def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
@@ -470,18 +487,18 @@ def apply_recompute(model: torch.nn.Module, mode: str) -> torch.nn.Module:
         if mode == "full":
             block.forward = partial(recomputed_forward, block.forward)
         elif mode == "selective":
-            recompute_normalisation(block.attn_norm)
-            recompute_normalisation(block.mlp_norm)
+            recompute_inside(block.attn_norm, RecomputedNormalisation)
+            recompute_inside(block.mlp_norm, RecomputedNormalisation)
             for mlp in (block.mlp, getattr(block.mlp, "shared_expert", None)):
                 if isinstance(mlp, SwiGLU):
-                    recompute_swiglu_product(mlp)
+                    recompute_inside(mlp, RecomputedSwiGLUProduct)
     return model
 
 
 # ============================================================================ the technique: compiling each block
 
 
-def compile_blocks(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
+def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callable = "inductor") -> torch.nn.Module:
     """--compile: torch.compile each block's own forward (TorchInductor fuses its elementwise
     operations, the norms, rotary, SwiGLU, residual adds, into a few kernels). Applied before
     recomputation, so that what is compiled is the block's math alone: full recomputation's
@@ -489,10 +506,12 @@ def compile_blocks(model: torch.nn.Module, enabled: bool) -> torch.nn.Module:
     an uncompiled block. Selective recomputation's checkpoints lie inside the block: the compiler
     traces them into the block's graph and recomputes what they mark. A collective inside a block
     (tp's all-reduces, cp's ring, ep's all-to-alls) splits the compiled code, and runs eagerly in
-    between. Every block runs the same code on same-shaped tensors, so all share one compilation."""
+    between. Every block runs the same code on same-shaped tensors, so all share one compilation
+    (recomputation keeps it so: apply_recompute changes classes, not each block's functions).
+    `backend`: TorchInductor; the tests count compilations with a backend of their own."""
     if enabled:
         for block in model.layers:
-            block.forward = torch.compile(block.forward)
+            block.forward = torch.compile(block.forward, backend=backend)
     return model
 
 

@@ -148,6 +148,25 @@ def every_odd_layout() -> dict:
     return {name: odd_layout_run(*layout) for name, layout in ODD_LAYOUTS.items()}
 
 
+def assert_equal_to_one_device(result: dict, reference: dict, tp: int, where: str) -> None:
+    """Losses, norms, gradients before and after clipping and parameters after AdamW equal one
+    device's: a rank's stage of them, and of a tensor-parallel parameter its tp shard."""
+    def local(full: torch.Tensor, parameter: str) -> torch.Tensor:
+        split_dim = result["split_dims"][parameter]
+        return full if split_dim is None else full.chunk(tp, dim=split_dim)[result["tp_rank"]]
+
+    for key in ("losses", "norms"):
+        torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5,
+                                   msg=f"{where} {key}")
+    for key in ("grads", "clipped_grads"):
+        for parameter, grad in result[key].items():
+            torch.testing.assert_close(grad, local(reference[key][parameter], parameter), **TOLERANCE,
+                                       msg=f"{where} {key} {parameter}")
+    for parameter, value in result["params"].items():
+        torch.testing.assert_close(value, local(reference["params"][parameter], parameter), **PARAM_TOLERANCE,
+                                   msg=f"{where} param {parameter}")
+
+
 def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device():
     """6 ranks, five layouts with dp or cp = 3, ZeRO-1/2/3, ring and Ulysses, and recompute none,
     selective and full: each rank's gradients before and after clipping, its parameters after 3
@@ -156,19 +175,4 @@ def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device(
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
     for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400)):
         for name, (grid_shape, *_) in ODD_LAYOUTS.items():
-            result, where = runs[name], f"rank={rank} {name}"
-
-            def local(full: torch.Tensor, parameter: str) -> torch.Tensor:
-                split_dim = result["split_dims"][parameter]
-                return full if split_dim is None else full.chunk(grid_shape.tp, dim=split_dim)[result["tp_rank"]]
-
-            for key in ("losses", "norms"):
-                torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0,
-                                           atol=1e-5, msg=f"{where} {key}")
-            for key in ("grads", "clipped_grads"):
-                for parameter, grad in result[key].items():
-                    torch.testing.assert_close(grad, local(reference[key][parameter], parameter), **TOLERANCE,
-                                               msg=f"{where} {key} {parameter}")
-            for parameter, value in result["params"].items():
-                torch.testing.assert_close(value, local(reference["params"][parameter], parameter),
-                                           **PARAM_TOLERANCE, msg=f"{where} param {parameter}")
+            assert_equal_to_one_device(runs[name], reference, grid_shape.tp, f"rank={rank} {name}")

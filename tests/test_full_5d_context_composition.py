@@ -15,14 +15,13 @@ import re
 from dataclasses import replace
 
 import pytest
-import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
-from test_context_parallel import (CFG, GLOBAL_SEQUENCES, LR, MAX_GRAD_NORM, MICRO, ODD_SEQ, PARAM_TOLERANCE, SEED,
-                                   SEQ, STEPS, TOLERANCE, mask_targets)
+from test_context_parallel import CFG, GLOBAL_SEQUENCES, LR, MAX_GRAD_NORM, MICRO, ODD_SEQ, SEED, SEQ, STEPS, mask_targets
 from test_full_5d import INTERLEAVED, run
+from test_full_5d_composition import assert_equal_to_one_device
 from test_zero import ADAM_EPS
 
 CFG4 = replace(CFG, n_layers=4)         # pp 2 x 2 virtual stages: one layer per chunk
@@ -67,21 +66,7 @@ def check(per_rank: list, layouts: dict) -> None:
         for name, (shape, _, cfg, _, seq_len, masked) in layouts.items():
             result, where = runs[name], f"rank={rank} {name}"
             expected = references.setdefault((cfg, seq_len, masked), reference(cfg, seq_len, masked))
-
-            def local(full: torch.Tensor, parameter: str) -> torch.Tensor:
-                split_dim = result["split_dims"][parameter]
-                return full if split_dim is None else full.chunk(shape.tp, dim=split_dim)[result["tp_rank"]]
-
-            for key in ("losses", "norms"):
-                torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(expected[key]), rtol=0,
-                                           atol=1e-5, msg=f"{where} {key}")
-            for key in ("grads", "clipped_grads"):
-                for parameter, grad in result[key].items():
-                    torch.testing.assert_close(grad, local(expected[key][parameter], parameter), **TOLERANCE,
-                                               msg=f"{where} {key} {parameter}")
-            for parameter, value in result["params"].items():
-                torch.testing.assert_close(value, local(expected["params"][parameter], parameter),
-                                           **PARAM_TOLERANCE, msg=f"{where} param {parameter}")
+            assert_equal_to_one_device(result, expected, shape.tp, where)
             assert result["kept"] == result["predicted_kept"]["none"], f"{where}: {result['kept']} measured"
             table = result["predicted_traffic"]
             assert {key: result["traffic"].get(key, 0) for key in table} == table, where
