@@ -84,22 +84,13 @@ def test_every_axis_at_once_equals_one_device():
     for rank, result in enumerate(per_rank):
         where = f"rank={rank} dp2 x pp2 x cp2 x tp2 ep2 ZeRO-1 recompute full"
 
-        def local(full: torch.Tensor, name: str) -> torch.Tensor:
+        def local(full: torch.Tensor, name: str, tp_local=tp_shard(result, ALL_AXES.shape.tp)) -> torch.Tensor:
+            """The rank's experts of an expert parameter (ep), then its tp shard."""
             mine = full.chunk(ALL_AXES.ep, dim=0)[result["ep_rank"]] if expert_parallel.is_expert_parameter(name) \
                 else full
-            split_dim = result["split_dims"][name]
-            return mine if split_dim is None else mine.chunk(ALL_AXES.shape.tp, dim=split_dim)[result["tp_rank"]]
+            return tp_local(mine, name)
 
-        for key in ("losses", "norms"):
-            torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5,
-                                       msg=f"{where} {key}")
-        for key in ("grads", "clipped_grads"):
-            for name, grad in result[key].items():
-                torch.testing.assert_close(grad, local(reference[key][name], name), **TOLERANCE,
-                                           msg=f"{where} {key} {name}")
-        for name, param in result["params"].items():
-            torch.testing.assert_close(param, local(reference["params"][name], name), **PARAM_TOLERANCE,
-                                       msg=f"{where} param {name}")
+        assert_equal_to_one_device(result, reference, local, where)
         names_seen.update(result["params"])
     assert names_seen == set(reference["params"]), "every reference parameter is held by some rank"
 
@@ -148,13 +139,17 @@ def every_odd_layout() -> dict:
     return {name: odd_layout_run(*layout) for name, layout in ODD_LAYOUTS.items()}
 
 
-def assert_equal_to_one_device(result: dict, reference: dict, tp: int, where: str) -> None:
-    """Losses, norms, gradients before and after clipping and parameters after AdamW equal one
-    device's: a rank's stage of them, and of a tensor-parallel parameter its tp shard."""
+def tp_shard(result: dict, tp: int):
+    """The reference tensor as this rank holds it: of a tensor-parallel parameter, its tp shard."""
     def local(full: torch.Tensor, parameter: str) -> torch.Tensor:
         split_dim = result["split_dims"][parameter]
         return full if split_dim is None else full.chunk(tp, dim=split_dim)[result["tp_rank"]]
+    return local
 
+
+def assert_equal_to_one_device(result: dict, reference: dict, local, where: str) -> None:
+    """Losses, norms, gradients before and after clipping and parameters after AdamW equal one
+    device's: of each parameter the rank holds, `local(reference tensor, name)`."""
     for key in ("losses", "norms"):
         torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0, atol=1e-5,
                                    msg=f"{where} {key}")
@@ -175,4 +170,5 @@ def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device(
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
     for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400)):
         for name, (grid_shape, *_) in ODD_LAYOUTS.items():
-            assert_equal_to_one_device(runs[name], reference, grid_shape.tp, f"rank={rank} {name}")
+            result = runs[name]
+            assert_equal_to_one_device(result, reference, tp_shard(result, grid_shape.tp), f"rank={rank} {name}")

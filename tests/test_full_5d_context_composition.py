@@ -21,7 +21,7 @@ from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
 from test_context_parallel import CFG, GLOBAL_SEQUENCES, LR, MAX_GRAD_NORM, MICRO, ODD_SEQ, SEED, SEQ, STEPS, mask_targets
 from test_full_5d import INTERLEAVED, run
-from test_full_5d_composition import assert_equal_to_one_device
+from test_full_5d_composition import assert_equal_to_one_device, tp_shard
 from test_zero import ADAM_EPS
 
 CFG4 = replace(CFG, n_layers=4)         # pp 2 x 2 virtual stages: one layer per chunk
@@ -66,7 +66,7 @@ def check(per_rank: list, layouts: dict) -> None:
         for name, (shape, _, cfg, _, seq_len, masked) in layouts.items():
             result, where = runs[name], f"rank={rank} {name}"
             expected = references.setdefault((cfg, seq_len, masked), reference(cfg, seq_len, masked))
-            assert_equal_to_one_device(result, expected, shape.tp, where)
+            assert_equal_to_one_device(result, expected, tp_shard(result, shape.tp), where)
             assert result["kept"] == result["predicted_kept"]["none"], f"{where}: {result['kept']} measured"
             table = result["predicted_traffic"]
             assert {key: result["traffic"].get(key, 0) for key in table} == table, where
