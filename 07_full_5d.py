@@ -156,7 +156,7 @@ from picotron_like.data import StepBatch
 from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                     predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
-from picotron_like.pipeline_tools import is_transfer_batch
+from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
                                     shutdown)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, batch_shape,
@@ -762,19 +762,6 @@ def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int
                                                               tokens, cp_mode)
 
 
-def schedule_peak(sizes: dict, pipeline) -> int:
-    """The most bytes of (part, micro-batch) activations alive at once: the largest micro-batch
-    without a pipeline, lesson 03's live micro-batches with one."""
-    if pipeline is None:
-        return max(sizes.values())
-    live = peak = 0
-    for step in pipeline.program:
-        if not is_transfer_batch(step):
-            live += sizes[(step.chunk, step.micro_batch)] * (1 if step.kind == "F" else -1)
-            peak = max(peak, live)
-    return peak
-
-
 def routing_at(routing, pipeline, n_micro: int, kind: str):
     """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
     in the forward, and again when backward recomputes its block. The meter numbers a layer's
@@ -805,7 +792,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
     """This rank's kept activations at their peak in the metered step under `recompute`: each
     micro-batch's bytes (with experts, lesson 05's on the step's routing counts, for the experts
     as a tp rank holds them; under full a block keeps its input only, whatever the routing), then
-    the schedule's peak over lesson 03's program."""
+    their peak over lesson 03's program."""
 
     def dense(stage):
         return predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
@@ -823,7 +810,10 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
             expert_parallel.ExpertParallel.from_grid(grid), expert_parallel.uses_grouped_mm(args, experts, dtype),
             dtype.itemsize)
         sizes = {key: size + routed[key] for key, size in sizes.items()}
-    return schedule_peak(sizes, pipeline)
+    # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
+    if pipeline is None:
+        return max(sizes.values())
+    return peak_live_micro_batches(pipeline.program, micro_batch_sizes=sizes)
 
 
 def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:

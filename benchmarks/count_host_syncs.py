@@ -15,6 +15,7 @@ step's one-off reads, and start-up, included). Nothing is counted on a CPU: ther
 wait for.
 """
 
+import argparse
 import collections
 import os
 import runpy
@@ -40,12 +41,18 @@ def count_syncs(message, category, filename, lineno, file=None, line=None):
     counts[site] += 1
 
 
+def lesson_steps(argv) -> int:
+    """The lesson's --steps, read as the lesson reads it (its default: 20)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--steps", type=int, default=20)
+    return parser.parse_known_args(argv)[0].steps
+
+
 def report_then(shutdown):
     """The lesson ends with topology.shutdown(), which leaves through os._exit: report before it."""
     def report_and_shut_down(*args, **kwargs):
         if os.environ.get("RANK", "0") == "0":
-            steps = next((int(a.split("=")[1]) if "=" in a else int(sys.argv[i + 1])
-                          for i, a in enumerate(sys.argv) if a.startswith("--steps")), 20)
+            steps = lesson_steps(sys.argv[1:])
             total = sum(counts.values())
             print(f"\nhost synchronisations: {total} in {steps} steps ({total / steps:.1f} per step), by line:")
             for (path, lineno, code), n in counts.most_common(25):

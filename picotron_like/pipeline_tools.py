@@ -102,16 +102,20 @@ def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float 
     return events
 
 
-def peak_live_micro_batches(program, chunk_sizes=None) -> int:
+def peak_live_micro_batches(program, chunk_sizes=None, micro_batch_sizes=None) -> int:
     """The most (chunk, micro-batch) pairs whose activations a program keeps between their F and B.
 
     With chunk_sizes (e.g. each chunk's activation bytes for one micro-batch), the peak of their
-    sum instead of their count.
+    sum instead of their count; with micro_batch_sizes, {(chunk, micro_batch): bytes}, the same
+    for micro-batches of different sizes (experts: each micro-batch's own routing).
     """
     live = peak = 0
     for step in program:
         if not is_transfer_batch(step):
-            size = 1 if chunk_sizes is None else chunk_sizes[step.chunk]
+            if micro_batch_sizes is not None:
+                size = micro_batch_sizes[(step.chunk, step.micro_batch)]
+            else:
+                size = 1 if chunk_sizes is None else chunk_sizes[step.chunk]
             live += size if step.kind == "F" else -size
             peak = max(peak, live)
     return peak

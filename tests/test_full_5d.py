@@ -108,16 +108,9 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     routing = routings[0] if routings else None
     log = full_5d.balancing_log(model, pipeline, grid)
     comm.meter.reset()
-    results, biases = [], []
-    for step in range(STEPS):
-        with ExitStack() as metered:
-            for meter in ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1]:
-                metered.enter_context(meter)
-            results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
-                                           cut(step_batch(step, grid.dp_rank)), settings,
-                                           args.bias_update_rate, log))
-        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
-                       if name.endswith("router_bias")})
+    results, biases = metered_steps(
+        model, pipeline, optimizer, lambda step: cut(step_batch(step, grid.dp_rank)), settings, args, log,
+        lambda step: ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1])
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
     shape, e = data.shape, model.precision.param_dtype.itemsize
     # Each step's prediction as the report makes it (07's recomputed forward in lesson 06's table),
@@ -139,6 +132,23 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
             "predicted_traffic": add_traffic(*(full_5d.predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
                                                                            model.precision, forwards, 1, extra)
                                                for forwards, extra in forwards_and_extra))}
+
+
+def metered_steps(model, pipeline, optimizer, batch_of_step, settings, args, log, meters_of_step,
+                  steps: int = STEPS) -> tuple[list, list]:
+    """`steps` of 07's train_step as its main runs them, step s inside the meters meters_of_step(s):
+    their results, and the router biases after each."""
+    full_5d = lesson()
+    results, biases = [], []
+    for step in range(steps):
+        with ExitStack() as metered:
+            for meter in meters_of_step(step):
+                metered.enter_context(meter)
+            results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer, batch_of_step(step),
+                                              settings, args.bias_update_rate, log))
+        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
+                       if name.endswith("router_bias")})
+    return results, biases
 
 
 def lesson_05_run(grid: ProcessGrid, extra) -> dict:

@@ -17,7 +17,6 @@ Tolerances are lesson 05's.
 from __future__ import annotations
 
 import functools
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 import pytest
@@ -28,6 +27,7 @@ from picotron_like.testing import masked_step_batch, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid, load_lesson
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
                                   assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
+from test_full_5d import metered_steps
 from test_zero import gathered, observe_gradients
 
 
@@ -85,17 +85,13 @@ def composed_run(variant: ComposedVariant) -> dict:
     activations = ActivationMeter(model.module)
     routings = [full_5d.expert_parallel.RoutingMeter(parts) for _ in range(STEPS)]
     comm.meter.reset()
-    results, biases = [], []
-    for step in range(STEPS):
-        step_of[0] = step
-        with ExitStack() as metered:
-            for meter in ([activations] if step == 0 else []) + [routings[step]]:
-                metered.enter_context(meter)
-            results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
-                                              cut(step_batch(step, grid.dp_rank)), settings,
-                                              args.bias_update_rate, log))
-        biases.append({name: bias.clone() for name, bias in model.module.named_buffers()
-                       if name.endswith("router_bias")})
+
+    def batch_of_step(step: int):
+        step_of[0] = step       # record_choices files the step's expert choices under it
+        return cut(step_batch(step, grid.dp_rank))
+
+    results, biases = metered_steps(model, pipeline, optimizer, batch_of_step, settings, args, log,
+                                    lambda step: ([activations] if step == 0 else []) + [routings[step]], STEPS)
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}   # before the gathers below
     n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     return {"grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],

@@ -65,6 +65,9 @@ def test_peak_live_micro_batches_counts_between_forward_and_backward():
     assert peak_live_micro_batches(program) == 2
     # chunk 0 holds micro-batches 0 and 1 at once after chunk 1's backward: 2 x 10 > 10 + 3
     assert peak_live_micro_batches(program, chunk_sizes=[10, 3]) == 20
+    # micro-batches of their own sizes: chunk 0's two (10 + 7) at once outweigh chunk 0's 10 and chunk 1's 3
+    sizes = {(0, 0): 10, (1, 0): 3, (0, 1): 7}
+    assert peak_live_micro_batches(program, micro_batch_sizes=sizes) == 17
 
 
 def test_the_package_imports_no_lesson():
