@@ -59,7 +59,12 @@ Run it:
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule 1f1b          # CPU, ~20 s
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule afab          # compare memory
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule interleaved --virtual-stages 2 --n-layers 8
-    torchrun --nproc_per_node=8 03_pipeline_parallel.py --pp 2 --tp 2 --dp 2            # 3D parallel
+    torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 2 --dp 2                   # 2 pipelines, dp x pp
+
+Pipeline parallelism here composes with data parallelism alone: each of the dp pipelines runs the
+schedule on its own micro-batches and all-reduces its stage's gradients over dp. Lesson 07 runs
+stages that are also tensor-parallel, context-parallel, hold experts or are sharded by ZeRO; --tp,
+--cp and --ep here are refused with a line pointing there.
 
 What to look for: the loss falls exactly as on one device (the tests prove it to float32 rounding);
 the timeline shows the warm-up, steady state and cool-down; the measured bubble sits next to its
@@ -91,7 +96,6 @@ from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, a
                                  build_optimizer, clip_grad_norm_, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
-tensor_parallel = load_lesson("02_tensor_parallel")
 
 # ============================================================================ the technique: stages
 
@@ -140,7 +144,8 @@ class PipelineStage(nn.Module):
 
     It has GPT's attributes (tok_embeddings, layers, norm, lm_head, cross_entropy, cfg), with the
     ones it does not own set to None, and borrows GPT's own embed / rope / head_loss: the model is
-    written once, and lesson 02's apply_tensor_parallel converts a stage like a whole GPT.
+    written once, and every other lesson's entry point (lesson 07 applies them) converts a stage as
+    it converts a whole GPT.
 
     forward(x, targets, positions, reduction): x is the token ids on the first stage and the hidden
     states [b, s, h] received from the previous stage otherwise; the result is the loss on the last
@@ -325,8 +330,8 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
 class Pipeline:
     """Runs one rank's part of a schedule: its chunks, its program, its neighbours.
 
-    chunks: this rank's model chunks (PipelineStage, or after lesson 02 their tensor-parallel
-    versions), each wrapped for data parallelism (lesson 01): the wrapper's
+    chunks: this rank's model chunks (PipelineStage, or in lesson 07 the same chunks converted by
+    the other lessons), each wrapped for data parallelism (lesson 01): the wrapper's
     require_backward_grad_sync is switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
@@ -385,8 +390,8 @@ class Pipeline:
         stage = action.chunk * self.pp + self.pp_rank
         micro_batch = batch.micro_batches[action.micro_batch]
         tokens, targets = micro_batch[0].to(self.device), micro_batch[1].to(self.device)
-        # Positions come from the data, not from x: under sequence parallelism x holds s/tp tokens
-        # but the rotary tables cover the whole sequence.
+        # Positions come from the data, not from x: in lesson 07 a stage may hold part of each
+        # sequence (context or sequence parallelism), whose positions x's shape does not tell.
         positions = (micro_batch[2].to(self.device) if len(micro_batch) > 2
                      else torch.arange(tokens.shape[1], device=self.device))
         x = tokens if stage == 0 else inputs[(stage, action.micro_batch)].requires_grad_()
@@ -442,15 +447,13 @@ def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSe
 
     The shape of lesson 01's train_step: forward and backward of all micro-batches (here by the
     schedule), wait for the data-parallel gradient all-reduce, clip, step. The gradient norm is
-    summed over the pipeline group (each stage holds different parameters) and over
-    settings.norm_groups (the tp group when stages are tensor-parallel).
+    summed over the pipeline group (each stage holds different parameters).
     """
     loss = pipeline.forward_backward(batch)
     for chunk in pipeline.chunks:
         chunk.finish_gradient_synchronization()
     params = [p for chunk in pipeline.chunks for p in chunk.parameters()]
-    grad_norm = clip_grad_norm_(params, settings.max_grad_norm, (pipeline.pp_group, *settings.norm_groups),
-                                settings.counts_toward_norm)
+    grad_norm = clip_grad_norm_(params, settings.max_grad_norm, (pipeline.pp_group,))
     optimizer.step()
     for chunk in pipeline.chunks:
         chunk.zero_grad(set_to_none=False)
@@ -475,29 +478,19 @@ def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> fl
     return loss.item()
 
 
-# ============================================================================ the technique: 3D, with dp and tp
+# ============================================================================ the technique: with data parallelism
 
 
-def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1, sequence_parallel: bool = False,
-                       bucket_bytes: int = 2**20) -> list[nn.Module]:
-    """This rank's chunks: reference weights, then tensor-parallel (tp > 1), then data-parallel."""
-    chunks = [chunk.to(device) for chunk in build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)]
-    if grid.tp_size > 1:
-        chunks = [tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel) for chunk in chunks]
-    return [data_parallel.BucketedDataParallel(chunk, grid.dp_group, bucket_bytes) for chunk in chunks]
+def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1, bucket_bytes: int = 2**20) -> list[nn.Module]:
+    """This rank's chunks with the reference's weights, each wrapped for data parallelism (lesson 01):
+    the rank's dp peers hold the same stage of the other pipelines."""
+    chunks = build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
+    return [data_parallel.BucketedDataParallel(chunk.to(device), grid.dp_group, bucket_bytes) for chunk in chunks]
 
 
-def activation_shape(cfg, shape, grid, sequence_parallel: bool) -> tuple[int, int, int]:
-    """The tensor crossing every stage boundary: [b, s, h], or [b, s/tp, h] under sequence parallelism."""
-    seq = shape.seq_len // grid.tp_size if sequence_parallel else shape.seq_len
-    return (shape.micro_batch_size, seq, cfg.hidden)
-
-
-def norm_settings(grid):
-    """Extra groups and the replicated-parameter rule for gradient clipping (tensor parallelism)."""
-    if grid.tp_size == 1:
-        return (), None
-    return (grid.tp_group,), tensor_parallel.tp_counts_toward_norm(grid.tp_group)
+def activation_shape(cfg, shape) -> tuple[int, int, int]:
+    """The tensor crossing every stage boundary: one micro-batch's hidden states, [b, s, h]."""
+    return (shape.micro_batch_size, shape.seq_len, cfg.hidden)
 
 
 # ============================================================================ configuration rules
@@ -545,14 +538,12 @@ def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """The pipeline's rules for the micro-batch count that will run (shape.grad_accum, which
-    --global-batch-tokens may have set), and lesson 02's when the stages are tensor-parallel."""
+    --global-batch-tokens may have set)."""
     source = "--micro-batches"
     if args.global_batch_tokens is not None:
         source = (f"--global-batch-tokens {args.global_batch_tokens} / ({shape.micro_batch_size} sequences x "
                   f"{shape.seq_len} tokens x dp {grid.dp})")
     validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum, source)
-    if grid.tp > 1:
-        tensor_parallel.validate_tensor_parallel(cfg, grid.tp, shape.seq_len, args.sequence_parallel)
 
 
 # ============================================================================ measuring the three challenges
@@ -583,50 +574,31 @@ def predicted_p2p_traffic(pipeline: Pipeline, n_micro: int, element_bytes: int =
     return {("isend", "pp"): p2p, ("irecv", "pp"): p2p}
 
 
-def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int, seq_len: int, tp: int = 1,
-                                     sequence_parallel: bool = False) -> int:
+def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int, seq_len: int) -> int:
     """The reference formula for one micro-batch of one chunk's layers (and head, on the last stage).
 
     The formula counts the int64 token ids (saved by the embedding) and targets (saved by the
-    loss) of a whole model; only the first and the last stage hold them. A tensor-parallel chunk
-    saves 1/tp of most of it: lesson 02's formula, which knows stages, says how much.
+    loss) of a whole model; only the first and the last stage hold them.
     """
     has_embedding, has_head = stage.tok_embeddings is not None, stage.lm_head is not None
-    if tp > 1:
-        return tensor_parallel.predicted_tp_activation_bytes(
-            cfg, micro_batch, seq_len, tp, sequence_parallel, n_layers=len(stage.layer_ids),
-            with_embedding=has_embedding, with_head=has_head)
     whole_model_ids = predicted_activation_bytes(cfg, micro_batch, seq_len, n_layers=len(stage.layer_ids),
                                                  with_head=has_head)
     return whole_model_ids - 8 * micro_batch * seq_len * ((not has_embedding) + (not has_head))
 
 
-def predicted_stage_tp_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
-    """Lesson 02's tp traffic per step, for the layers (and embedding, head) of this rank's chunks."""
-    if tp == 1:
-        return {}
-    return add_traffic(*(tensor_parallel.predicted_tp_traffic(
-        cfg, shape.micro_batch_size, shape.seq_len, shape.grad_accum, tp, sequence_parallel, pipeline.compute_dtype,
-        n_layers=len(chunk.module.layer_ids), with_embedding=chunk.module.tok_embeddings is not None,
-        with_head=chunk.module.lm_head is not None) for chunk in pipeline.chunks))
-
-
-def predicted_traffic(pipeline: Pipeline, cfg, shape, tp: int, sequence_parallel: bool) -> dict:
-    """Per step: this rank's p2p, its stage's gradients all-reduced over dp, lesson 02's tp traffic,
-    and the step's loss (over pp and dp) and squared gradient norm (over pp and tp)."""
+def predicted_traffic(pipeline: Pipeline, shape) -> dict:
+    """Per step: this rank's p2p, its stage's gradients all-reduced over dp, and the step's loss
+    (summed over pp and dp) and squared gradient norm (over pp)."""
     n_params = sum(p.numel() for chunk in pipeline.chunks for p in chunk.parameters())
     return add_traffic(predicted_p2p_traffic(pipeline, shape.grad_accum), {("all_reduce", "dp"): n_params * 4},
-                       predicted_stage_tp_traffic(pipeline, cfg, shape, tp, sequence_parallel),
-                       step_bookkeeping_traffic(loss_groups=("pp", "dp"),
-                                                norm_groups=("pp", "tp") if tp > 1 else ("pp",)))
+                       step_bookkeeping_traffic(loss_groups=("pp", "dp"), norm_groups=("pp",)))
 
 
-def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int, tp: int,
-                     sequence_parallel: bool) -> torch.Tensor:
+def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:
     """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
     activation bytes measured and predicted at the schedule's peak, p2p bytes sent per step."""
-    per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len,
-                                                        tp, sequence_parallel) for chunk in pipeline.chunks]
+    per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len)
+                       for chunk in pipeline.chunks]
     return torch.tensor([sum(len(chunk.module.layer_ids) for chunk in pipeline.chunks),
                          peak_live_micro_batches(pipeline.program), activations.peak_bytes,
                          peak_live_micro_batches(pipeline.program, per_micro_batch),
@@ -637,9 +609,8 @@ def report(pipeline, optimizer, plan, args, grid, activations: ActivationMeter, 
            throughput, device) -> None:
     cfg, shape = plan.cfg, plan.shape
     pp, m, v, boundary = grid.pp_size, shape.grad_accum, pipeline.virtual_stages, pipeline.activation_shape
-    comm_table = comm.meter.table(predicted_traffic(pipeline, cfg, shape, grid.tp_size, args.sequence_parallel),
-                                  per=args.steps)
-    row = stage_report_row(pipeline, cfg, shape, activations, args.steps, grid.tp_size, args.sequence_parallel)
+    comm_table = comm.meter.table(predicted_traffic(pipeline, shape), per=args.steps)
+    row = stage_report_row(pipeline, cfg, shape, activations, args.steps)
     stages = [torch.empty_like(row) for _ in range(pp)]
     # CPU rows on purpose, after training: on CUDA the group's gloo backend carries them, not NCCL.
     comm.call(dist.all_gather, stages, row, group=grid.pp_group)
@@ -699,7 +670,7 @@ def resolve_virtual_stages(args):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp", "pp", "tp"), fill_axis="pp")
+    add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
     add_schedule_flags(parser)
     parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
                         help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
@@ -713,13 +684,12 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
-    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, args.sequence_parallel,
-                                int(args.bucket_mb * 2**20))
+    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(nn.ModuleList(chunk.module for chunk in chunks), args.lr)
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                        activation_shape(cfg, shape, grid, args.sequence_parallel), device, compute_dtype)
-    settings = StepSettings(device, compute_dtype, args.max_grad_norm, *norm_settings(grid))
+                        activation_shape(cfg, shape), device, compute_dtype)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
     log0(f"lesson 03: pipeline parallel, {args.schedule}, {plan.grid.picture().splitlines()[0]}, "
          f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
          f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} dp)")

@@ -365,9 +365,10 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
     dtype: with bf16 weights the residual stream itself is bf16."""
     if grid.pp_size == 1:
         return None
-    b, s, h = pipeline_parallel.activation_shape(cfg, shape, grid, sequence_parallel)
+    b, s, h = pipeline_parallel.activation_shape(cfg, shape)
+    tokens = s // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
     chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
-    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, s // grid.cp_size, h),
+    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
                                       device, precision.param_dtype, boundary_dtype=precision.param_dtype)
 
 
@@ -390,9 +391,10 @@ def balancing_log(model, pipeline, grid: ProcessGrid):
 def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float) -> StepSettings:
     """Lesson 06's settings, and the groups the norm from ZeRO's shards must also sum over:
     pipeline stages hold different layers (pp), tensor-parallel ranks different slices of them,
-    whose replicated gains count once (lesson 03's rule for tp)."""
-    tp_groups, tp_counts = pipeline_parallel.norm_settings(grid)
+    whose replicated gains count once (lesson 02's rule)."""
     pp_groups = (grid.pp_group,) if grid.pp_size > 1 else ()
+    tp_groups = (grid.tp_group,) if grid.tp_size > 1 else ()
+    tp_counts = tensor_parallel.tp_counts_toward_norm(grid.tp_group) if grid.tp_size > 1 else None
     return replace(zero.step_settings(device, precision, max_grad_norm), norm_groups=(*pp_groups, *tp_groups),
                    counts_toward_norm=tp_counts)
 
@@ -744,15 +746,18 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
 def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
                            sequence_parallel: bool = False) -> int:
     """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32, over
-    its seq_len / cp tokens: lesson 03's formula for a stage, 02's with tp > 1, the reference's;
+    its seq_len / cp tokens: with tp > 1 lesson 02's formula (which knows stages), else lesson 03's
+    for a stage or the reference's for the whole model;
     with context-parallel attention, plus what lesson 04's attention keeps differently, for the
     layers and heads this rank holds."""
     tokens = seq_len // cp
-    if stage is not None:
-        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens, tp,
-                                                                   sequence_parallel)
-    elif tp > 1:
-        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel)
+    if tp > 1:
+        where = {} if stage is None else dict(n_layers=len(stage.layer_ids),
+                                              with_embedding=stage.tok_embeddings is not None,
+                                              with_head=stage.lm_head is not None)
+        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel, **where)
+    elif stage is not None:
+        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
     else:
         local = predicted_activation_bytes(cfg, micro_batch, tokens)
     if cp == 1:

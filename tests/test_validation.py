@@ -89,8 +89,7 @@ def pipeline_layout() -> float:
     grid = ProcessGrid(GridShape(dp=2, pp=2))
     shape = val_batches(2).shape
     chunks = pp.build_model_chunks(CFG4, SEED, grid, CPU, virtual_stages=2)
-    pipeline = pp.Pipeline(chunks, grid, "interleaved", shape.grad_accum, 2, pp.activation_shape(CFG4, shape, grid, False),
-                           CPU)
+    pipeline = pp.Pipeline(chunks, grid, "interleaved", shape.grad_accum, 2, pp.activation_shape(CFG4, shape), CPU)
     return validate(partial(pp.evaluate, pipeline, settings=SETTINGS), grid)
 
 
