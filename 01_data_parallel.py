@@ -253,7 +253,7 @@ def evaluate(model, batch: StepBatch, settings: StepSettings) -> float:
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """Data parallelism alone needs only the grid's rules: dp equal to the world size."""
-    validate_parallel_config(grid, world_size, cfg)
+    validate_parallel_config(grid, world_size)
 
 
 # ============================================================================ measuring the three challenges

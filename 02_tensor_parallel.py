@@ -99,11 +99,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_memory, step_bookkeeping_traffic)
 from picotron_like.model import GPT, IGNORE_INDEX, RMSNorm, SwiGLU, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
-                                    load_lesson, shutdown, validate_parallel_config)
+                                    shutdown, validate_parallel_config)
 from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
                                  plan_run, train)
 
@@ -371,7 +372,7 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, split_mlp=No
       Rotary tables are built for the full sequence (positions as in the reference).
     - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
     - `split_mlp(block, tp_group, norm, column, row)` splits each block's MLP half (`mlp_norm`,
-      `mlp`) with the layer types above; by default a dense SwiGLU (split_dense_mlp). Lesson 05
+      `mlp`) with the layer types above; by default a dense SwiGLU (split_dense_mlp). Lesson 07
       passes its own for a mixture of experts, and then checks the configuration itself.
     - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
       divisible by tp, or an MoE model without a `split_mlp`. The sequence length is checked by the
@@ -618,17 +619,18 @@ def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = N
                              sequence_parallel: bool = False, world_size: int | None = None) -> None:
     """Raise one ConfigError listing every rule the grid and tensor parallelism break; no collectives.
 
-    `grid` is the whole grid, or just the tp degree. The grid's own rules (world size; heads, kv
-    heads, hidden, ffn and vocab divisible by tp) come from validate_parallel_config; tensor
-    parallelism adds two.
+    `grid` is the whole grid, or just the tp degree. The grid's own rules (degrees, world size)
+    come from validate_parallel_config; tensor parallelism adds its splits, dense MLPs, and with
+    sequence parallelism a sequence split evenly.
     """
     if isinstance(grid, int):
         grid = GridShape(tp=grid)
     problems = []
     try:
-        validate_parallel_config(grid, grid.world_size if world_size is None else world_size, cfg)
+        validate_parallel_config(grid, grid.world_size if world_size is None else world_size)
     except ConfigError as error:
         problems += str(error).split("\n  - ")[1:]
+    problems += split_problems(cfg, grid.tp)
     if cfg.n_experts:
         problems.append(f"n_experts={cfg.n_experts}: this lesson splits dense SwiGLU MLPs; experts are "
                         f"spread over ranks by expert parallelism (lesson 05); use a dense preset")
@@ -637,6 +639,14 @@ def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = N
                         f"splits the sequence evenly; use a multiple of {grid.tp}")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
+
+
+def split_problems(cfg, tp: int) -> list[str]:
+    """Every dimension tensor parallelism cuts must cut evenly: heads, kv-heads, the hidden and
+    MLP widths, the vocabulary."""
+    return [f"{field}={getattr(cfg, field)} is not divisible by --tp {tp}: tensor parallelism splits it evenly; "
+            f"pick a tp that divides {getattr(cfg, field)}"
+            for field in ("n_heads", "n_kv_heads", "hidden", "ffn_hidden", "vocab_size") if getattr(cfg, field) % tp]
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:

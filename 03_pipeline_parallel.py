@@ -85,12 +85,13 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import StepBatch
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
 from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, init_reference_parameters
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, clip_grad_norm_, plan_run, train)
@@ -481,7 +482,8 @@ def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> fl
 # ============================================================================ the technique: with data parallelism
 
 
-def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1, bucket_bytes: int = 2**20) -> list[nn.Module]:
+def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1,
+                       bucket_bytes: int = 2**20) -> list[nn.Module]:
     """This rank's chunks with the reference's weights, each wrapped for data parallelism (lesson 01):
     the rank's dp peers hold the same stage of the other pipelines."""
     chunks = build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
@@ -502,8 +504,11 @@ def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: st
 
     n_micro is the micro-batch count that will run; n_micro_source says which flags gave it.
     """
-    validate_parallel_config(grid, world_size, cfg)
+    validate_parallel_config(grid, world_size)
     problems = []
+    if grid.pp > cfg.n_layers:
+        problems.append(f"--pp {grid.pp} is more pipeline stages than n_layers={cfg.n_layers}: every stage needs "
+                        f"at least one layer; use --pp <= {cfg.n_layers}")
     if virtual_stages < 1:
         problems.append(f"--virtual-stages {virtual_stages} must be at least 1")
     if schedule != "interleaved" and virtual_stages != 1:

@@ -92,11 +92,12 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import StepBatch
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory,
                                    memory_table, predicted_activation_bytes, predicted_memory,
                                    step_bookkeeping_traffic)
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
@@ -530,12 +531,17 @@ def evaluate(model, batch: StepBatch, settings: StepSettings) -> float:
 
 
 def validate_context_parallel(grid: GridShape, world_size: int, cfg, seq_len: int, zigzag: bool, mode: str) -> None:
-    """Every rule, before any process group exists: the grid's (including seq_len divisible by
-    2·cp for the zigzag split) and Ulysses' heads."""
-    validate_parallel_config(grid, world_size, cfg, seq_len, zigzag)
-    problems = [f"{field}={getattr(cfg, field)} is not divisible by --cp {grid.cp}: Ulysses gives each cp rank "
-                f"whole heads; use --cp-mode ring or a cp that divides {getattr(cfg, field)}"
-                for field in ("n_heads", "n_kv_heads") if mode == "ulysses" and getattr(cfg, field) % grid.cp]
+    """Every rule, before any process group exists: the grid's, the sequence cut into whole parts
+    (2·cp of them for the zigzag split), and Ulysses' heads."""
+    validate_parallel_config(grid, world_size)
+    problems = []
+    parts = 2 * grid.cp if zigzag else grid.cp
+    if grid.cp > 1 and seq_len % parts:
+        problems.append(f"--seq-len {seq_len} is not divisible by {parts} "
+                        f"({'2*cp for the zigzag split' if zigzag else 'cp'}); use a multiple of {parts}")
+    problems += [f"{field}={getattr(cfg, field)} is not divisible by --cp {grid.cp}: Ulysses gives each cp rank "
+                 f"whole heads; use --cp-mode ring or a cp that divides {getattr(cfg, field)}"
+                 for field in ("n_heads", "n_kv_heads") if mode == "ulysses" and getattr(cfg, field) % grid.cp]
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
 

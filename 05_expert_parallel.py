@@ -75,11 +75,12 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import StepBatch
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic,
                                    tensor_bytes)
 from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, load_lesson, shutdown,
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
@@ -428,7 +429,7 @@ def expert_degree(args, grid: GridShape) -> int:
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
-    validate_parallel_config(grid, world_size, cfg)
+    validate_parallel_config(grid, world_size)
     validate_expert_parallel(cfg, expert_degree(args, grid), grid.dp, args.bias_update_rate)
 
 

@@ -97,10 +97,11 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import StepBatch
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
 from picotron_like.model import GPT, count_parameters, get_config, is_expert_parameter
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
-                                    load_lesson, shutdown, validate_parallel_config)
+                                    shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, note_grad_norm, plan_run, train)
 
@@ -528,7 +529,7 @@ def validate_zero(dtype: str, reduce_dtype: str) -> None:
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """plan_run's hook: the grid's rules, a dense model (lesson 07 composes ZeRO with experts), ZeRO's."""
-    validate_parallel_config(grid, world_size, cfg, shape.seq_len)
+    validate_parallel_config(grid, world_size)
     if cfg.n_experts:
         raise ConfigError(f"n_experts={cfg.n_experts}: this lesson shards a dense model; ZeRO with experts (their "
                           f"units over edp) is lesson 07's composition: run 07_full_5d.py with the same flags")

@@ -153,12 +153,12 @@ from torch.utils.checkpoint import checkpoint
 import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
 from picotron_like.data import StepBatch
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                     predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
-from picotron_like.topology import (ConfigError, ProcessGrid, group_rank, group_size, init_distributed, load_lesson,
-                                    shutdown)
+from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, batch_shape,
                                  exit_with_error, plan_run, traffic_not_counted, train)
 
@@ -632,8 +632,9 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
     """What the composition refuses (composition_problems), then each lesson's own rules: 06's,
-    04's (which include the grid's), 05's with experts (ep drawn from dp x cp) or else 02's with
-    tp > 1 (lesson 02's refuse experts: their tp split is this lesson's seam), and 03's; the
+    04's (which include the grid's), 05's with experts (ep drawn from dp x cp) and then lesson 02's
+    even splits, or else all of 02's with tp > 1 (lesson 02 refuses experts: their tp split is
+    this lesson's seam), and 03's; the
     checkpoint flags and the checkpoint --resume names. All before any process group
     (recomputation and compiling add none)."""
     problems = composition_problems(cfg, grid, args)
@@ -645,6 +646,9 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     if cfg.n_experts:
         expert_parallel.validate_expert_parallel(cfg, expert_degree(args.ep, cfg, grid), grid.dp * grid.cp,
                                                  args.bias_update_rate, f"dp*cp = {grid.dp}*{grid.cp}")
+        uneven = tensor_parallel.split_problems(cfg, grid.tp)
+        if uneven:
+            raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(uneven))
     elif grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them

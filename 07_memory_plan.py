@@ -28,7 +28,7 @@ Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the by
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
 stages and recompute modes; at real scale its model states equal those of the sharded 8b model on
 8 and 64 GPUs and of Mixtral-8x7B on 64, built rank by rank on the meta device by lesson 06's own
-build_model from a ProcessGrid that knows only the rank (topology.GroupLayout): nothing is drawn.
+build_model from a grid that knows only the rank (LaidOutGrid): nothing is drawn.
 The communication buffers and the step time are estimates, and say so.
 """
 
@@ -42,10 +42,11 @@ from functools import lru_cache, partial
 
 import torch
 
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import PEAK_BF16_FLOPS, add_traffic
 from picotron_like.model import count_parameters, flops_per_token, get_config
 from picotron_like.pipeline_tools import peak_live_micro_batches
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
 from picotron_like.train import batch_shape, check_flag_ranges, exit_with_error, grid_from_args
 
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -56,6 +57,21 @@ zero = load_lesson("06_zero")
 full_5d = load_lesson("07_full_5d")
 
 # ============================================================================ the technique: the memory plan
+
+
+class LaidOutGrid(ProcessGrid):
+    """One rank of a layout, as the lessons' builders and formulas see a ProcessGrid, with no
+    process group: each group is a GroupLayout, the rank's place in it and its size, which is all
+    that cutting a rank's share of a model needs. So the plan reads any rank of any layout, and
+    builds its share on the meta device, without launching a single process."""
+
+    def __init__(self, shape: GridShape, ep: int, rank: int):
+        self.lay_out(shape, ep, rank)
+
+    def _create_group_of(self, all_ranks: list[list[int]], name: str) -> GroupLayout:
+        members = next(ranks for ranks in all_ranks if self.rank in ranks)
+        return GroupLayout(members.index(self.rank), len(members))
+
 
 # What the plan assumes of each GPU: its memory in GiB (as sold: an H100's 80 GB are 80 x 2^30
 # bytes), its NVLink bandwidth within a node and its network bandwidth to other nodes, in GB/s
@@ -201,7 +217,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     """Step time by cause (see plan_assumptions): the model's FLOPs on this rank at a fixed share of
     the GPU's peak; recomputation's extra forward; lesson 03's bubble; the communication that
     nothing hides, by the lessons' traffic formulas for this stage, at its group's bandwidth."""
-    layout = ProcessGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
+    layout = LaidOutGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
     peak = next(flops for name, flops in PEAK_BF16_FLOPS.items() if gpu.startswith(name))
     compute = flops_per_token(cfg, shape.seq_len) * shape.tokens_per_step / grid.world_size / (peak * MATMUL_EFFICIENCY)
     recompute = compute * RECOMPUTE_COST[args.recompute]

@@ -47,8 +47,9 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
-from picotron_like.topology import ProcessGrid, init_distributed, load_lesson, shutdown
+from picotron_like.topology import ProcessGrid, init_distributed, shutdown
 from picotron_like.train import autocast_dtype, build_optimizer, plan_run
 
 lesson = load_lesson("05_expert_parallel")

@@ -22,9 +22,10 @@ from functools import partial
 import torch
 
 from picotron_like.data import TokenBatches
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, log0
 from picotron_like.model import GPT
-from picotron_like.topology import ProcessGrid, init_distributed, load_lesson, shutdown
+from picotron_like.topology import ProcessGrid, init_distributed, shutdown
 from picotron_like.train import autocast_dtype, plan_run
 
 full_5d = load_lesson("07_full_5d")

@@ -52,9 +52,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from picotron_like.data import TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, get_config
-from picotron_like.topology import GridShape, ProcessGrid, init_distributed, load_lesson, shutdown
+from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
 from picotron_like.train import StepSettings, add_training_flags, autocast_dtype, batch_shape, build_optimizer
 
 data_parallel = load_lesson("01_data_parallel")

@@ -24,19 +24,18 @@ over which expert gradients are summed. With dp x cp = 4 ranks a b c d and ep = 
     ep groups  [a b] [c d]        a and c hold experts 0..E/2-1, b and d the others
     edp groups [a c] [b d]
 
-Bad degrees are caught by ``validate_parallel_config`` before any process group exists: every
+Bad degrees are caught by ``validate_parallel_config`` (and each lesson's own rules) before any
+process group exists: every
 rank reads the same arguments and the same environment, so every rank raises the same error and
 none is left waiting in a collective.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,24 +43,10 @@ import torch.distributed as dist
 from picotron_like import comm
 
 AXES = ("dp", "pp", "cp", "tp")
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 class ConfigError(ValueError):
     """A parallel configuration that cannot run; the message names the value, the rule and the fix."""
-
-
-# ----------------------------------------------------------------------------- lessons by file name
-
-def load_lesson(name: str):
-    """Import a lesson by its file name ("01_data_parallel" or "01_data_parallel.py").
-
-    Lesson files start with a digit so that they sort in reading order, which makes them
-    impossible to import with an ``import`` statement; importlib takes any module name.
-    """
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return importlib.import_module(name.removesuffix(".py"))
 
 
 # ----------------------------------------------------------------------------- the grid, as arithmetic
@@ -132,9 +117,10 @@ class GridShape:
         return "\n".join(lines)
 
 
-def validate_parallel_config(grid: GridShape, world_size: int, cfg=None, seq_len: int | None = None,
-                             zigzag: bool = True) -> None:
-    """Raise one ConfigError listing every rule the configuration breaks (no collectives used)."""
+def validate_parallel_config(grid: GridShape, world_size: int) -> None:
+    """Raise one ConfigError listing every rule the grid breaks (no collectives used): each degree at
+    least 1, their product the world size. What an axis needs of the model or the sequence (heads
+    divisible by tp, a layer per stage, tokens per cp rank) is its lesson's rule."""
     problems = []
     for axis in AXES:
         if getattr(grid, axis) < 1:
@@ -143,21 +129,6 @@ def validate_parallel_config(grid: GridShape, world_size: int, cfg=None, seq_len
         problems.append(
             f"dp*pp*cp*tp = {grid.dp}*{grid.pp}*{grid.cp}*{grid.tp} = {grid.world_size} but the world "
             f"size is {world_size}: launch with --nproc_per_node={grid.world_size} or change the degrees")
-    if cfg is not None:
-        for field in ("n_heads", "n_kv_heads", "hidden", "ffn_hidden", "vocab_size"):
-            value = getattr(cfg, field)
-            if value % grid.tp:
-                problems.append(f"{field}={value} is not divisible by --tp {grid.tp}: tensor parallelism "
-                                f"splits it evenly; pick a tp that divides {value}")
-        if grid.pp > cfg.n_layers:
-            problems.append(f"--pp {grid.pp} is more pipeline stages than n_layers={cfg.n_layers}: "
-                            f"every stage needs at least one layer; use --pp <= {cfg.n_layers}")
-    if seq_len is not None and grid.cp > 1:
-        chunks = 2 * grid.cp if zigzag else grid.cp
-        if seq_len % chunks:
-            problems.append(f"--seq-len {seq_len} is not divisible by {chunks} "
-                            f"({'2*cp for the zigzag split' if zigzag else 'cp'}); "
-                            f"use a multiple of {chunks}")
     if problems:
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
 
@@ -252,21 +223,21 @@ def group_size(group) -> int:
 
 
 class ProcessGrid:
-    """This rank's coordinates, its neighbours and the process group of every axis.
+    """This rank's coordinates, its neighbours and the process group of every axis."""
 
-    With `rank` given, no process group is needed or made: every group is a GroupLayout, and the
-    grid describes that rank of the layout for the builders (ProcessGrid(shape, ep, rank=5)).
-    """
-
-    def __init__(self, shape: GridShape, ep: int = 1, rank: int | None = None):
-        self.without_groups = rank is not None
-        if not self.without_groups and not dist.is_initialized():
+    def __init__(self, shape: GridShape, ep: int = 1):
+        if not dist.is_initialized():
             raise RuntimeError("ProcessGrid needs an initialised default process group (init_distributed)")
-        if not self.without_groups and shape.world_size != dist.get_world_size():
+        if shape.world_size != dist.get_world_size():
             raise ConfigError(f"grid {shape} needs {shape.world_size} ranks, world size is {dist.get_world_size()}")
+        self.lay_out(shape, ep, dist.get_rank())
+        comm.meter.reset()      # the start-up barriers (see _create_group_of) are not training traffic
+
+    def lay_out(self, shape: GridShape, ep: int, rank: int) -> None:
+        """Coordinates, groups (one _create_group_of per axis, in the same order on every rank) and
+        neighbours of `rank` in the layout."""
         ep_ranks = shape.ep_group_ranks(ep)     # raises ConfigError, before any group, if ep does not fit
-        self.shape = shape
-        self.rank = dist.get_rank() if rank is None else rank
+        self.shape, self.rank = shape, rank
         coords = shape.coords_of(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
         self.dp_size, self.pp_size, self.cp_size, self.tp_size = shape.dp, shape.pp, shape.cp, shape.tp
@@ -280,8 +251,6 @@ class ProcessGrid:
         self.edp_group = self._create_group_of(shape.edp_group_ranks(ep), "edp")
         self.ep_size = ep
         self.ep_rank = next(ranks for ranks in ep_ranks if self.rank in ranks).index(self.rank)
-        if not self.without_groups:
-            comm.meter.reset()      # the start-up barriers (see _create_groups) are not training traffic
 
         def neighbour(axis, step):
             moved = dict(coords, **{axis: (coords[axis] + step) % getattr(shape, axis)})
@@ -297,9 +266,6 @@ class ProcessGrid:
         return self._create_group_of(self.shape.group_ranks(axes), name)
 
     def _create_group_of(self, all_ranks: list[list[int]], name: str):
-        if self.without_groups:
-            members = next(ranks for ranks in all_ranks if self.rank in ranks)
-            return GroupLayout(members.index(self.rank), len(members))
         mine = None
         for ranks in all_ranks:
             # Every rank calls new_group for every group, in the same order: it is collective.

@@ -47,8 +47,9 @@ import torch
 
 import picotron_like.model as model_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, ConfigError, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, ProcessGrid
 from picotron_like.train import checked_plan
 from test_zero import gathered
 

@@ -31,9 +31,10 @@ import pytest
 import torch
 
 import picotron_like.checkpoint as checkpoints
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import GPT, moe_layers
 from picotron_like.testing import run_ranks
-from picotron_like.topology import REPO_ROOT, ProcessGrid, load_lesson
+from picotron_like.topology import ProcessGrid
 from picotron_like.train import plan_run, train
 
 CPU = torch.device("cpu")

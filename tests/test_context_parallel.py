@@ -37,10 +37,11 @@ import torch.nn.functional as F
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter
 from picotron_like.model import IGNORE_INDEX, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 
 lesson = load_lesson("04_context_parallel")

@@ -42,10 +42,11 @@ import torch
 import picotron_like.model as model_module
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, add_traffic
 from picotron_like.model import GPT, get_config, looped_expert_compute, moe_layers
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import build_optimizer
 
 lesson = load_lesson("05_expert_parallel")

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import adamw_implementation, build_optimizer
 
 context_parallel = load_lesson("04_context_parallel")

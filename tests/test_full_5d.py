@@ -32,10 +32,11 @@ from torch.utils.checkpoint import checkpoint
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import build_optimizer
 from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gradients
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.testing import run_ranks, train_reference
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from test_expert_parallel import (BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, PARAM_TOLERANCE, SEED, SEQ, STEPS,
                                   TOLERANCE, Variant, batches, forced_reference, record_choices)
 from test_zero import ADAM_EPS, CFG, gathered, observe_gradients

@@ -17,8 +17,9 @@ from dataclasses import replace
 import pytest
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.testing import run_ranks, train_reference
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from test_context_parallel import CFG, GLOBAL_SEQUENCES, LR, MAX_GRAD_NORM, MICRO, ODD_SEQ, SEED, SEQ, STEPS, mask_targets
 from test_full_5d import INTERLEAVED, run
 from test_full_5d_composition import assert_equal_to_one_device, tp_shard

@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 import pytest
 
 from picotron_like import comm
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, add_traffic
 from picotron_like.testing import masked_step_batch, run_ranks
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
                                   assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
 from test_full_5d import metered_steps

@@ -11,13 +11,15 @@ alone). Tolerances are lesson 06's (tests/test_zero.py).
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
+from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 from test_zero import (ADAM_EPS, BF16, BF16_ROUNDING, CFG, CPU, LR, MAX_GRAD_NORM, MOE_CFG, PARAM_TOLERANCE, SEED,
                        SEQ, STEPS, TOLERANCE, assert_equal, assert_formulas, batches, bf16_reference,
@@ -141,10 +143,12 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     (CFG, GridShape(dp=2), 1, 2, [], "--ep 2 with a dense preset"),
     (MOE_CFG, GridShape(dp=2, tp=2), 1, 2, ["--sequence-parallel"], "--sequence-parallel with experts"),
     (MOE_CFG, GridShape(dp=2, cp=2), 1, 2, ["--capacity-factor", "1.25"], "--capacity-factor with --cp 2"),
+    # lesson 02's even splits, which 07 checks itself with experts (lesson 02 refuses MoE models)
+    (replace(MOE_CFG, ffn_hidden=66), GridShape(dp=2, tp=4), 1, 2, [], "ffn_hidden=66 is not divisible by --tp 4"),
 ])
 def test_expert_configurations_refused_in_one_line(cfg, grid, stage, ep, extra, message):
     """What ZeRO does not compose with experts or pipelines, what 07 does not compose of experts
-    with tp and cp, and lesson 05's own rules, in lesson 07's checks before any process group."""
+    with tp and cp, and lessons 05's and 02's own rules, in lesson 07's checks before any process group."""
     full_5d = load_lesson("07_full_5d")
     args = full_5d.parse_args(["--dp", str(grid.dp), "--pp", str(grid.pp), "--tp", str(grid.tp), "--cp", str(grid.cp),
                                "--zero-stage", str(stage), "--ep", str(ep), "--seq-len", str(SEQ), *extra])

@@ -13,7 +13,7 @@ import ast
 
 import pytest
 
-from picotron_like.topology import REPO_ROOT
+from picotron_like.lessons import REPO_ROOT, load_lesson
 
 LESSONS = sorted(path.stem for path in REPO_ROOT.glob("0[1-7]_*.py"))
 TECHNIQUE_LESSONS = [name for name in LESSONS if name[:2] in {"02", "03", "04", "05", "06"}]
@@ -60,3 +60,9 @@ def test_lesson_07_composes_every_technique():
 def test_the_shared_package_knows_no_lesson():
     for path in sorted((REPO_ROOT / "picotron_like").glob("*.py")):
         assert loaded_lessons(path) == set(), path.name
+
+
+def test_load_lesson_by_file_name():
+    lesson = load_lesson("01_data_parallel.py")
+    assert hasattr(lesson, "BucketedDataParallel")
+    assert load_lesson("01_data_parallel") is lesson

@@ -8,9 +8,9 @@ prefetch window the gathered weights at their peak. The first steps' rows show A
 appearing inside the first optimizer step, and nowhere else.
 
 Real scale, without the hardware: the 8b preset on 8 and 64 GPUs (also with 3 interleaved chunks
-per pipeline rank) and Mixtral-8x7B on 64, each
-rank's share built by lesson 06's build_model on the meta device from a ProcessGrid that knows
-only its rank (no process group, no tensor drawn), one meta AdamW step for the optimizer's states;
+per pipeline rank) and Mixtral-8x7B on 64, each rank's share built by lesson 06's build_model on
+the meta device from the plan's LaidOutGrid, which knows only its rank (no process group, no
+tensor drawn), one meta AdamW step for the optimizer's states;
 its model-state bytes equal the plan's for the chosen ranks (first and last pipeline stages).
 
 Every comparison is of integers, exactly: a byte off is a wrong formula.
@@ -29,10 +29,11 @@ import pytest
 import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter
 from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
@@ -144,7 +145,7 @@ def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, e
                                                                 virtual_stages, monkeypatch):
     full_5d = lesson()
     # Only the model is measured: lesson 03's schedule, which needs real process groups to find
-    # its neighbours, is not built on grids made with ProcessGrid(rank=...).
+    # its neighbours, is not built on the plan's grids without process groups (LaidOutGrid).
     monkeypatch.setattr(full_5d, "build_pipeline", lambda *args, **kwargs: None)
     zero = full_5d.zero
     cfg = get_config(preset)
@@ -156,7 +157,7 @@ def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, e
     batch = BatchShape(1, 4096, 1, shape.dp)
     meta = torch.device("meta")
     for rank in ranks:
-        grid = ProcessGrid(shape, ep=ep, rank=rank)
+        grid = memory_plan().LaidOutGrid(shape, ep=ep, rank=rank)
         with meta:
             model = full_5d.parallelize(cfg, grid, args, meta)[0]
         optimizer = zero.build_sharded_optimizer(model, LR)

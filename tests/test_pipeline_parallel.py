@@ -46,17 +46,17 @@ from functools import partial
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter
 from picotron_like.model import GPT, cross_entropy_loss, get_config
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 
 lesson = load_lesson("03_pipeline_parallel")

@@ -38,10 +38,11 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, add_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, IGNORE_INDEX, GPTConfig, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer, set_learning_rate
 
 tp_lesson = load_lesson("02_tensor_parallel")

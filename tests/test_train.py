@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import train
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
                                    predicted_activation_bytes, predicted_memory)
-from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson, validate_parallel_config
+from picotron_like.topology import GridShape, ProcessGrid, validate_parallel_config
 from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate
 
 SMALL = replace(get_config("tiny"), n_layers=3, hidden=96, n_heads=6, n_kv_heads=3, ffn_hidden=256, vocab_size=300)
@@ -115,7 +116,7 @@ def plan(flags: str, monkeypatch, world_size: int = 2, seen_shapes=None):
     def validate(cfg, grid, shape, args, world):
         if seen_shapes is not None:
             seen_shapes.append(shape)
-        validate_parallel_config(grid, world, cfg)
+        validate_parallel_config(grid, world)
 
     monkeypatch.setattr(train, "exit_with_error", stop)
     monkeypatch.setenv("WORLD_SIZE", str(world_size))

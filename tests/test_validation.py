@@ -29,10 +29,11 @@ import torch
 
 from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config, moe_layers
 from picotron_like.pipeline_tools import simulate_pipeline
 from picotron_like.testing import run_ranks, train_reference
-from picotron_like.topology import GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 CFG4 = replace(CFG, n_layers=4)      # interleaved: pp 2 x 2 virtual stages, a layer each

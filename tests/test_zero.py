@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import add_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
-from picotron_like.topology import REPO_ROOT, GridShape, ProcessGrid, load_lesson
+from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer, clip_grad_norm_
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
