@@ -23,54 +23,33 @@ of N and cut into N contiguous shards; rank r owns elements [r S, (r+1) S) of ev
         unit "block 3" (flat, padded):  [ attn_norm | q | k | v | o | mlp_norm | gate | up | down |pad]
                                         |<--- rank 0 --->|<--- rank 1 --->|<--- rank 2 --->|
 
-A flat buffer (DeepSpeed, FSDP1) rather than FSDP2's per-parameter dim-0 shards: every
-collective is one call per unit on one contiguous buffer, and padding is at most N-1 elements per
-unit. The price is that a shard cuts parameters at arbitrary places and mixes decayed matrices
-with undecayed norm gains; so the optimizer sees a shard as its *pieces*, one view per parameter
-it touches, each in its parameter's weight-decay group: decay stays exactly per parameter.
-Module-sized units are also what ZeRO-3 gathers one at a time.
+A flat buffer (DeepSpeed, FSDP1) rather than FSDP2's per-parameter dim-0 shards: one call per
+unit on one contiguous buffer, at most N-1 elements of padding. A shard then cuts parameters at
+arbitrary places, so the optimizer sees it as *pieces*, one view per parameter it touches, each in
+its parameter's weight-decay group: decay stays exactly per parameter.
 
-The three steps of a step, by stage:
+The code follows the stages: ZeRO-1 (whole gradients reduce-scattered once per step, AdamW on this
+rank's pieces of the float32 master, the updated shards all-gathered), then what ZeRO-2 changes (a
+reduce-scatter at every micro-batch into the gradient shard), then what ZeRO-3 adds (each unit
+gathered just before its forward and again for its backward, freed after, the next one
+prefetched); then mixed precision (bf16 weights beside a float32 master) and the expert units
+lesson 07 needs, each in a section of its own. Clipping sums each shard's squares over the ranks.
 
-    gradients     stage 0: all-reduce (lesson 01)   stage 1: reduce-scatter once per step
-                  stages 2-3: reduce-scatter every micro-batch, into the gradient shard
-    optimizer     AdamW on this rank's pieces of the float32 master; the gradient norm for
-                  clipping is the sum over ranks of each shard's sum of squares
-    parameters    stages 1-2: all-gather the updated shards into the full weights
-                  stage 3: all-gather each unit just before its forward, free it after, gather it
-                  again for its backward, prefetching the next unit while this one computes
+The price. With bytes per parameter p (weights) and g (gradients), m = 4 for a float32 master
+beside bf16 weights (0 in float32: the weights are the master), Psi' the parameter count padded
+per unit, and A micro-batches per step (a ring sends (N-1)/N of a payload per rank):
 
-ZeRO-2 under gradient accumulation is a real trade-off. Reduce-scattering at every micro-batch
-(what this lesson does) keeps gradients at Psi/N per rank but sends the gradients A times per step:
-A Psi gradient payload, against Psi for a step that accumulates full gradients first. The other
-choice, accumulating whole gradients locally and reduce-scattering once, sends Psi but holds the
-full 2 Psi of gradients during the step, ZeRO-1's memory: 2 Psi + 2 Psi + 12 Psi/N at its peak.
+    model states per rank                      communication per step (payload)
+    stage 0: (p + g + m + 8) Psi'              all-reduce g Psi
+    stage 1: (p + g) Psi' + (m + 8) Psi'/N     reduce-scatter g Psi + all-gather p Psi
+    stage 2: p Psi' + (g + m + 8) Psi'/N       reduce-scatter A g Psi + all-gather p Psi
+    stage 3: (p + g + m + 8) Psi'/N            reduce-scatter A g Psi + all-gather 2 A p Psi
 
-Experts (fenced at the end of the ZeRO-1/2 section). An expert weight is held by the ranks of
-its expert-data-parallel group (edp), not by every data-parallel rank: a block with experts makes
-two flat units, the dense one sharded over the data-parallel group and the expert one over edp,
-each reduced, stepped and gathered over its own group. This lesson trains a dense model on data
-parallelism alone; lesson 07 composes ZeRO with experts, and with pipelines (ZeRO-1 only: see
-its seams) and the other axes.
-
-Mixed precision. `--dtype bfloat16` keeps the weights in bf16 (what the model computes with and
-what ZeRO-3 all-gathers: half the bytes) and an fp32 master copy with fp32 Adam states in the
-optimizer, so that an update smaller than bf16's resolution near a weight (2^-8 relative) still
-accumulates. `--reduce-dtype` chooses the gradient's accumulation and reduction dtype. With bytes
-per parameter p (weights) and g (gradients), Psi' the parameter count padded per unit:
-
-    stage 0: (p + g + m + 8) Psi'     1: (p + g) Psi' + (m + 8) Psi'/N
-    stage 2: p Psi' + (g + m + 8) Psi'/N                  3: (p + g + m + 8) Psi'/N
-    m = 4 (a float32 master) with bf16 weights, 0 in float32 (the weights are the master)
-
-bf16/bf16 gives the paper's 2+2+12, 2+2+12/N, 2+14/N, 16/N; fp32 gradients make ZeRO-2
-2 + 16/N; all-fp32 training 4+4+8. fp16 is out of scope: it needs loss scaling, bf16 does not.
-
-Communication per step (payload; a ring sends (N-1)/N of it per rank), A micro-batches:
-    stage 0   all-reduce g Psi                 (2 g Psi on the wire per rank, like the next two)
-    stage 1   reduce-scatter g Psi + all-gather p Psi
-    stage 2   reduce-scatter A g Psi + all-gather p Psi
-    stage 3   reduce-scatter A g Psi + all-gather 2 A p Psi (A p Psi when kept gathered)
+bf16/bf16 gives the paper's 2+2+12, 2+2+12/N, 2+14/N, 16/N; fp32 gradients make ZeRO-2 2 + 16/N
+(fp16 is out of scope: it needs loss scaling, bf16 does not). ZeRO-3 sends A p Psi less when units
+stay gathered from forward to backward. This lesson shards a dense model over data parallelism
+alone; lesson 07 composes ZeRO with experts, pipelines (ZeRO-0/1) and the other axes (--tp, --pp,
+--cp and MoE presets here are refused with a line pointing there).
 
 Run it:
     torchrun --nproc_per_node=4 06_zero.py                                  # ZeRO-3, fp32, CPU
@@ -186,83 +165,75 @@ def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
     return units
 
 
-# ============================================================================ the technique: ZeRO-1 and ZeRO-2
+# ============================================================================ the technique: ZeRO-1, the optimizer states sharded
 
 
 class ZeroDataParallel(nn.Module):
-    """Data parallelism over `group` with ZeRO stage 0-3 (stage 0 is one shard: lesson 01 plus
-    mixed precision). Exposes lesson 01's `.module`, `.dp_group`, `.require_backward_grad_sync`,
-    `.finish_gradient_synchronization()` and `.zero_grad()`; the optimizer steps through `.step`.
+    """ZeRO-1: data parallelism over `group` with the float32 master weights and AdamW's states
+    sharded. Every rank keeps the whole weights and accumulates whole gradients, as in lesson 01;
+    during the step's last backward each unit's gradient buffer is reduce-scattered, so a rank
+    receives the summed gradient of its own shard only, steps its shard of the master, and the
+    updated shards are all-gathered back into every rank's weights.
+
+    It is lesson 01's data-parallel wrapper to its callers: `.module`, `.dp_group`,
+    `.require_backward_grad_sync`, `.finish_gradient_synchronization()` and `.zero_grad()`; the
+    optimizer steps through `.step`. `replicate=True` is ZeRO stage 0: one shard, the buffers
+    all-reduced, nothing gathered; lesson 01 with a float32 master, kept instead of lesson 01's
+    wrapper because checkpoints, bf16 weights and lesson 07's expert units read the units of every
+    stage the same way.
 
     Gradients: every parameter has a post-accumulate hook; when all of a unit's parameters hold
-    this micro-batch's gradient, the unit is flattened in the reduce dtype and the per-parameter
-    gradients are dropped. Stages 0-1 add it into a full gradient buffer and reduce that once, on
-    the last micro-batch; stages 2-3 reduce-scatter it at once into the gradient shard. Either
-    way the reduction runs while autograd computes the units before it: stages 0-1 reduce each
-    unit's own buffer in place, so every unit's reduction may be in flight at once; stages 2-3
-    need a buffer per reduction, so one is in flight at a time, which bounds that memory.
-
-    Experts (lesson 05): a rank holds its ep group's share of the experts, the same as the other
-    ranks of its expert-data-parallel group `expert_group` and no other. So a block with experts
-    is two flat units: its dense parameters sharded over `group` (dp x cp), its expert weights over
-    `expert_group` (edp). Each unit reduces and gathers over its own group.
+    this micro-batch's gradient, they are added into the unit's flat buffer (in the reduce dtype)
+    and dropped. On the last micro-batch the unit's reduction starts at once, while autograd still
+    computes the units before it; each unit reduces its own buffer in place, so every unit's
+    reduction may be in flight together.
 
     Building the units needs only each group's size and this rank's place in it: a GroupLayout
-    (topology) does instead of a group, so lesson 07's memory plan can build any rank's shards of
-    a full-size model on the meta device, with no process group at all.
+    (topology) does instead of a group, so lesson 07's memory plan builds any rank's shards of a
+    full-size model on the meta device, with no process group at all.
     """
 
-    def __init__(self, module: nn.Module, group, stage: int, precision: Precision = Precision(), expert_group=None):
+    stage = 1
+
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), expert_group=None,
+                 replicate: bool = False):
         super().__init__()
-        self.module, self.dp_group, self.stage, self.precision = module, group, stage, precision
-        self.expert_group = expert_group
+        if replicate:
+            self.stage = 0
+        self.module, self.dp_group, self.precision, self.expert_group = module, group, precision, expert_group
         self.require_backward_grad_sync = True
         names = {param: name for name, param in module.named_parameters()}
-        self.unit_groups = [self._flat_units([(names[p], p) for m in modules for p in m.parameters()], expert_group)
-                            for modules in unit_modules(module)]
+        self.unit_groups = [flat_units([(names[p], p) for m in modules for p in m.parameters()], self.stage > 0,
+                                       group, expert_group) for modules in unit_modules(module)]
         self.units = [unit for units in self.unit_groups for unit in units]
         if sum(len(unit.params) for unit in self.units) != len(names):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
         self._unit_of = {param: unit for unit in self.units for param in unit.params}
-        self._in_flight = None
-        self._whole_buffer_reductions = []      # stages 0-1: the handles of the step's reductions
+        self._reductions = []       # this step's reductions in flight
         for unit in self.units:
             self._shard_states(unit)
         for param in self._unit_of:
             param.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _flat_units(self, named_params, expert_group) -> list[FlatUnit]:
-        is_expert = [expert_group is not None and is_expert_parameter(name) for name, _ in named_params]
-        dense = [named for named, expert in zip(named_params, is_expert) if not expert]
-        experts = [named for named, expert in zip(named_params, is_expert) if expert]
-        units = []
-        for params, group in ((dense, self.dp_group), (experts, expert_group)):
-            if params:
-                n_shards, rank = (1, 0) if self.stage == 0 else (group_size(group), group_rank(group))
-                units.append(FlatUnit(params, n_shards, rank, group))
-        return units
-
     def _shard_states(self, unit: FlatUnit) -> None:
-        """Flat weights (whole, or stage 3 just the shard), the float32 master shard (the weights'
-        own shard in float32), and the gradients (whole for stages 0-1, else a shard)."""
+        """The unit's weights, its float32 master shard and its gradient buffer."""
         values = unit.flatten([p.detach() for p in unit.params], torch.float32)
-        p_dtype, r_dtype = self.precision.param_dtype, self.precision.reduce_dtype
-        if self.stage == 3:
-            unit.param_shard = unit.shard(values).to(p_dtype).clone()
-            unit.release_parameters()
-            owner = unit.param_shard
-        else:
-            unit.flat_params = values.to(p_dtype)
-            unit.use_flat_parameters(unit.flat_params)
-            owner = unit.shard(unit.flat_params)
-        unit.master = owner if p_dtype == torch.float32 else unit.shard(values).clone()
-        if self.stage <= 1:
-            unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=r_dtype, device=values.device)
-            unit.grad_shard = unit.shard(unit.grad_buffer)
-        else:
-            unit.grad_shard = torch.zeros(unit.shard_numel, dtype=r_dtype, device=values.device)
+        unit.master = master_weights(self._hold_weights(unit, values), unit.shard(values))
         for piece in unit.pieces:
             piece.master = unit.master[piece.lo: piece.hi]
+        self._hold_gradients(unit, values.device)
+
+    def _hold_weights(self, unit: FlatUnit, values: torch.Tensor) -> torch.Tensor:
+        """The whole flat weights in the weights' dtype, which the parameters point into; returns
+        this rank's shard of them."""
+        unit.flat_params = values.to(self.precision.param_dtype)
+        unit.use_flat_parameters(unit.flat_params)
+        return unit.shard(unit.flat_params)
+
+    def _hold_gradients(self, unit: FlatUnit, device) -> None:
+        """A whole gradient buffer; its shard is where this rank's summed gradient lands."""
+        unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=self.precision.reduce_dtype, device=device)
+        unit.grad_shard = unit.shard(unit.grad_buffer)
 
     def _grad_ready(self, param) -> None:
         unit = self._unit_of[param]
@@ -273,43 +244,26 @@ class ZeroDataParallel(nn.Module):
 
     def _reduce(self, unit: FlatUnit) -> None:
         # Summed, never averaged: each rank's loss is its share of the global batch's mean (train_step).
-        flat = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
+        unit.grad_buffer += unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
         for param in unit.params:
             param.grad = None
-        if self.stage <= 1:
-            unit.grad_buffer += flat
-            if self.require_backward_grad_sync and self.stage == 0:
-                self._whole_buffer_reductions.append(
-                    comm.call(dist.all_reduce, unit.grad_buffer, group=unit.group, async_op=True))
-            elif self.require_backward_grad_sync:
-                # In place: this rank's shard of the buffer receives the sum of every rank's shard.
-                self._whole_buffer_reductions.append(comm.call(comm.reduce_scatter_single, unit.grad_shard,
-                                                               unit.grad_buffer, group=unit.group, async_op=True))
-            return
-        self._finish_in_flight()
-        partial_shard = torch.empty_like(unit.grad_shard)
-        handle = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=unit.group, async_op=True)
-        self._in_flight = (handle, unit, partial_shard, flat)
-        self._after_backward(unit)
-
-    def _after_backward(self, unit: FlatUnit) -> None:
-        """Stage 3 frees the unit's gathered weights here (see ZeroStage3)."""
-
-    def _finish_in_flight(self) -> None:
-        for handle in self._whole_buffer_reductions:
-            handle.wait()
-        self._whole_buffer_reductions.clear()
-        if self._in_flight is not None:
-            handle, unit, partial_shard, _ = self._in_flight
-            handle.wait()
-            unit.grad_shard += partial_shard
-            self._in_flight = None
+        if not self.require_backward_grad_sync:
+            return                  # an earlier micro-batch of the step: accumulate only
+        if self.stage == 0:
+            work = comm.call(dist.all_reduce, unit.grad_buffer, group=unit.group, async_op=True)
+        else:
+            # In place: this rank's shard of the buffer receives the sum of every rank's shard.
+            work = comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=unit.group,
+                             async_op=True)
+        self._reductions.append(work)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def finish_gradient_synchronization(self) -> None:
-        self._finish_in_flight()
+        for work in self._reductions:
+            work.wait()
+        self._reductions.clear()
 
     def step(self, optimizer) -> None:
         """AdamW on this rank's shard of the float32 master, then every rank's weights updated."""
@@ -323,8 +277,8 @@ class ZeroDataParallel(nn.Module):
             self._publish(unit)
 
     def _publish(self, unit: FlatUnit) -> None:
-        """Stages 0-2: cast the updated master into this rank's shard of the weights, then gather
-        every shard in place (stage 0 has one shard: nothing to gather)."""
+        """Cast the updated master into this rank's shard of the weights, then gather every shard
+        in place (stage 0 has one shard: nothing to gather)."""
         owner = unit.shard(unit.flat_params)
         if owner.data_ptr() != unit.master.data_ptr():
             owner.copy_(unit.master)
@@ -333,7 +287,7 @@ class ZeroDataParallel(nn.Module):
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for unit in self.units:
-            (unit.grad_buffer if self.stage <= 1 else unit.grad_shard).zero_()
+            unit.grad_buffer.zero_()
 
     def publish_master(self) -> None:
         """Every rank's weights from the master, after it changed outside a step (a checkpoint loaded)."""
@@ -360,36 +314,65 @@ def master_pieces(model: ZeroDataParallel):
                 yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
 
 
-def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
-    """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
-    an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
-    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the
-    same factor. Norm gains replicated over tp count once.
-    Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
-    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp,
-    every slice of it: the tp sum adds the slices) once."""
-    counts = settings.counts_toward_norm or (lambda param: True)
-    norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
-    for unit in model.units:
-        for piece in unit.pieces:
-            if piece.param is None or counts(piece.param):
-                norm_sq += unit.grad_shard[piece.lo: piece.hi].float().pow(2).sum()
-    groups = settings.norm_groups if model.stage == 0 else (model.dp_group, *settings.norm_groups)
-    for group in groups:
-        comm.call(dist.all_reduce, norm_sq, group=group)
-    total_norm = norm_sq.sqrt().item()
-    note_grad_norm(total_norm)      # a non-finite norm: the shared loop skips the optimizer step
-    if math.isfinite(total_norm) and total_norm > settings.max_grad_norm:
-        for unit in model.units:
-            unit.grad_shard.mul_(settings.max_grad_norm / (total_norm + 1e-6))
-    return total_norm
+# ============================================================================ the technique: ZeRO-2, the gradients sharded too
 
 
-# ============================================================================ the technique: ZeRO-3
+class ZeroStage2(ZeroDataParallel):
+    """ZeRO-1 with the gradients sharded too: a rank keeps only its shard of each unit's gradient.
+
+    Whole gradients cannot wait for the step's last micro-batch any more, so each unit's gradient
+    is reduce-scattered as soon as it is complete, at every micro-batch, and added into this rank's
+    shard; its flat copy is freed when the reduction finishes. Each reduction in flight needs such
+    a copy, so one is in flight at a time: at most one unit's whole gradient is alive.
+
+    Under gradient accumulation that is a real trade-off. Reduce-scattering at every micro-batch
+    keeps gradients at Psi/N per rank but sends them A times per step (A micro-batches): a payload
+    of A Psi, against Psi for ZeRO-1, which accumulates whole gradients first and so holds their
+    full 2 Psi bytes (bf16) through the step.
+    """
+
+    stage = 2
+
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), expert_group=None):
+        super().__init__(module, group, precision, expert_group)
+        self._in_flight = None      # (work, unit, partial shard, flat gradient) of the reduction running
+
+    def _hold_gradients(self, unit: FlatUnit, device) -> None:
+        unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce_dtype, device=device)
+
+    def _reduce(self, unit: FlatUnit) -> None:
+        flat = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
+        for param in unit.params:
+            param.grad = None
+        self._finish_in_flight()
+        partial_shard = torch.empty_like(unit.grad_shard)
+        work = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=unit.group, async_op=True)
+        self._in_flight = (work, unit, partial_shard, flat)
+        self._after_backward(unit)
+
+    def _after_backward(self, unit: FlatUnit) -> None:
+        """ZeRO-3 frees the unit's gathered weights here."""
+
+    def _finish_in_flight(self) -> None:
+        if self._in_flight is not None:
+            work, unit, partial_shard, _ = self._in_flight
+            work.wait()
+            unit.grad_shard += partial_shard
+            self._in_flight = None
+
+    def finish_gradient_synchronization(self) -> None:
+        self._finish_in_flight()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        for unit in self.units:
+            unit.grad_shard.zero_()
 
 
-class ZeroStage3(ZeroDataParallel):
-    """Weights live as shards; each unit is gathered just in time.
+# ============================================================================ the technique: ZeRO-3, the weights sharded too
+
+
+class ZeroStage3(ZeroStage2):
+    """ZeRO-2 with the weights sharded too: they live as shards, and each unit is gathered just in time.
 
         forward:   gather(u0)  [u0 fwd | gather(u1)]  free(u0)  [u1 fwd | gather(u2)]  free(u1) ...
         backward:  ... [u2 bwd | gather(u1)] reduce-scatter(u2) free(u2)  [u1 bwd | gather(u0)] ...
@@ -401,15 +384,23 @@ class ZeroStage3(ZeroDataParallel):
     option): one all-gather per unit and micro-batch less, the whole model's weights at the peak.
     """
 
+    stage = 3
+
     def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
                  reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None):
-        super().__init__(module, group, 3, precision, expert_group)
+        super().__init__(module, group, precision, expert_group)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         for index, modules in enumerate(unit_modules(module)):
             modules[0].register_forward_pre_hook(partial(self._before_forward, index))
             modules[-1].register_forward_hook(partial(self._after_forward, index))
         for unit in self.units:
             unit.pending = None   # the all-gather in flight, if any
+
+    def _hold_weights(self, unit: FlatUnit, values: torch.Tensor) -> torch.Tensor:
+        """Only this rank's shard of the weights; the parameters point at nothing until a gather."""
+        unit.param_shard = unit.shard(values).to(self.precision.param_dtype).clone()
+        unit.release_parameters()
+        return unit.param_shard
 
     def _gather(self, index: int) -> None:
         """Start gathering the flat units of module unit `index` (those not gathered or on their
@@ -457,6 +448,46 @@ class ZeroStage3(ZeroDataParallel):
             unit.param_shard.copy_(unit.master)
 
 
+# ============================================================================ the technique: mixed precision
+
+
+def master_weights(weights_shard: torch.Tensor, float32_shard: torch.Tensor) -> torch.Tensor:
+    """The float32 master of this rank's shard, which AdamW steps. `--dtype bfloat16` keeps the
+    weights in bf16 (what the model computes with and ZeRO-3 all-gathers: half the bytes) and a
+    float32 copy here, with float32 Adam states, so that an update below bf16's resolution near a
+    weight (2^-8 relative) still accumulates; each step casts the master back into the weights
+    (_publish). In float32 the weights' own shard is the master: no copy. The gradients are
+    accumulated and reduced in Precision.reduce_dtype (`--reduce-dtype`)."""
+    return weights_shard if weights_shard.dtype == torch.float32 else float32_shard.clone()
+
+
+def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
+    param_dtype = autocast_dtype(dtype, device)
+    reduce = param_dtype if reduce_dtype == "auto" else getattr(torch, reduce_dtype)
+    return Precision(param_dtype, reduce)
+
+
+# ============================================================================ the technique: expert units
+
+
+def flat_units(named_params: list, sharded: bool, group, expert_group=None) -> list[FlatUnit]:
+    """One module unit's flat units: its parameters over `group`, cut into one shard per rank (or
+    one shard, unsharded); with an `expert_group`, the expert weights apart, over that group.
+
+    An expert weight is held by the ranks of its expert-data-parallel group (edp, lesson 07's
+    composition with lesson 05), not by every data-parallel rank, so a block with experts makes two
+    flat units: the dense one sharded over `group`, the expert one over edp, each reduced, stepped
+    and gathered over its own group (ZeRO-3 gathers and frees them together)."""
+    is_expert = [expert_group is not None and is_expert_parameter(name) for name, _ in named_params]
+    units = []
+    for params, unit_group in (([n for n, e in zip(named_params, is_expert) if not e], group),
+                               ([n for n, e in zip(named_params, is_expert) if e], expert_group)):
+        if params:
+            n_shards, rank = (group_size(unit_group), group_rank(unit_group)) if sharded else (1, 0)
+            units.append(FlatUnit(params, n_shards, rank, unit_group))
+    return units
+
+
 # ============================================================================ the technique: a ZeRO step
 
 
@@ -465,7 +496,34 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
     if stage == 3:
         return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, expert_group)
-    return ZeroDataParallel(module, group, stage, precision, expert_group)
+    if stage == 2:
+        return ZeroStage2(module, group, precision, expert_group)
+    return ZeroDataParallel(module, group, precision, expert_group, replicate=stage == 0)
+
+
+def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
+    """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
+    an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
+    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the
+    same factor. Norm gains replicated over tp count once.
+    Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
+    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp,
+    every slice of it: the tp sum adds the slices) once."""
+    counts = settings.counts_toward_norm or (lambda param: True)
+    norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
+    for unit in model.units:
+        for piece in unit.pieces:
+            if piece.param is None or counts(piece.param):
+                norm_sq += unit.grad_shard[piece.lo: piece.hi].float().pow(2).sum()
+    groups = settings.norm_groups if model.stage == 0 else (model.dp_group, *settings.norm_groups)
+    for group in groups:
+        comm.call(dist.all_reduce, norm_sq, group=group)
+    total_norm = norm_sq.sqrt().item()
+    note_grad_norm(total_norm)      # a non-finite norm: the shared loop skips the optimizer step
+    if math.isfinite(total_norm) and total_norm > settings.max_grad_norm:
+        for unit in model.units:
+            unit.grad_shard.mul_(settings.max_grad_norm / (total_norm + 1e-6))
+    return total_norm
 
 
 def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -512,12 +570,6 @@ def step_settings(device, precision: Precision, max_grad_norm: float) -> StepSet
 
 
 # ============================================================================ configuration rules
-
-
-def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
-    param_dtype = autocast_dtype(dtype, device)
-    reduce = param_dtype if reduce_dtype == "auto" else getattr(torch, reduce_dtype)
-    return Precision(param_dtype, reduce)
 
 
 def validate_zero(dtype: str, reduce_dtype: str) -> None:
