@@ -57,8 +57,8 @@ from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compu
                                    predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, plan_run, train)
+from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
+                                 autocast_dtype, build_optimizer, clip_grad_norm_, plan_run, train)
 
 # ============================================================================ the technique: naive data parallel
 
@@ -186,7 +186,10 @@ class BucketedDataParallel(nn.Module):
             bucket.grads.zero_()
 
 
-def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int) -> nn.Module:
+def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int) -> DataParallelModel:
+    """Either wrapper. Both offer what every data-parallel wrapper of the suite offers the step
+    (train.DataParallelModel): module, dp_group, require_backward_grad_sync,
+    finish_gradient_synchronization and zero_grad."""
     if mode == "naive":
         return NaiveDataParallel(model, dp_group)
     return BucketedDataParallel(model, dp_group, bucket_bytes)
@@ -195,7 +198,7 @@ def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int)
 # ============================================================================ the technique: gradient accumulation
 
 
-def forward_backward(model, batch: StepBatch, settings: StepSettings) -> torch.Tensor:
+def forward_backward(model: DataParallelModel, batch: StepBatch, settings: StepSettings) -> torch.Tensor:
     """Forward and backward of this rank's micro-batches; returns this rank's share of the loss.
 
     The loss is token-weighted over the global batch: each micro-batch's *summed* token losses
@@ -219,7 +222,7 @@ def forward_backward(model, batch: StepBatch, settings: StepSettings) -> torch.T
     return loss
 
 
-def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
+def train_step(model: DataParallelModel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
     """One optimizer step over this rank's micro-batches; the loss is that of the global batch."""
     loss = forward_backward(model, batch, settings)
     model.finish_gradient_synchronization()

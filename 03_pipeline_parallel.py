@@ -332,8 +332,9 @@ class Pipeline:
     """Runs one rank's part of a schedule: its chunks, its program, its neighbours.
 
     chunks: this rank's model chunks (PipelineStage, or in lesson 07 the same chunks converted by
-    the other lessons), each wrapped for data parallelism (lesson 01): the wrapper's
-    require_backward_grad_sync is switched on only for a chunk's last backward of the step.
+    the other lessons), each wrapped for data parallelism (a train.DataParallelModel, here lesson
+    01's): the wrapper's require_backward_grad_sync is switched on only for a chunk's last
+    backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
     (the residual stream stays float32 under autocast) unless the weights themselves are bf16.

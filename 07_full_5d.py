@@ -159,8 +159,8 @@ from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traff
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, batch_shape,
-                                 exit_with_error, plan_run, traffic_not_counted, train)
+from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
+                                 batch_shape, exit_with_error, plan_run, traffic_not_counted, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -331,11 +331,12 @@ class StageChunks(torch.nn.Module):
         self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
 
 
-class PipelineChunk(torch.nn.Module):
-    """One chunk as lesson 03's Pipeline drives it: forward runs the chunk; the data-parallel
-    switch the schedule sets before each backward (on for a chunk's last one) and the groups are
-    the one ZeRO wrapper's. One switch serves every chunk: a unit's gradients arrive only during
-    its own chunk's backward, so the switch is on exactly when a unit's last micro-batch arrives."""
+class PipelineChunk(torch.nn.Module, DataParallelModel):
+    """One chunk as lesson 03's Pipeline drives it, a data-parallel model of its own: forward runs
+    the chunk; the data-parallel switch the schedule sets before each backward (on for a chunk's
+    last one), the group, the wait and the zeroing are the one ZeRO wrapper's. One switch serves
+    every chunk: a unit's gradients arrive only during its own chunk's backward, so the switch is
+    on exactly when a unit's last micro-batch arrives."""
 
     def __init__(self, sharded: "zero.ZeroDataParallel", chunk: torch.nn.Module):
         super().__init__()
@@ -356,6 +357,12 @@ class PipelineChunk(torch.nn.Module):
     @property
     def dp_group(self):
         return self.sharded.dp_group
+
+    def finish_gradient_synchronization(self) -> None:
+        self.sharded.finish_gradient_synchronization()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        self.sharded.zero_grad(set_to_none)
 
 
 def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,

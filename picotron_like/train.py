@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -176,6 +177,31 @@ def note_grad_norm(grad_norm: float) -> None:
 
 
 # ----------------------------------------------------------------------------- the step contract
+
+
+@runtime_checkable
+class DataParallelModel(Protocol):
+    """What a data-parallel wrapper offers the code that trains through it, and all that code may
+    use: lesson 01's micro-batch loop and step, lesson 03's schedule, lesson 06's sharded step,
+    lesson 07's composed step. Lesson 01's wrappers, lesson 05's ExpertDataParallel, lesson 06's
+    ZeRO stages and lesson 07's PipelineChunk (one chunk of a rank's pipeline under one ZeRO
+    wrapper) each implement it.
+
+    Calling it runs the wrapped model's forward. require_backward_grad_sync False makes the next
+    backward only accumulate gradients locally (an earlier micro-batch of the step); True makes it
+    also start their reduction over dp_group, which finish_gradient_synchronization waits for.
+    zero_grad clears the accumulated gradients for the next step.
+    """
+
+    module: Any                         # the wrapped model (a GPT, or a pipeline stage)
+    dp_group: Any                       # the ranks whose gradients it sums, and whose losses the step sums
+    require_backward_grad_sync: bool
+
+    def __call__(self, *args, **kwargs): ...
+
+    def finish_gradient_synchronization(self) -> None: ...
+
+    def zero_grad(self, set_to_none: bool = False) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -392,3 +392,27 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, monkeypatch, c
     assert stopped.value.code == 2
     assert capsys.readouterr().err == 'error: the loss plot needs matplotlib, an optional extra: pip install -e ".[plot]"\n'
     assert not (tmp_path / "loss.png").exists()
+
+
+def every_data_parallel_wrapper() -> dict:
+    """One of each data-parallel wrapper of the suite, on 2 real ranks: is each a DataParallelModel?"""
+    data_parallel, expert_parallel = load_lesson("01_data_parallel"), load_lesson("05_expert_parallel")
+    zero, full_5d = load_lesson("06_zero"), load_lesson("07_full_5d")
+    grid = ProcessGrid(GridShape(dp=2), ep=2)
+    cpu, cfg = torch.device("cpu"), get_config("tiny")
+    wrappers = {mode: data_parallel.wrap_data_parallel(GPT(cfg), grid.dp_group, mode, 2**20)
+                for mode in ("naive", "bucketed")}
+    wrappers["experts"] = expert_parallel.build_model(get_config("tiny-moe"), 0, grid, cpu,
+                                                      expert_parallel.looped_experts, 4)
+    wrappers.update({f"ZeRO-{stage}": zero.wrap_zero(GPT(cfg), grid.dp_group, stage) for stage in range(4)})
+    wrappers["pipeline chunk"] = full_5d.PipelineChunk(wrappers["ZeRO-1"], wrappers["ZeRO-1"].module)
+    wrappers["a bare GPT"] = GPT(cfg)
+    return {name: isinstance(wrapper, train.DataParallelModel) for name, wrapper in wrappers.items()}
+
+
+def test_every_data_parallel_wrapper_offers_one_interface():
+    """The interface is declared once (train.DataParallelModel) and every wrapper the steps drive
+    offers all of it, lesson 07's pipeline chunk included; a model that is not wrapped does not."""
+    for offered in run_ranks(2, every_data_parallel_wrapper, timeout_s=120):
+        assert offered.pop("a bare GPT") is False
+        assert all(offered.values()), offered
