@@ -1,5 +1,5 @@
 """
-Lesson 02 — tensor parallelism (Megatron style), sequence parallelism and a vocab-parallel loss.
+Lesson 02 — tensor parallelism in one file: Megatron-style layers, sequence parallelism, a vocab-parallel loss.
 
 The problem. Data parallelism gives every rank the whole model. The 8b preset (Llama-3-8B's shape)
 needs 16 bytes per parameter for float32 master weights, gradients and AdamW's two moments:
@@ -7,85 +7,58 @@ needs 16 bytes per parameter for float32 master weights, gradients and AdamW's t
 184 GB, however many of them join the data-parallel group.
 
 The idea. Split every weight matrix across the `tp` ranks of one node, so that each rank stores and
-multiplies 1/tp of it. Two ways to cut a linear layer Y = X A^T:
+multiplies 1/tp of it. A linear layer Y = X A^T can be cut two ways:
 
     column-parallel: A cut by output rows,  rank i computes Y_i = X A_i^T    (a slice of Y's columns)
     row-parallel:    A cut by input columns, rank i computes X_i A_i^T        (a partial sum of all of Y)
 
-A column-parallel layer followed by a row-parallel one needs no communication in between: the
-column layer's output slice is exactly the input slice the row layer needs. So an MLP (and
-attention, whose heads are independent) costs one all-reduce forward and one backward:
+A column layer's output slice is exactly the input slice a row layer needs, so column-then-row
+talks only at its two ends: an MLP (and attention, split by heads) costs one all-reduce forward
+and one backward, in the conjugate operators f and g:
 
                f                                                              g
     X ───── identity ──┬── X·gate_0, X·up_0 ─► silu(.)*(.) ─► ·down_0 ──┐     all-reduce ─► Y
             (backward: │                                                ├──── (backward:
             all-reduce)└── X·gate_1, X·up_1 ─► silu(.)*(.) ─► ·down_1 ──┘      identity)
 
-f and g are conjugate: f is the identity going forward and an all-reduce going backward (every
-rank's slice contributed to dL/dX); g is an all-reduce going forward and the identity going
-backward. Attention uses the same pair around its heads: q/k/v column-parallel (each rank owns
-n_heads/tp query heads and n_kv_heads/tp key/value heads, which keeps grouped-query attention's
-groups whole), o_proj row-parallel. The embedding is split by vocabulary (each rank looks up the
-ids of its slice, zeros the rest; g sums the slices), and so is the LM head, whose logits are then
-never gathered: the cross-entropy reduces three numbers per token (max, sum of exponentials,
-target logit) across tp instead of moving b*s*V logits.
+The embedding and the LM head are split by vocabulary, and the logits are never gathered: the
+loss all-reduces three numbers per token (max, sum of exponentials, target logit) instead.
 
-Sequence parallelism (Megatron-SP). Between blocks the activations are replicated on all tp
-ranks, and the RMSNorms compute the same thing tp times. Split those regions along the sequence
-instead: the all-reduce (= reduce-scatter + all-gather) is cut in two, the reduce-scatter ends a
-block (each rank keeps s/tp tokens), the all-gather starts the next one:
+Sequence parallelism (--sequence-parallel). Between blocks the activations, and the RMSNorms'
+work, are replicated on every tp rank. Cut each all-reduce into its reduce-scatter and its
+all-gather, and keep those regions split along the sequence:
 
     [b, s/tp, h] ─► RMSNorm ─► all-gather ─► column ─► ... ─► row ─► reduce-scatter ─► [b, s/tp, h]
-                  (weight grads summed over tp: each rank saw only s/tp tokens)
 
-A column-parallel layer needs its whole input [b, s, h] once more in backward, for its weight
-gradient. Keeping the gathered input until then would leave one [b, s, h] tensor per norm
-replicated on every tp rank, so the column layers keep only the norm's output on this rank,
-[b, s/tp, h], and all-gather it again in backward: once for q, k and v together, once for gate and
-up, once for the head. Every activation of a block is then divided by tp, for one more all-gather
-per norm in backward. Megatron starts that all-gather before computing the input gradient, so
-that on GPUs it travels while the matmul runs; this file does the same (on gloo it runs on a
-background thread).
+The column layers keep only this rank's s/tp tokens of their input and gather it again in
+backward (once per norm), so every activation of a block is divided by tp.
 
 The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocabulary V):
-    memory:  weights, gradients, optimizer states / tp (norm gains replicated); activations inside
-             the blocks / tp, except the norms' inputs, statistics and outputs (the column layers'
-             input), replicated on every tp rank: per token and layer 2(3h + 1) of the
-             2(3h + 1) + 5h + 4f + n_heads elements a block saves. With sequence parallelism every
-             activation of a block / tp. Logits b*s*V/tp instead of b*s*V.
-    communication: per layer 2 all-reduces forward and 2 backward of b*s*h elements, plus one each
-             for the embedding and the head: (4L + 2) * b*s*h. With sequence parallelism the same
-             volume moves as (4L + 2) all-gathers and (4L + 2) reduce-scatters of b*s*h, plus the
-             2L + 1 all-gathers of b*s*h that rebuild the column layers' input in backward, and
-             2L + 1 all-reduces of h for the norm gains. The loss adds 3 all-reduces of b*s floats.
-    compute: the same FLOPs split tp ways, but every collective sits on the critical path: the next
-             matmul needs its result (except sequence parallelism's backward all-gathers, which
-             travel while the input gradient is computed).
-
-When TP pays. Per layer and token, a rank does 2 * 13h^2 / tp forward FLOPs (8b preset) and sends
-2 * 2h bytes * 2(tp-1)/tp in bf16: with h = 4096 and tp = 8, 1900 FLOPs per byte sent. At an H100's
-989 TFLOP/s the link must carry 520 GB/s to keep up: NVLink's 450 GB/s each way roughly does; a
-400 Gb/s InfiniBand NIC (50 GB/s) is ten times too slow. That is why tp stays inside a node (8
-GPUs) and data or pipeline parallelism crosses nodes. Sequence parallelism divides what TP left
-replicated — the norms, their outputs and the residual stream — by tp, for a quarter more bytes on
-the wire in float32: per micro-batch a rank sends (tp-1)/tp of (4L + 2) + (4L + 2) + (2L + 1)
-messages of b*s*h (all-gathers, reduce-scatters, backward all-gathers) instead of 2(tp-1)/tp of
-4L + 2 (all-reduces). The extra all-gathers start before a matmul that can hide them on a GPU.
+    memory:  weights, gradients, optimizer states / tp (norm gains replicated); a block's
+             activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
+             replicated unless --sequence-parallel divides them too. Logits b*s*V/tp, not b*s*V.
+    communication: (4L + 2) all-reduces of b*s*h; with --sequence-parallel the same volume as
+             (4L + 2) all-gathers and (4L + 2) reduce-scatters, plus 2L + 1 backward all-gathers
+             of b*s*h and 2L + 1 all-reduces of h (norm gains). The loss: 3 all-reduces of b*s.
+    compute: the same FLOPs split tp ways, but every collective sits on the critical path: tp
+             needs NVLink's bandwidth and stays inside a node.
 
 Run it:
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2                      # CPU, ~30 s
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2 --sequence-parallel
     torchrun --nproc_per_node=8 02_tensor_parallel.py --tp 8 --preset 1b --seq-len 2048 --sequence-parallel
 
-With --dp > 1 the tp groups are data-parallel replicas of each other, joined by lesson 01's
-bucketed all-reduce (--bucket-mb sets its bucket size).
+The lesson takes --tp and --dp (the tp groups are replicas joined by lesson 01's bucketed
+all-reduce; --bucket-mb sets its bucket size); --pp and --cp are refused with a line pointing to
+lesson 07, which composes every axis.
 
 What to look for: the loss falls as on one device (the tests prove equality to float32 rounding);
-the tp rows of the communication table equal the formula to the byte, and switching on
---sequence-parallel turns the all-reduces into all-gathers and reduce-scatters of the same volume
-plus one backward all-gather per norm, while the activation memory per rank falls from the
-report's "without" prediction to its "with sequence parallelism" one (every activation of a
-block / tp).
+the tp rows of the communication table equal the formula to the byte; --sequence-parallel turns
+the all-reduces into all-gathers and reduce-scatters of the same volume plus one backward
+all-gather per norm, and the activations per rank fall from the report's "without" prediction to
+its "with sequence parallelism" one.
+
+More: docs/02_tensor_parallel.md (derivations, the full price, when tp pays).
 """
 
 from __future__ import annotations

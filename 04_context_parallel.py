@@ -4,18 +4,16 @@ Lesson 04 — context parallelism in one file: ring attention (with zigzag balan
 The problem. Activations grow with the sequence. Training the 8B shape on one 131,072-token
 sequence saves about 900 GB of activations for backward in bf16 (``predicted_activation_bytes``
 of the 8b preset): six H200s' worth of memory for one sequence, before a single weight. Data,
-tensor and pipeline parallelism do not help: they split the batch, the matrices and the layers,
-but every rank still holds every token of its sequence.
+tensor and pipeline parallelism split the batch, the matrices and the layers, but every rank
+still holds every token of its sequence.
 
-The idea. Split the sequence. Almost everything in a transformer is per token: embeddings, norms,
-the q/k/v/o projections, the MLP, the loss. A rank holding 1/cp of the tokens computes all of that
-alone. Attention is the one exception: a query attends to the keys and values of every earlier
-token, and most of those live on other ranks. So only attention talks, in one of two ways.
+The idea. Split the sequence. Everything in a transformer but attention is per token (embeddings,
+norms, projections, the MLP, the loss), so a rank holding 1/cp of the tokens computes it alone.
+Only attention talks, since a query attends to every earlier token's keys and values.
 
-Ring attention. The cp ranks form a ring. Each holds its queries and one block of K/V; at every
-step it sends its current K/V block to the next rank, receives the previous rank's, and meanwhile
-computes attention of its queries over the block it holds. After cp steps every query has seen
-every key, and no rank ever held more than two K/V blocks:
+Ring attention. The cp ranks form a ring. Each holds its queries and one K/V block; at every step
+it passes its K/V block to the next rank and, while it travels, attends over the block it holds.
+After cp steps every query has seen every key:
 
         step 0          step 1          step 2          step 3        (cp = 4, "Q_r x KV_j")
     r0: Q0 x KV0  ──►  Q0 x KV3  ──►  Q0 x KV2  ──►  Q0 x KV1          each K/V block moves to the
@@ -23,51 +21,28 @@ every key, and no rank ever held more than two K/V blocks:
     r2: Q2 x KV2  ──►  Q2 x KV1  ──►  Q2 x KV0  ──►  Q2 x KV3          step; its send hides behind
     r3: Q3 x KV3  ──►  Q3 x KV2  ──►  Q3 x KV1  ──►  Q3 x KV0          the current block's math
 
-Partial results are merged with the online-softmax rule: each block returns its output and the
-log-sum-exp (lse) of its scores, and two partial results combine exactly as
-
+Each block returns its output and log-sum-exp (lse), merged exactly by the online-softmax rule
     lse = log(exp(lse_a) + exp(lse_b))    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+Backward recomputes each block from the saved lse and passes dK/dV around the ring to its owner.
 
-Backward recomputes each block's attention from the saved lse (no s x s matrix is ever stored)
-and passes the K/V gradients around the ring behind the K/V blocks, until each reaches its owner.
-A block is one call of a fused flash-attention kernel that returns the lse too (--ring-kernel
-fused, the default); --ring-kernel plain spells it out in matmuls, the reference it equals.
-
-Causal balance. With a contiguous split, rank 0's queries see only its own block and the last
-rank's see all of them: the last rank does cp times the work of the first, and the ring moves at
-the pace of the slowest. The zigzag split cuts the sequence into 2·cp chunks and gives rank i the
-chunks i and 2·cp−1−i, one early and one late, so every rank does the same work:
+Causal balance. Split contiguously, the last rank does cp times the first one's work and the ring
+waits for it. The zigzag split cuts 2·cp chunks and gives rank i chunks i and 2·cp−1−i:
 
     contiguous, cp=4:   r0 [0 1] r1 [2 3] r2 [4 5] r3 [6 7]     blocks computed  1 : 2 : 3 : 4
     zigzag,     cp=4:   r0 [0 7] r1 [1 6] r2 [2 5] r3 [3 4]     chunk pairs      9 : 9 : 9 : 9
 
-(These count a diagonal block whole, as the plain block computes it before masking; the fused
-kernel skips its masked half, which makes the contiguous split worse still, 1 : 3 : 5 : 7.)
-
-Ulysses (DeepSpeed). Instead of moving K/V around, re-shard: one all-to-all turns "all heads of
-my tokens" into "my heads of all tokens", attention runs unchanged on whole sequences, and a second
-all-to-all turns the output back. It needs the head and kv-head counts divisible by cp.
+Ulysses (DeepSpeed). Re-shard instead: one all-to-all turns "all heads of my tokens" into "my heads
+of all tokens", attention runs unchanged, a second all-to-all turns the output back. It needs the
+head and kv-head counts divisible by cp.
 
 The price, per layer and micro-batch of b sequences of S tokens, n_kv kv-heads of size d, e bytes:
     memory      activations of S/cp tokens per rank (+ one K/V block in flight for the ring)
-    ring        forward (cp−1) K/V blocks of 2·b·(S/cp)·n_kv·d·e bytes; backward the K/V blocks
-                again plus cp dK/dV blocks in float32. Per rank ~2·b·S·n_kv·d·e: it does not
-                shrink with cp, but it hides behind attention compute, which grows with (S/cp)².
-    Ulysses     4 all-to-alls (q/k/v and the output, forward and backward) of
-                2·b·(S/cp)·(2·n_heads + 2·n_kv)·d·e bytes per rank in all, (cp−1)/cp of it leaving
-                the rank: shrinks as 1/cp, but attention cannot start before it arrives.
-    gradients   every rank holds every weight, so one all-reduce over the dp × cp ranks per step.
-
-This lesson composes context parallelism with data parallelism alone (the gradients' sum is lesson
-01's, over dp × cp). Lesson 07 composes it with the other axes: attention cores over a
-tensor-parallel rank's heads (Ulysses then needs heads per tp rank divisible by cp), inside a
-pipeline stage, around experts and under ZeRO; --tp and --pp here are refused with a line pointing
-there.
-
-The loss is token-weighted over the global batch: each rank sums the losses of its own tokens and
-divides by the number of valid targets in the whole global batch (known from the data), so the
-shares of all ranks add up to the one-device mean, and the gradients are simply summed over
-dp × cp, even when one rank's part of a sequence holds more ignored targets than another's.
+    ring        forward (cp−1) K/V blocks of 2·b·(S/cp)·n_kv·d·e bytes, backward as many again
+                plus cp float32 dK/dV blocks: ~2·b·S·n_kv·d·e per rank whatever cp, hidden
+                behind attention compute, which grows with (S/cp)².
+    Ulysses     4 all-to-alls of 2·b·(S/cp)·(2·n_heads + 2·n_kv)·d·e bytes per rank in all:
+                shrinks as 1/cp, but attention cannot start before it arrives.
+    gradients   every rank holds every weight: one all-reduce over the dp × cp ranks per step.
 
 Run it:
     torchrun --nproc_per_node=4 04_context_parallel.py --cp 4                        # CPU, ~30 s
@@ -76,9 +51,15 @@ Run it:
     torchrun --nproc_per_node=3 04_context_parallel.py --cp 3 --seq-len 252          # odd: 6 zigzag chunks
     torchrun --nproc_per_node=8 04_context_parallel.py --cp 8 --preset 1b --seq-len 32768 --micro-batch-size 1
 
+The lesson takes --cp and --dp (gradients summed by lesson 01's all-reduce over dp × cp), with
+--cp-mode, --zigzag/--no-zigzag and --ring-kernel {fused,plain}; --tp and --pp are refused with a
+line pointing to lesson 07, which composes context parallelism with the other axes.
+
 What to look for: the loss falls as on one device (the tests prove equality to float32 precision);
 activation memory per rank is that of S/cp tokens; the ring's bytes per step equal the formula;
 the per-rank attention work is cp:1 unbalanced with --no-zigzag and flat with the zigzag split.
+
+More: docs/04_context_parallel.md (derivations, the fused kernel, the loss, composition).
 """
 from __future__ import annotations
 
