@@ -1,11 +1,10 @@
 """
 Lesson 03 — pipeline parallelism in one file: AFAB (GPipe), 1F1B and interleaved 1F1B.
 
-The problem. The 8b preset has 32 layers of 218M parameters each. With AdamW in float32 a layer
-costs 16 bytes per parameter, 3.5 GB, so the layers alone need 112 GB: more than an 80 GB H100
-holds, and data parallelism does not help, since every data-parallel rank holds all of it. Tensor
-parallelism (lesson 02) splits every layer, but it puts collectives on the critical path of every
-matmul, so it must stay inside a node's NVLink domain.
+The problem. The 8b preset's 32 layers cost 3.5 GB each with AdamW in float32 (16 bytes per
+parameter): 112 GB, more than an 80 GB H100 holds, on every data-parallel rank. Tensor parallelism
+(lesson 02) splits every layer but puts collectives on every matmul's critical path, so it must
+stay inside a node's NVLink domain.
 
 The idea. Cut the model by depth. Rank r of p holds a contiguous slice of the layers (a stage);
 the first stage also holds the embedding, the last one the final norm, the head and the loss.
@@ -22,7 +21,7 @@ the forward (F) and backward (B) of its micro-batches. This lesson builds three:
     AFAB (GPipe): all forwards, then all backwards. Simple; keeps m micro-batches of activations.
     1F1B: after a warm-up of p-1-r forwards, stage r alternates one forward and one backward, then
           cools down. Same bubble as AFAB, but at most p-r micro-batches alive: memory bounded by p,
-          not m.
+          not m. Pipeline.one_f_one_b writes it out: each receive, compute and send in order.
     interleaved 1F1B: each rank holds v chunks of layers taken round-robin (rank r: chunks r, r+p,
           ...). A micro-batch passes through every rank v times; each pass is v times shorter, so
           the pipeline fills and drains v times faster.
@@ -61,10 +60,9 @@ Run it:
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule interleaved --virtual-stages 2 --n-layers 8
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 2 --dp 2                   # 2 pipelines, dp x pp
 
-Pipeline parallelism here composes with data parallelism alone: each of the dp pipelines runs the
-schedule on its own micro-batches and all-reduces its stage's gradients over dp. Lesson 07 runs
-stages that are also tensor-parallel, context-parallel, hold experts or are sharded by ZeRO; --tp,
---cp and --ep here are refused with a line pointing there.
+With dp, each pipeline runs the schedule on its own micro-batches and all-reduces its stages'
+gradients over dp. Stages that are also tensor- or context-parallel, hold experts or are sharded
+by ZeRO are lesson 07's composition: --tp, --cp and --ep here are refused with a line pointing there.
 
 What to look for: the loss falls exactly as on one device (the tests prove it to float32 rounding);
 the timeline shows the warm-up, steady state and cool-down; the measured bubble sits next to its
@@ -338,13 +336,16 @@ class Pipeline:
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
     (the residual stream stays float32 under autocast) unless the weights themselves are bf16.
-    The program alternates exchange (one batch of transfers) with forward_step / backward_step (one
-    action each); those two are also where a timeline recorder times the schedule from outside.
+    1F1B runs written out (one_f_one_b: receive, compute, send, as a reader should see it first);
+    every other schedule runs its communication program (run_program), the same steps generated
+    by communication_program. Both alternate exchange (one batch of transfers) with forward_step /
+    backward_step (one action each); those two are also where a timeline recorder times the
+    schedule from outside.
     """
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
                  device, compute_dtype=torch.float32, boundary_dtype=torch.float32):
-        self.chunks, self.virtual_stages = chunks, virtual_stages
+        self.chunks, self.schedule, self.virtual_stages = chunks, schedule, virtual_stages
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
         self.peer_ranks = dist.get_process_group_ranks(grid.pp_group)  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
@@ -364,6 +365,72 @@ class Pipeline:
         stage uses the inputs, the last the targets. A micro-batch is (inputs, targets) or
         (inputs, targets, positions).
         """
+        return self.one_f_one_b(batch) if self.schedule == "1f1b" else self.run_program(batch)
+
+    def one_f_one_b(self, batch: StepBatch) -> torch.Tensor:
+        """1F1B with one chunk per rank, written out: the warm-up's forwards, the steady state's
+        forward-backward pairs, the cool-down's backwards, and around each computation the receive
+        it needs and the send of what it produced.
+
+        Each exchange posts what the last computation produced (its send) together with what the
+        next one needs (its receive), and waits for both: posting them together is what keeps two
+        neighbours from both blocking in a send (communication_program says more). This is the
+        order the configuration rules simulated before training (communication_program of
+        one_f_one_b_schedule); a test checks that this loop runs exactly that program.
+        """
+        p, r, m = self.pp, self.pp_rank, len(batch.micro_batches)
+        inputs, outputs, grads = {}, {}, {}     # keyed by (stage, micro-batch)
+        loss = torch.zeros((), device=self.device)
+
+        def receive_activation(i):              # micro-batch i's hidden states, from stage r-1
+            return [Transfer("recv", r - 1, Message("activation", r, i))] if r > 0 else []
+
+        def send_activation(i):                 # to stage r+1
+            return [Transfer("send", r + 1, Message("activation", r + 1, i))] if r < p - 1 else []
+
+        def receive_gradient(i):                # the gradient of our output of micro-batch i, from r+1
+            return [Transfer("recv", r + 1, Message("gradient", r, i))] if r < p - 1 else []
+
+        def send_gradient(i):                   # the gradient of our input, to r-1
+            return [Transfer("send", r - 1, Message("gradient", r - 1, i))] if r > 0 else []
+
+        def exchange(transfers):
+            if transfers:
+                self.exchange(tuple(transfers), inputs, outputs, grads)
+
+        def forward(i):
+            nonlocal loss
+            loss += self.forward_step(Action("F", 0, i), batch, inputs, outputs)
+
+        def backward(i):                        # the last one starts the data-parallel reduction
+            self.backward_step(Action("B", 0, i), i == m - 1, inputs, outputs, grads)
+
+        warmup = min(p - 1 - r, m)
+        sent = []
+        # warm-up: forwards only; the first gradient comes back after p-1-r more forwards downstream
+        for i in range(warmup):
+            exchange(sent + receive_activation(i))
+            forward(i)
+            sent = send_activation(i)
+        # steady state: each forward admits micro-batch warmup+i, each backward frees micro-batch i
+        for i in range(m - warmup):
+            exchange(sent + receive_activation(warmup + i))
+            forward(warmup + i)
+            sent = send_activation(warmup + i)
+            exchange(sent + receive_gradient(i))
+            backward(i)
+            sent = send_gradient(i)
+        # cool-down: the backwards of the warm-up's micro-batches drain the pipe
+        for i in range(m - warmup, m):
+            exchange(sent + receive_gradient(i))
+            backward(i)
+            sent = send_gradient(i)
+        exchange(sent)
+        return loss
+
+    def run_program(self, batch: StepBatch) -> torch.Tensor:
+        """Any schedule, by its communication program: the same steps one_f_one_b writes out,
+        generated by communication_program from the schedule's compute units."""
         inputs, outputs, grads = {}, {}, {}     # keyed by (virtual stage, micro-batch)
         loss = torch.zeros((), device=self.device)
         for index, step in enumerate(self.program):
@@ -372,7 +439,7 @@ class Pipeline:
             elif step.kind == "F":
                 loss += self.forward_step(step, batch, inputs, outputs)
             else:
-                self.backward_step(step, index, inputs, outputs, grads)
+                self.backward_step(step, self.last_backward[step.chunk] == index, inputs, outputs, grads)
         return loss
 
     def forward_only(self, batch: StepBatch) -> torch.Tensor:
@@ -408,12 +475,12 @@ class Pipeline:
         outputs[(stage, action.micro_batch)] = loss = out / batch.n_targets
         return loss.detach()
 
-    def backward_step(self, action: Action, program_index: int, inputs, outputs, grads) -> None:
+    def backward_step(self, action: Action, is_chunks_last: bool, inputs, outputs, grads) -> None:
         stage = action.chunk * self.pp + self.pp_rank
         key = (stage, action.micro_batch)
         # Gradients of a chunk are all-reduced over data parallelism only once, during its last
         # backward of the step; the earlier ones just accumulate into .grad.
-        self.chunks[action.chunk].require_backward_grad_sync = self.last_backward[action.chunk] == program_index
+        self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
         # The last stage starts from its loss, every other stage from the gradient its successor sent.
         torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
 

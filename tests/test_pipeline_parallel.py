@@ -209,6 +209,29 @@ def test_bad_configuration_stops_the_script_before_any_collective():
 # ----------------------------------------------------------------------------- equality on real ranks
 
 
+class RecordedSteps:
+    """The steps a pipeline runs, in order, seen from outside: each exchange's transfers and each
+    action, the form of a communication program (wrapping the instance's methods while entered)."""
+
+    def __init__(self, pipeline):
+        self.pipeline, self.steps = pipeline, []
+
+    def __enter__(self):
+        def recording(method, record):
+            def run(first, *args, **kwargs):
+                self.steps.append(record(first))
+                return method(first, *args, **kwargs)
+            return run
+        for name, record in (("exchange", tuple), ("forward_step", lambda a: a), ("backward_step", lambda a: a)):
+            setattr(self.pipeline, name, recording(getattr(self.pipeline, name), record))
+        return self
+
+    def __exit__(self, *exc):
+        for name in ("exchange", "forward_step", "backward_step"):
+            delattr(self.pipeline, name)
+        return False
+
+
 def keep_first_step_gradients(optimizer, chunks, store):
     """The gradients (after clipping) the optimizer is about to apply at its first step."""
     def hook(opt, args, kwargs):
@@ -233,7 +256,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
     boundary = lesson.activation_shape(cfg, data.shape)
     pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
 
-    with ActivationMeter(*chunks) as activations:
+    with ActivationMeter(*chunks) as activations, RecordedSteps(pipeline) as ran:
         pipeline.forward_backward(step_batch(0))
     for chunk in chunks:
         chunk.finish_gradient_synchronization()
@@ -258,7 +281,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
             "boundary_elements": torch.Size(boundary).numel(),
             "peak_bytes": activations.peak_bytes,
             "chunk_bytes": [lesson.predicted_chunk_activation_bytes(chunk.module, cfg, micro, SEQ) for chunk in chunks],
-            "program": pipeline.program,
+            "program": pipeline.program, "ran": ran.steps,
             "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank}
 
 
@@ -321,6 +344,9 @@ def check_runs(per_rank, specs, references):
         names = set()
         for rank, result in enumerate(results):
             where = f"{label} rank={rank}"
+            # What ran is the program the configuration rules simulated: for 1F1B, the loop that
+            # writes it out (Pipeline.one_f_one_b) sends and receives exactly as it says.
+            assert result["ran"] == list(result["program"]), where
             assert_equal_to_reference(result, reference, spec.get("max_grad_norm", 1.0), where)
             names |= set(result["params"])
             assert result["traffic"] == result["predicted_traffic"], where
