@@ -246,62 +246,6 @@ def visible_blocks(split: SequenceSplit, query_rank: int, key_rank: int, chunk: 
     return blocks
 
 
-# ============================================================================ the technique: one block in one fused kernel
-#
-# attention_block spells a block out and pays for it: its scores, (S/cp)^2 float32 numbers per head,
-# are built in memory, masked, exponentiated and multiplied. A flash-attention kernel computes the
-# same output and lse tile by tile, without ever holding the scores. Its backward takes the lse
-# and the output it is given instead of its own: handed the ring's final lse and output for these
-# rows, it computes P = exp(scores - final lse) and delta = rowsum(dO * final O), which are exactly
-# what attention_block_backward uses. So the ring merges fused blocks as it merges plain ones.
-# PyTorch exposes these kernels as aten ops (those F.scaled_dot_product_attention dispatches to,
-# but returning the lse): on the CPU in float32 and bf16, on CUDA (FlashAttention-2) in bf16 and
-# fp16 only, so a float32 run on CUDA keeps the plain blocks. Both take grouped-query K/V as they
-# are (kv-head j serves query heads j*group .. j*group+group-1) and sum dK/dV over each group.
-
-
-def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a flash kernel exists for tensors of this device and dtype."""
-    return device.type == "cpu" or (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16))
-
-
-def flash_forward(q, k, v, causal: bool):
-    """(output, lse) from the device's flash kernel: q [b, heads, s_q, d], k/v [b, kv_heads, s_k, d]."""
-    if q.device.type == "cuda":
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
-
-
-def flash_backward(d_out, q, k, v, out, lse, causal: bool):
-    """(dq, dk, dv) from the device's flash kernel, given the output and lse that the probabilities
-    and delta are to be computed from; lse [b, heads, s_q], contiguous (the kernels assume it)."""
-    if q.device.type == "cuda":
-        # None for the cumulative sequence lengths selects the dense (not variable-length) kernel;
-        # without dropout it reads neither the maximum lengths nor the random-number state.
-        no_rng_state = torch.empty(0, dtype=torch.int64, device=q.device)
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            d_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng_state, no_rng_state)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal)
-
-
-def fused_attention_block(q, k, v, causal: bool):
-    """attention_block in one kernel call: the same arguments (q [b, kv_heads, group, s, d], k/v
-    [b, kv_heads, 1, s, d]) and the same results (output and lse, float32)."""
-    b, n_kv, group, s, d = q.shape
-    out, lse = flash_forward(q.reshape(b, n_kv * group, s, d), k.squeeze(2), v.squeeze(2), causal)
-    return out.float().reshape(q.shape), lse.reshape(q.shape[:-1])
-
-
-def fused_attention_block_backward(q, k, v, d_out, out, lse, causal: bool):
-    """attention_block_backward in one kernel call: the same (dq, dk, dv), from the final output of
-    these rows instead of their delta (the kernel computes delta from it)."""
-    b, n_kv, group, s, d = q.shape
-    d_out, by_head, out = (t.reshape(b, n_kv * group, s, d) for t in (d_out, q, out))
-    d_q, d_k, d_v = flash_backward(d_out, by_head, k.squeeze(2), v.squeeze(2), out,
-                                   lse.reshape(b, n_kv * group, s).contiguous(), causal)
-    return d_q.float().reshape(q.shape), d_k.float(), d_v.float()
-
-
 # ============================================================================ the technique: ring attention
 
 
@@ -406,6 +350,62 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, cp: ContextParallel):
     """Drop-in Attention.attention_core: q [b, heads, S/cp, d], k/v [b, kv_heads, S/cp, d]."""
     return RingAttention.apply(q, k, v, cp)
+
+
+# ============================================================================ the technique: one block in one fused kernel
+#
+# attention_block spells a block out and pays for it: its scores, (S/cp)^2 float32 numbers per head,
+# are built in memory, masked, exponentiated and multiplied. A flash-attention kernel computes the
+# same output and lse tile by tile, without ever holding the scores. Its backward takes the lse
+# and the output it is given instead of its own: handed the ring's final lse and output for these
+# rows, it computes P = exp(scores - final lse) and delta = rowsum(dO * final O), which are exactly
+# what attention_block_backward uses. So the ring merges fused blocks as it merges plain ones.
+# PyTorch exposes these kernels as aten ops (those F.scaled_dot_product_attention dispatches to,
+# but returning the lse): on the CPU in float32 and bf16, on CUDA (FlashAttention-2) in bf16 and
+# fp16 only, so a float32 run on CUDA keeps the plain blocks. Both take grouped-query K/V as they
+# are (kv-head j serves query heads j*group .. j*group+group-1) and sum dK/dV over each group.
+
+
+def fused_kernel_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a flash kernel exists for tensors of this device and dtype."""
+    return device.type == "cpu" or (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16))
+
+
+def flash_forward(q, k, v, causal: bool):
+    """(output, lse) from the device's flash kernel: q [b, heads, s_q, d], k/v [b, kv_heads, s_k, d]."""
+    if q.device.type == "cuda":
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def flash_backward(d_out, q, k, v, out, lse, causal: bool):
+    """(dq, dk, dv) from the device's flash kernel, given the output and lse that the probabilities
+    and delta are to be computed from; lse [b, heads, s_q], contiguous (the kernels assume it)."""
+    if q.device.type == "cuda":
+        # None for the cumulative sequence lengths selects the dense (not variable-length) kernel;
+        # without dropout it reads neither the maximum lengths nor the random-number state.
+        no_rng_state = torch.empty(0, dtype=torch.int64, device=q.device)
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            d_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, no_rng_state, no_rng_state)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(d_out, q, k, v, out, lse, 0.0, causal)
+
+
+def fused_attention_block(q, k, v, causal: bool):
+    """attention_block in one kernel call: the same arguments (q [b, kv_heads, group, s, d], k/v
+    [b, kv_heads, 1, s, d]) and the same results (output and lse, float32)."""
+    b, n_kv, group, s, d = q.shape
+    out, lse = flash_forward(q.reshape(b, n_kv * group, s, d), k.squeeze(2), v.squeeze(2), causal)
+    return out.float().reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+def fused_attention_block_backward(q, k, v, d_out, out, lse, causal: bool):
+    """attention_block_backward in one kernel call: the same (dq, dk, dv), from the final output of
+    these rows instead of their delta (the kernel computes delta from it)."""
+    b, n_kv, group, s, d = q.shape
+    d_out, by_head, out = (t.reshape(b, n_kv * group, s, d) for t in (d_out, q, out))
+    d_q, d_k, d_v = flash_backward(d_out, by_head, k.squeeze(2), v.squeeze(2), out,
+                                   lse.reshape(b, n_kv * group, s).contiguous(), causal)
+    return d_q.float().reshape(q.shape), d_k.float(), d_v.float()
 
 
 # ============================================================================ the technique: Ulysses all-to-all
