@@ -145,15 +145,27 @@ def grouped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts)
     return matmul(hidden, experts.down_proj)
 
 
-def grouped_mm_fits(cfg, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm exists here and accepts this model's row strides."""
+def grouped_mm_fits(cfg, dtype: torch.dtype, device: torch.device = torch.device("cpu"),
+                    capability: tuple[int, int] | None = None) -> bool:
+    """Whether torch._grouped_mm is the fast path here: it exists, takes this model's row strides,
+    and has its kernel for `dtype` on `device`. On CUDA that kernel is bf16 on compute capability
+    9.0 (Hopper) and newer; for another dtype or an older GPU torch falls back to a slow loop over
+    the groups with a host sync, or refuses, depending on its version, and looped_experts is then
+    the better path. On the CPU it runs in every dtype (the tests prove it in float32).
+    `capability`, the GPU's (major, minor), is read from the device unless given (the memory
+    plan passes that of the GPU it plans for)."""
     element = torch.finfo(dtype).bits // 8
-    return hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden))
+    if not (hasattr(torch, "_grouped_mm") and all(d * element % 16 == 0 for d in (cfg.hidden, cfg.ffn_hidden))):
+        return False
+    if device.type != "cuda":
+        return True
+    return dtype == torch.bfloat16 and (capability or torch.cuda.get_device_capability(device)) >= (9, 0)
 
 
-def uses_grouped_mm(args, cfg, dtype: torch.dtype) -> bool:
-    """--grouped-mm where it fits this model and its compute dtype; looped otherwise."""
-    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype)
+def uses_grouped_mm(args, cfg, dtype: torch.dtype, device: torch.device = torch.device("cpu"),
+                    capability: tuple[int, int] | None = None) -> bool:
+    """--grouped-mm where its kernel runs fast for this model, dtype and device; looped otherwise."""
+    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype, device, capability)
 
 
 def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
@@ -703,7 +715,7 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=expert_degree(args, plan.grid))
     compute_dtype = autocast_dtype(args.dtype, device)
-    grouped = uses_grouped_mm(args, cfg, compute_dtype)
+    grouped = uses_grouped_mm(args, cfg, compute_dtype, device)
     model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,
                         shape.sequences_per_step, int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(model.module, args.lr)

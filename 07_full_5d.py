@@ -180,7 +180,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     whole GPT or one pipeline chunk; the seams where two techniques meet are the next section."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    grouped = expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, grid.tp_size), precision.param_dtype)
+    grouped = expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, grid.tp_size), precision.param_dtype,
+                                              device)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1
     chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank, args.virtual_stages)
               if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
@@ -823,8 +824,8 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
         micro = shape.micro_batch_size
         routed = expert_parallel.moe_bytes_by_micro_batch(
             experts, micro * shape.seq_len // grid.cp_size, micro, routing,
-            expert_parallel.ExpertParallel.from_grid(grid), expert_parallel.uses_grouped_mm(args, experts, dtype),
-            dtype.itemsize)
+            expert_parallel.ExpertParallel.from_grid(grid),
+            expert_parallel.uses_grouped_mm(args, experts, dtype, model.units[0].master.device), dtype.itemsize)
         sizes = {key: size + routed[key] for key, size in sizes.items()}
     # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
     if pipeline is None:

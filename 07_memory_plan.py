@@ -76,6 +76,9 @@ class LaidOutGrid(ProcessGrid):
 # What the plan assumes of each GPU: its memory in GiB (as sold: an H100's 80 GB are 80 x 2^30
 # bytes), its NVLink bandwidth within a node and its network bandwidth to other nodes, in GB/s
 # per direction (HGX boards; a PCIe card has less of all three). --gpu-memory-gb overrides the first.
+# Compute capability (major, minor), which decides the kernels a run gets (lesson 05's grouped matmul).
+CAPABILITY = {"B300": (10, 3), "B200": (10, 0), "H200": (9, 0), "H100": (9, 0), "A100-80GB": (8, 0),
+              "A100-40GB": (8, 0)}
 GPUS = {"B300": (288, 900, 100), "B200": (180, 900, 50), "H200": (141, 450, 50), "H100": (80, 450, 50),
         "A100-80GB": (80, 300, 25), "A100-40GB": (40, 300, 25)}
 # The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
@@ -130,7 +133,8 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
     experts = full_5d.experts_per_tp_rank(cfg, tp)
-    grouped = expert_parallel.uses_grouped_mm(args, experts, precision.param_dtype)
+    grouped = expert_parallel.uses_grouped_mm(args, experts, precision.param_dtype, torch.device("cuda"),
+                                              CAPABILITY[args.gpu])
 
     def one_micro_batch(stage) -> int:
         kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,

@@ -175,7 +175,7 @@ def main():
     device = init_distributed()
     compute_dtype = autocast_dtype(args.dtype, device)
     cfg, shape = first.cfg, first.shape
-    modes = (False, True) if lesson.grouped_mm_fits(cfg, compute_dtype) else (False,)
+    modes = (False, True) if lesson.grouped_mm_fits(cfg, compute_dtype, device) else (False,)
     variants = []
     for ep in degrees:
         grid = ProcessGrid(plans[ep].grid, ep=ep)
@@ -187,7 +187,8 @@ def main():
          f"{torch.get_num_threads()} threads per rank; ep = {degrees}; {bench.warmup} warm-up + {timed} timed "
          f"steps per variant ({bench.rounds} rounds of {bench.steps_per_round})")
     if len(modes) == 1:
-        log0("torch._grouped_mm is missing or does not fit this shape (lesson 05's grouped_mm_fits): looped only")
+        log0("torch._grouped_mm is missing, does not fit this shape or has no fast kernel for this dtype and GPU "
+             "(lesson 05's grouped_mm_fits): looped only")
     with AllToAllTimer(device) as timer:
         for variant in variants:
             variant.run(bench.warmup, timer, device, record=False)

@@ -92,6 +92,12 @@ def test_local_dispatch_loop_and_grouped_equal_the_reference(options):
     # The formula describes this file's dispatch at ep = 1 (the reference loop keeps other tensors).
     assert activations["loop"][0] == activations["loop"][1] and activations["grouped"][0] == activations["grouped"][1]
     assert lesson.grouped_mm_fits(cfg, torch.float32) and not lesson.grouped_mm_fits(replace(cfg, hidden=66, n_heads=3, n_kv_heads=3), torch.float32)
+    # On CUDA only where the fast kernel is: bf16 on Hopper and newer (capability given: no GPU here).
+    cuda = torch.device("cuda")
+    assert lesson.grouped_mm_fits(cfg, torch.bfloat16, cuda, (9, 0)) and lesson.grouped_mm_fits(cfg, torch.bfloat16,
+                                                                                                 cuda, (10, 3))
+    assert not lesson.grouped_mm_fits(cfg, torch.float32, cuda, (9, 0))
+    assert not lesson.grouped_mm_fits(cfg, torch.bfloat16, cuda, (8, 0))
     for name in ("loop", "grouped"):
         torch.testing.assert_close(results[name][0], results["reference"][0], rtol=0, atol=1e-6)
         for param, grad in results[name][1].items():
