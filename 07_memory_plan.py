@@ -43,7 +43,7 @@ from functools import lru_cache, partial
 import torch
 
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import PEAK_BF16_FLOPS, add_traffic
+from picotron_like.metrics import add_traffic, peak_flops_of_name
 from picotron_like.model import count_parameters, flops_per_token, get_config
 from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
@@ -222,7 +222,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     the GPU's peak; recomputation's extra forward; lesson 03's bubble; the communication that
     nothing hides, by the lessons' traffic formulas for this stage, at its group's bandwidth."""
     layout = LaidOutGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
-    peak = next(flops for name, flops in PEAK_BF16_FLOPS.items() if gpu.startswith(name))
+    peak = peak_flops_of_name(gpu)
     compute = flops_per_token(cfg, shape.seq_len) * shape.tokens_per_step / grid.world_size / (peak * MATMUL_EFFICIENCY)
     recompute = compute * RECOMPUTE_COST[args.recompute]
     bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum,

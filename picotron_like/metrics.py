@@ -17,6 +17,7 @@ goes through ``comm.call``); the rest is here:
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 import weakref
@@ -229,7 +230,18 @@ def add_traffic(*predictions: dict) -> dict:
 
 # Dense bf16 tensor-core peak of the GPUs the README names, in FLOP/s, for MFU (SXM parts; a
 # PCIe card or a power-capped one peaks lower: --peak-tflops gives the right number).
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "B200": 2250e12, "B300": 2250e12, "A100": 312e12}
+# Dense (not 2:4 sparse) bf16 peaks per GPU, by the model word in the name CUDA reports ("NVIDIA
+# H100 80GB HBM3", "NVIDIA GB200"): whole words, so a GB200 is not taken for a B200. The PCIe H100
+# runs slower clocks than the SXM board.
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GB200": 2500e12, "B200": 2250e12,
+                   "GB300": 2500e12, "B300": 2250e12, "A100": 312e12}
+MFU_CONVENTION = ("model FLOPs 6N + 12*layers*seq*heads*head_dim per token: causal attention counted in full, "
+                  "recomputation not counted")
+
+
+def peak_flops_of_name(name: str) -> float | None:
+    """The table's peak for a GPU's name, the first key found in it as whole words; None if none is."""
+    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
@@ -239,8 +251,7 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> fl
         return None
     if override_tflops is not None:
         return override_tflops * 1e12
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
+    return peak_flops_of_name(torch.cuda.get_device_name(device))
 
 
 def model_flops_utilisation(tokens_per_s: float, n_ranks: int, model_flops_per_token: int, peak: float) -> float:
@@ -280,7 +291,8 @@ class StepMemory:
 
 
 class Throughput:
-    """Tokens per second over the steps after the first `warmup` (which pay one-off costs)."""
+    """Tokens per second over the steps after the first `warmup` (which pay one-off costs), leaving
+    out the steps a lesson measured from inside (hooks slow them) unless nothing else is left."""
 
     def __init__(self, warmup: int = 1):
         self.warmup = warmup
@@ -289,25 +301,35 @@ class Throughput:
         self.seconds = 0.0
         self.skipped_steps = 0   # steps whose gradient norm was not finite (set by train.train)
         self.peak_flops = None   # the device's peak FLOP/s for MFU, --peak-tflops included (set by train.train)
+        self.metered = [0, 0.0]  # tokens and seconds of the metered steps after the warm-up
         self._start = None
 
     def start_step(self) -> None:
         self._start = time.perf_counter()
 
-    def end_step(self, tokens: int, device: torch.device) -> float:
+    def end_step(self, tokens: int, device: torch.device, metered: bool = False) -> float:
         """Close the step; returns its duration in seconds."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - self._start
-        self.steps += 1
-        if self.steps > self.warmup:
-            self.tokens += tokens
-            self.seconds += elapsed
+        self.record(tokens, elapsed, metered)
         return elapsed
+
+    def record(self, tokens: int, seconds: float, metered: bool = False) -> None:
+        self.steps += 1
+        if self.steps <= self.warmup:
+            return
+        if metered:
+            self.metered[0] += tokens
+            self.metered[1] += seconds
+        else:
+            self.tokens += tokens
+            self.seconds += seconds
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
+        tokens, seconds = (self.tokens, self.seconds) if self.seconds else self.metered
+        return tokens / seconds if seconds else float("nan")
 
 
 def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq_len: int,
@@ -324,4 +346,4 @@ def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq
     peak = throughput.peak_flops or peak_flops(device)
     if peak:
         mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(cfg, seq_len), peak)
-        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s bf16 peak per GPU")
+        log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s dense bf16 peak per GPU ({MFU_CONVENTION})")

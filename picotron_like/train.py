@@ -571,11 +571,12 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                 batch = prepare_batch(batch)
             memory.start_step()
             throughput.start_step()
+            metered = bool(meters) and step == meter_step
             with ExitStack() as observing:
-                for meter in meters if step == meter_step else ():
+                for meter in meters if metered else ():
                     observing.enter_context(meter)
                 result = step_fn(batch)
-            seconds = throughput.end_step(tokens, device)
+            seconds = throughput.end_step(tokens, device, metered)
             skipped = guard.step_was_skipped()
             mfu = (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
                    if model_flops is not None and throughput.peak_flops else None)

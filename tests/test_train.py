@@ -416,3 +416,27 @@ def test_every_data_parallel_wrapper_offers_one_interface():
     for offered in run_ranks(2, every_data_parallel_wrapper, timeout_s=120):
         assert offered.pop("a bare GPT") is False
         assert all(offered.values()), offered
+
+
+def test_peaks_match_the_gpu_by_whole_words():
+    """A GB200 is not a B200 (2.5 against 2.25 PFLOP/s dense bf16), a PCIe H100 not an SXM one."""
+    from picotron_like.metrics import peak_flops_of_name
+    assert [peak_flops_of_name(name) / 1e12 for name in
+            ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA B200", "NVIDIA GB200",
+             "NVIDIA B300 SXM6 AC", "NVIDIA GB300", "NVIDIA A100-SXM4-80GB")] == [989, 756, 989, 2250, 2500, 2250,
+                                                                                  2500, 312]
+    assert peak_flops_of_name("NVIDIA L4") is None
+
+
+def test_throughput_leaves_out_the_warm_up_and_the_metered_step():
+    """The step a lesson measures from inside (saved-tensor hooks, timers) runs slower: it stays out
+    of tokens/s unless it is the only step after the warm-up."""
+    from picotron_like.metrics import Throughput
+    throughput = Throughput(warmup=1)
+    for seconds, metered in ((9.0, False), (1.0, False), (1.0, False), (5.0, True)):
+        throughput.record(100, seconds, metered)
+    assert throughput.tokens_per_second == 100.0
+    only_metered = Throughput(warmup=1)
+    for seconds, metered in ((9.0, False), (4.0, True)):
+        only_metered.record(100, seconds, metered)
+    assert only_metered.tokens_per_second == 25.0
