@@ -485,32 +485,52 @@ class RoutedCall:
     """One forward of one MoE layer, as the expert_compute seam saw it."""
 
     layer: int              # index into RoutingMeter.layers (this rank's MoE layers, part by part)
-    micro_batch: int        # the layer's forward count since the meter was entered
+    micro_batch: int        # the layer's forward count since the meter was entered (folded: modulo the period)
     counts: torch.Tensor    # [E] kept assignments per (global) expert (on the CPU once the meter is left)
     dropped: int            # assignments dropped by capacity
+    n_calls: int = 1        # forwards summed into this one (a folding meter's)
 
 
 class RoutingMeter:
     """Every MoE forward's routing counts while entered, read by a wrapper around whatever
     dispatch is plugged into the expert_compute seam: the technique counts nothing itself. The
     counts stay on the rank's device while training runs (no host synchronisation per layer) and
-    move to the CPU once, when the meter is left."""
+    move to the CPU once, when the meter is left.
 
-    def __init__(self, parts):
+    With a `period` (a layer's forwards per step), a meter over a whole run folds: a layer's n-th
+    forward adds its counts into call n % period, so it holds layers x period calls whatever the
+    number of steps. A folded call's counts are sums over the steps (n_calls says how many), which
+    is all the traffic formulas need: they are linear in the counts."""
+
+    def __init__(self, parts, period: int | None = None):
         self.layers = [layer for part in parts for layer in moe_layers(part)]
         self.part_of = [index for index, part in enumerate(parts) for _ in moe_layers(part)]
+        self.period = period
         self.calls: list[RoutedCall] = []
         self._forwards = [0] * len(self.layers)     # per layer: its forwards recorded so far
+        self._call_at = {}                          # (layer, n % period) -> its place in calls
 
     def _recording(self, index, compute):
         def recorded(tokens, routing, experts):
             if not self.layers[index].training:     # validation: its traffic is not the steps' either
                 return compute(tokens, routing, experts)
             counts = torch.bincount(routing.expert_ids[routing.kept], minlength=self.layers[index].n_experts)
-            self.calls.append(RoutedCall(index, self._forwards[index], counts, (~routing.kept).sum()))
+            forward = self._forwards[index]
             self._forwards[index] += 1
+            self._record(RoutedCall(index, forward % self.period if self.period else forward, counts,
+                                    (~routing.kept).sum()))
             return compute(tokens, routing, experts)
         return recorded
+
+    def _record(self, call: RoutedCall) -> None:
+        place = self._call_at.get((call.layer, call.micro_batch)) if self.period else None
+        if place is None:
+            self._call_at[(call.layer, call.micro_batch)] = len(self.calls)
+            self.calls.append(call)
+            return
+        folded = self.calls[place]
+        self.calls[place] = replace(folded, counts=folded.counts + call.counts, dropped=folded.dropped + call.dropped,
+                                    n_calls=folded.n_calls + 1)
 
     def __enter__(self):
         self._computes = [layer.expert_compute for layer in self.layers]
@@ -623,8 +643,8 @@ def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, hidden: in
     sent, received = rows_sent_and_received(meter, ep)
     passes = 1 if forward_only else 2
     n_experts = meter.layers[0].n_experts
-    return {("all_to_all_single", "ep"): sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts
-                                             for m, r in zip(sent, received))}
+    return {("all_to_all_single", "ep"): sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts * call.n_calls
+                                             for call, m, r in zip(meter.calls, sent, received))}
 
 
 def log_routing(meter: RoutingMeter, group) -> None:
@@ -726,7 +746,8 @@ def main(argv=None):
          f"{shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    activations, measured_step, every_step = ActivationMeter(model), RoutingMeter([model]), RoutingMeter([model])
+    activations, measured_step = ActivationMeter(model), RoutingMeter([model])
+    every_step = RoutingMeter([model], period=shape.grad_accum)     # folded: fixed size however long the run
     step = functools.partial(train_step, model, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
                              balancing_log=BalancingLog([model], (grid.dp_group,)))
     with every_step:

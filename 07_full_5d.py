@@ -1174,7 +1174,9 @@ def main(argv=None):
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
     parts = model_parts(model, pipeline)
-    routing, every_step = ((expert_parallel.RoutingMeter(parts), expert_parallel.RoutingMeter(parts))
+    # every_step folds a layer's calls by the step (its forwards per step: twice under full recompute)
+    calls_per_step = plan.shape.grad_accum * (2 if args.recompute == "full" else 1)
+    routing, every_step = ((expert_parallel.RoutingMeter(parts), expert_parallel.RoutingMeter(parts, calls_per_step))
                            if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)

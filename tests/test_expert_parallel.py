@@ -274,8 +274,9 @@ def expert_parallel_run(variant: Variant):
     step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
         else data.step_batch
     results, biases = [], []
-    activations, measured_step, every_step = ActivationMeter(model), lesson.RoutingMeter([model]), \
-        lesson.RoutingMeter([model])
+    # every_step folds by the step, as the lesson's main does: it must predict the same traffic
+    activations, measured_step = ActivationMeter(model), lesson.RoutingMeter([model])
+    every_step = lesson.RoutingMeter([model], period=data.shape.grad_accum)
     with every_step:
         for step in range(STEPS):
             step_of[0] = step
@@ -286,6 +287,8 @@ def expert_parallel_run(variant: Variant):
                                                  variant.bias_update_rate, log))
             biases.append({n: b.clone() for n, b in model.module.named_buffers() if n.endswith("router_bias")})
     traffic = {key: t.payload_bytes for key, t in comm.meter.traffic.items()}   # before the gathers below
+    n_slots = len(moe_layers(model.module)) * data.shape.grad_accum
+    assert len(every_step.calls) == n_slots and sum(call.n_calls for call in every_step.calls) == STEPS * n_slots
     ep = lesson.ExpertParallel.from_grid(grid)
     per_step = lesson.predicted_step_traffic(model, variant.cfg, grid, variant.bias_update_rate)
     predicted = add_traffic({key: STEPS * value for key, value in per_step.items()},
