@@ -11,7 +11,7 @@ The idea. Nothing new is parallelised here; the lessons compose, each wrapping t
 one before, in the order their assumptions need (parallelize() below is the plan):
 
     reference GPT, or this rank's pipeline chunks (03: a stage, or v for interleaved 1F1B)
-      -> tensor parallel layers                   (02; experts: 05's own column/row split)
+      -> tensor parallel layers                   (02; experts: their own column/row split)
       -> context-parallel attention               (04)
       -> experts sharded over ep and dispatched   (05)
       -> ZeRO over the dp x cp ranks              (06; stage 0 is lesson 01's all-reduce)
@@ -24,100 +24,28 @@ lives here: each seam where two meet (a function of its own, below parallelize),
 step (03's schedule or 01's loop, 06's sharded tail, 05's router biases), the rules of what does
 not compose (composition_problems) and the traffic prediction, each lesson's formula added once.
 
-Activation recomputation trades compute for that memory: keep less in forward, compute the rest
-again in backward. Both modes below use torch.utils.checkpoint (non-reentrant): a checkpointed
-region keeps only its inputs, and runs again when backward first needs something from inside it.
+Activation recomputation trades compute for that memory (torch.utils.checkpoint, non-reentrant:
+a region keeps only its inputs and runs again when backward first needs something inside it).
+`--recompute full` (Chen et al. 2016) makes each block one region: only its input is kept, and
+its forward, collectives included, runs again just before its backward. `--recompute selective`
+(after Megatron, Korthikanti et al. 2022) recomputes only what is large but cheap: each RMSNorm's
+arithmetic and SwiGLU's silu(gate), elementwise work, no matmul, no collective. (Megatron
+recomputes the attention core; scaled_dot_product_attention never stores its s^2 scores, so
+that would save far less here.)
 
-`--recompute full` (Chen et al. 2016). Each block's forward is one region: autograd keeps only the
-block's input, and backward runs the block's forward again just before its backward. Collectives
-inside a block (tp's all-reduces, cp's ring, ep's all-to-alls) run again in that second forward,
-in the same order on every rank. At its peak backward holds the kept inputs plus one recomputed
-block's activations.
+The price, per micro-batch (dense, float32, per token and layer; /cp tokens, attention's and the
+MLP's tensors /tp, the norms' only under sequence parallelism):
+    kept         none 11h + 4f + n_heads + 2 elements; selective 2(h + 1) + f fewer; full h
+                 (8b, 4096 tokens, bf16: none 33.4 GB, selective 23.2 GB, full 3.4 GB)
+    compute      selective: the norms' and silu's elementwise work again; full: one more forward
+                 of every block, about 4/3 of the blocks' FLOPs
+    traffic      selective: none; full: the blocks' forward collectives once more (but each
+                 block's last), and with experts every forward all-to-all of the dispatch
 
-`--recompute selective` (after Megatron, Korthikanti et al. 2022). Recompute only what is large
-but cheap to compute, and keep what the matmuls and the attention produced: each RMSNorm's
-arithmetic (1/rms and the normalised float32 copy; the norm keeps its input) and SwiGLU's
-silu(gate) (gate and up, matmul outputs, stay kept, and so does their product, down_proj's input).
-That repeats elementwise work only, no matmul and no collective (a tp norm's entry into its
-region stays outside the checkpoint). Megatron's classic choice is the attention core, whose s^2
-scores and softmax dwarf everything else a block keeps; scaled_dot_product_attention never stores
-those (it keeps q, k, v, the output and one log-sum-exp per row and head), so recomputing the core
-here drops only the GQA-repeated K and V, the output and the log-sum-exp (and must keep the
-un-repeated K and V instead), for the attention's s^2 FLOPs again and, under cp, the ring's
-messages again. Measured (tests/test_full_5d.py), per token and layer, with e the compute dtype's
-bytes (4 in float32, 2 in bf16), selective drops 2 (4 (2h + 1) - e h) + e f bytes and the attention
-core e (3h - 2 n_kv d) + 4 n_heads: 1032 against 528 bytes on the test model in float32, 1032
-against 272 in bf16; for the 8b shape and a 4096-token micro-batch in bf16, 10.2 GB against 2.7 GB
-of the 31 GB its blocks keep.
-
-    kept per micro-batch   per token and layer (dense, float32; /cp tokens; attention's and the
-                           MLP's tensors /tp, the norms' only under sequence parallelism):
-                             none        11h + 4f + n_heads + 2 elements (lessons 02 and 04 adjust
-                                         it for tp, sequence parallelism, ring and Ulysses)
-                             selective   none's less 2(h + 1) + f
-                             full        h: the block's input
-                           plus, in every mode, the rotary tables, the embedding's ids and the
-                           head's norm, input, logits' softmax and targets
-    8b, 4096 tokens, bf16  none 33.4 GB, selective 23.2 GB, full 3.4 GB (predicted)
-    extra compute          selective: the norms' and silu's elementwise work again (memory-bound,
-                           no matmul); full: one more forward of every block, about 4/3 of the
-                           blocks' FLOPs
-    extra communication    selective: none; full: the blocks' forward collectives once more per
-                           micro-batch, but the last (checkpoint stops once what backward saved
-                           is rebuilt); with experts every forward all-to-all of the dispatch
-                           (combine keeps what came back), on the step's routing counts
-
-The report predicts every mode for the run's layout and measures the one that ran, equal byte for
-byte (predicted_kept_activation_bytes). Under a pipeline it is the stage's peak: the micro-batches
-lesson 03's schedule keeps alive at once, each with that stage's layers (interleaved: each
-(chunk, micro-batch) pair with that chunk's layers). With experts, lesson 05's
-moe_layer_activation_bytes on the measured step's routing counts; selective leaves the routed
-experts alone (their SwiGLU runs inside lesson 05's dispatch, between its all-to-alls; a shared
-expert is a plain SwiGLU and is recomputed). In bf16 every element a block keeps takes 2 bytes
-except those computed in float32 on purpose: a norm's float32 input copy, 1/rms and normalised
-copy, attention's log-sum-exp, the router's scores, and outside the blocks the rotary tables and
-the loss's softmax. A norm then keeps 10h + 4 bytes per token against 12h + 4 in float32 while
-everything else halves, so selective saves more in bf16 (30% of the 8b micro-batch, 21% in
-float32). Under ZeRO-3 too: the meter leaves out whatever a parameter points at when a tensor is
-saved, the gathered weights included, and one hook feeds it and lesson 06's gathered-weights meter
-(metrics.SavedTensorMeters). The formulas are measured on CPU; a CUDA attention kernel may
-keep a few bytes of its own bookkeeping more.
-
-Will it fit? `--plan` answers before anything is launched (no torchrun): the bytes per rank of
-every component for the layout of the usual flags on --gpus GPUs, whether they fit, and the
-layouts that do, fastest first (07_memory_plan.py, which this lesson owns, adds up the lessons'
-own formulas; tests/test_memory_plan.py proves them equal to what each rank holds, and at full
-size to models built on the meta device). A run's report ends with its first steps' memory:
-Adam's states appear inside the first optimizer step; on CUDA the caching allocator reserves
-during step 0 (--memory-snapshot FILE writes its history for pytorch.org/memory_viz).
-
-Checkpoints (--save-dir DIR, --save-every N, --keep-last K, --resume). Every rank describes what
-it holds in the reference GPT's names (reference_slices: the box a tp rank and an ep rank hold, the
-flat range of it a ZeRO shard holds); picotron_like/checkpoint.py writes those slices (float32
-master weights, AdamW's moments and step, router biases, RNG states) and a manifest, and reloads
-them into any layout the world size allows: the run continues at the checkpoint's step, whose
-learning rate and data follow from the step. Same layout: bit for bit (tests/test_checkpoint.py).
-A checkpoint pins the model's shapes, the seed and the global batch (another value is refused);
-the rest may change between runs, and a resumed run prints a `note:` line for each setting
-(learning-rate schedule, clipping, dtypes, data) or model field (rope_theta, router) that did.
-
-The GPU fast paths, each proven equal to the plain path on CPU where the op exists there
-(tests/test_fast_paths.py). Attention never stores its s^2 scores on any path. Without cp and
-under Ulysses the model's causal_attention calls F.scaled_dot_product_attention, whose priority
-on CUDA puts FlashAttention-2 first (bf16 or fp16, head_dim at most 256 and a multiple of 8) and
-takes the memory-efficient kernel in float32. Under the ring each K/V block is one call of that
-same flash kernel through its aten op, which also returns the lse the ring merges with (lesson
-04's fused_attention_block; its CPU twin on CPU; in float32 on CUDA, or with --ring-kernel plain,
-the blocks run as plain matmuls). AdamW is fused=True on CUDA (one multi-tensor kernel,
-elementwise, so a ZeRO shard steps as its slice of the whole tensor would), and the per-tensor
-loop elsewhere. --compile compiles each block's forward with torch.compile (TorchInductor),
-inside recomputation's checkpoint and ZeRO-3's hooks; collectives split it and run eagerly.
-The first step pays for the compilation (about 20 CPU-seconds per rank for the tiny preset on
-a CPU).
-
-Out of scope: FP8, fp16 with loss scaling (bf16 needs none), zero-bubble pipeline schedules.
-What every lesson's run logs comes from the shared loop: each step's loss, gradient norm, learning
-rate, tokens/s, memory and on a GPU the MFU; --val-every, --metrics FILE, --profile DIR.
+Around the composition, what a real run needs: `--plan` (07_memory_plan.py: will a layout fit,
+and which layouts do, before launch), checkpoints that resume in any layout (--save-dir,
+--resume), the GPU fast paths (flash attention, a fused ring block, fused AdamW, --compile).
+Out of scope here: FP8, fp16 with loss scaling (bf16 needs none), zero-bubble pipeline schedules.
 
 Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute full
@@ -133,6 +61,9 @@ Run it:
 What to look for: the activation table, the run's mode measured equal to its prediction and every
 mode's prediction with its saving against none; the traffic table, where full recomputation adds
 the blocks' forward collectives again and selective adds none.
+
+More: docs/07_full_5d.md (each mode's bytes derived and measured, bf16, the plan, checkpoints,
+the fast paths); docs/lesson_07.md (using the trainer).
 """
 
 from __future__ import annotations
