@@ -1,6 +1,7 @@
 """
-tools/check_commands.py finds README.md's commands and decides each one: the extraction and the
-classification only, no command runs (the checker itself runs them: python tools/check_commands.py).
+tools/check_commands.py finds the documentation's commands (README.md and docs/**/*.md) and decides
+each one: the extraction and the classification only, no command runs (the checker itself runs
+them: python tools/check_commands.py).
 """
 
 import importlib.util
@@ -21,6 +22,8 @@ def load_checker():
 
 check = load_checker()
 README = check.planned_commands([REPO_ROOT / "README.md"])
+# The documentation set, as the checker lists it: README.md, then docs/**/*.md (lessons' docstrings left out).
+DOCS = check.planned_commands([path for path in check.documents() if path.suffix == ".md"])
 
 
 def lessons_of(commands):
@@ -32,11 +35,12 @@ def test_readme_runs_a_command_of_every_lesson():
     assert {f"0{n}" for n in range(1, 8)} <= lessons_of(runnable)
 
 
-def test_every_readme_command_is_known_and_every_skip_says_why():
-    assert not [command.text for command in README if command.kind == "unknown"]
-    for command in README:
+def test_every_documented_command_is_known_and_every_skip_says_why():
+    assert {"README.md", "docs/running.md", "docs/lesson_07.md"} <= {command.where.split(":")[0] for command in DOCS}
+    assert not [command.text for command in DOCS if command.kind == "unknown"]
+    for command in DOCS:
         assert bool(command.skip) != bool(command.argv), command.text
-    reasons = {command.text: command.skip for command in README}
+    reasons = {command.text: command.skip for command in DOCS}
     assert reasons["pytest"].startswith("the test suite")
     assert reasons["bash benchmarks/gpu_check.sh"].startswith("needs a GPU")
     assert any(text.startswith("pip install") and reason == "installs packages" for text, reason in reasons.items())
@@ -45,14 +49,15 @@ def test_every_readme_command_is_known_and_every_skip_says_why():
 
 
 def test_a_training_command_runs_few_steps_and_a_resume_finds_its_checkpoint():
-    """The checkpoint README writes (--steps 40 --save-every 10) is resumed by the next command:
-    the writer is capped, saves every step, and the resumed run trains past its last checkpoint."""
-    writer, resumer = [command for command in README if "--save-dir ckpt" in command.text and not command.skip]
-    assert resumer.needs is writer
+    """The checkpoint the documentation writes (--steps 40 --save-every 10) is resumed by the next
+    command of the same page: the writer is capped, saves every step, and the resumed run trains
+    past its last checkpoint."""
+    writer, resumer = [command for command in DOCS if "--save-dir ckpt" in command.text and not command.skip]
+    assert resumer.needs is writer and resumer.document == writer.document
     assert check.option(writer.argv, "--save-every") == "1"
     assert int(check.option(writer.argv, "--steps")) <= check.MAX_STEPS < int(check.option(resumer.argv, "--steps"))
     assert writer.argv[1:4] == ["-m", "torch.distributed.run", "--standalone"]
-    bare = next(command for command in README if command.text.endswith("--nproc_per_node=4 01_data_parallel.py"))
+    bare = next(command for command in DOCS if command.text.endswith("--nproc_per_node=4 01_data_parallel.py"))
     assert bare.argv[-2:] == ["--steps", str(check.FEW_STEPS)]
 
 
