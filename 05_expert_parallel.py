@@ -523,9 +523,10 @@ class RoutingMeter:
         return recorded
 
     def _record(self, call: RoutedCall) -> None:
-        place = self._call_at.get((call.layer, call.micro_batch)) if self.period else None
+        place = self._call_at.get((call.layer, call.micro_batch))
         if place is None:
-            self._call_at[(call.layer, call.micro_batch)] = len(self.calls)
+            if self.period:
+                self._call_at[(call.layer, call.micro_batch)] = len(self.calls)
             self.calls.append(call)
             return
         folded = self.calls[place]

@@ -111,8 +111,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     whole GPT or one pipeline chunk; the seams where two techniques meet are the next section."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    grouped = expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, grid.tp_size), precision.param_dtype,
-                                              device)
+    grouped = uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1
     chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank, args.virtual_stages)
               if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
@@ -186,6 +185,12 @@ def experts_per_tp_rank(cfg, tp: int):
     """The experts as one tp rank holds them: every expert's inner width ffn_hidden / tp (a shared
     expert's too). Lesson 05's formulas and its grouped-matmul check read them from this config."""
     return replace(cfg, ffn_hidden=cfg.ffn_hidden // tp)
+
+
+def uses_grouped_experts(args, cfg, tp: int, dtype, device, capability=None) -> bool:
+    """Lesson 05's choice of the grouped matmul, for the experts as a tp rank holds them: what the
+    model is built with, and what the report and the memory plan (for its GPU) predict with."""
+    return expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, tp), dtype, device, capability)
 
 
 def expert_runner(grouped: bool, grid: ProcessGrid):
@@ -756,7 +761,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
         routed = expert_parallel.moe_bytes_by_micro_batch(
             experts, micro * shape.seq_len // grid.cp_size, micro, routing,
             expert_parallel.ExpertParallel.from_grid(grid),
-            expert_parallel.uses_grouped_mm(args, experts, dtype, model.units[0].master.device), dtype.itemsize)
+            uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device), dtype.itemsize)
         sizes = {key: size + routed[key] for key, size in sizes.items()}
     # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
     if pipeline is None:

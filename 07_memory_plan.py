@@ -39,6 +39,7 @@ import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache, partial
+from typing import NamedTuple
 
 import torch
 
@@ -73,14 +74,17 @@ class LaidOutGrid(ProcessGrid):
         return GroupLayout(members.index(self.rank), len(members))
 
 
-# What the plan assumes of each GPU: its memory in GiB (as sold: an H100's 80 GB are 80 x 2^30
-# bytes), its NVLink bandwidth within a node and its network bandwidth to other nodes, in GB/s
-# per direction (HGX boards; a PCIe card has less of all three). --gpu-memory-gb overrides the first.
-# Compute capability (major, minor), which decides the kernels a run gets (lesson 05's grouped matmul).
-CAPABILITY = {"B300": (10, 3), "B200": (10, 0), "H200": (9, 0), "H100": (9, 0), "A100-80GB": (8, 0),
-              "A100-40GB": (8, 0)}
-GPUS = {"B300": (288, 900, 100), "B200": (180, 900, 50), "H200": (141, 450, 50), "H100": (80, 450, 50),
-        "A100-80GB": (80, 300, 25), "A100-40GB": (40, 300, 25)}
+class GPU(NamedTuple):
+    """What the plan assumes of a GPU (HGX boards; a PCIe card has less of the first three)."""
+
+    memory_gib: int                 # as sold: an H100's 80 GB are 80 x 2^30 bytes (--gpu-memory-gb overrides it)
+    nvlink_gbps: int                # per direction, within a node
+    network_gbps: int               # per direction and GPU, to other nodes
+    capability: tuple[int, int]     # CUDA compute capability: which kernels a run gets (05's grouped matmul)
+
+
+GPUS = {"B300": GPU(288, 900, 100, (10, 3)), "B200": GPU(180, 900, 50, (10, 0)), "H200": GPU(141, 450, 50, (9, 0)),
+        "H100": GPU(80, 450, 50, (9, 0)), "A100-80GB": GPU(80, 300, 25, (8, 0)), "A100-40GB": GPU(40, 300, 25, (8, 0))}
 # The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
 # NCCL's buffers, and the blocks the caching allocator holds but cannot hand out (fragmentation).
 PLAN_MARGIN = 0.10
@@ -133,8 +137,8 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
     experts = full_5d.experts_per_tp_rank(cfg, tp)
-    grouped = expert_parallel.uses_grouped_mm(args, experts, precision.param_dtype, torch.device("cuda"),
-                                              CAPABILITY[args.gpu])
+    grouped = full_5d.uses_grouped_experts(args, cfg, tp, precision.param_dtype, torch.device("cuda"),
+                                           GPUS[args.gpu].capability)
 
     def one_micro_batch(stage) -> int:
         kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
@@ -202,7 +206,7 @@ RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step
 
 def group_bandwidth(grid: GridShape, groups: list[list[int]], gpu: str, gpus_per_node: int) -> float:
     """Bytes/s a rank of these groups sends at: NVLink when each group sits inside one node, else the network."""
-    _, nvlink, network = GPUS[gpu]
+    nvlink, network = GPUS[gpu].nvlink_gbps, GPUS[gpu].network_gbps
     inside = all(len({rank // gpus_per_node for rank in members}) == 1 for members in groups)
     return (nvlink if inside else network) * 1e9
 
@@ -286,7 +290,7 @@ def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int,
 
 
 def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
-    _, nvlink, network = GPUS[gpu]
+    nvlink, network = GPUS[gpu].nvlink_gbps, GPUS[gpu].network_gbps
     return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
             f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
             f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
@@ -423,7 +427,7 @@ def print_memory_plan(args) -> None:
     gpu = args.gpu
     # The plan is for the GPU: --dtype auto is bf16 there.
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
-    capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu][0]) * GIB
+    capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu].memory_gib) * GIB
     usable = capacity * (1 - PLAN_MARGIN)
     planned = plan_layout(cfg, args, grid, ep, shape, precision, gpu, args.gpus_per_node)
     print(f"memory plan: {args.preset} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "

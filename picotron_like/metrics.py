@@ -301,7 +301,7 @@ class Throughput:
         self.seconds = 0.0
         self.skipped_steps = 0   # steps whose gradient norm was not finite (set by train.train)
         self.peak_flops = None   # the device's peak FLOP/s for MFU, --peak-tflops included (set by train.train)
-        self.metered = [0, 0.0]  # tokens and seconds of the metered steps after the warm-up
+        self.metered_tokens, self.metered_seconds = 0, 0.0   # the metered steps' after the warm-up
         self._start = None
 
     def start_step(self) -> None:
@@ -320,15 +320,16 @@ class Throughput:
         if self.steps <= self.warmup:
             return
         if metered:
-            self.metered[0] += tokens
-            self.metered[1] += seconds
+            self.metered_tokens += tokens
+            self.metered_seconds += seconds
         else:
             self.tokens += tokens
             self.seconds += seconds
 
     @property
     def tokens_per_second(self) -> float:
-        tokens, seconds = (self.tokens, self.seconds) if self.seconds else self.metered
+        tokens, seconds = ((self.tokens, self.seconds) if self.seconds
+                           else (self.metered_tokens, self.metered_seconds))
         return tokens / seconds if seconds else float("nan")
 
 

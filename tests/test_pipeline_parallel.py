@@ -209,27 +209,16 @@ def test_bad_configuration_stops_the_script_before_any_collective():
 # ----------------------------------------------------------------------------- equality on real ranks
 
 
-class RecordedSteps:
-    """The steps a pipeline runs, in order, seen from outside: each exchange's transfers and each
-    action, the form of a communication program (wrapping the instance's methods while entered)."""
+class RecordedSteps(TimelineRecorder):
+    """The steps a pipeline runs, in order, seen from outside: the timeline recorder's wrapping of
+    the per-step methods, extended to each exchange, so that its events read as a communication
+    program (each exchange's transfers, each action)."""
 
-    def __init__(self, pipeline):
-        self.pipeline, self.steps = pipeline, []
+    methods = ("exchange", "forward_step", "backward_step")
 
-    def __enter__(self):
-        def recording(method, record):
-            def run(first, *args, **kwargs):
-                self.steps.append(record(first))
-                return method(first, *args, **kwargs)
-            return run
-        for name, record in (("exchange", tuple), ("forward_step", lambda a: a), ("backward_step", lambda a: a)):
-            setattr(self.pipeline, name, recording(getattr(self.pipeline, name), record))
-        return self
-
-    def __exit__(self, *exc):
-        for name in ("exchange", "forward_step", "backward_step"):
-            delattr(self.pipeline, name)
-        return False
+    @property
+    def steps(self) -> list:
+        return [step for step, _, _ in self.events]
 
 
 def keep_first_step_gradients(optimizer, chunks, store):
@@ -256,7 +245,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
     boundary = lesson.activation_shape(cfg, data.shape)
     pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
 
-    with ActivationMeter(*chunks) as activations, RecordedSteps(pipeline) as ran:
+    with ActivationMeter(*chunks) as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran:
         pipeline.forward_backward(step_batch(0))
     for chunk in chunks:
         chunk.finish_gradient_synchronization()
