@@ -53,8 +53,8 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.data import StepBatch
-from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_traffic, log0, log_compute_report,
+                                   log_memory_rows, log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
 from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
@@ -262,23 +262,16 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 # ============================================================================ measuring the three challenges
 
 
-def predicted_dp_traffic(n_params: int, grad_bytes: int) -> dict:
-    """Per step: one all-reduce of every gradient byte."""
-    return {("all_reduce", "dp"): n_params * grad_bytes}
-
-
-def report(model, optimizer, plan, activations: ActivationMeter, throughput, device, steps: int) -> None:
-    cfg, shape, dp = plan.cfg, plan.shape, plan.grid.dp
-    n_params = sum(p.numel() for p in model.parameters())
-    grad_bytes = next(model.parameters()).element_size()
-    log0("\n== memory (one rank; activations of one micro-batch) ==")
-    log0(memory_table(measured_memory(model, optimizer, activations.peak_bytes),
-                      predicted_memory(n_params, predicted_activation_bytes(cfg, shape.micro_batch_size,
-                                                                            shape.seq_len))))
-    log0(f"\n== communication per step (dp={dp}; ring all-reduce sends 2(N-1)/N x payload) ==")
-    predicted = add_traffic(predicted_dp_traffic(n_params, grad_bytes), step_bookkeeping_traffic(loss_groups=("dp",)))
-    log0(comm.meter.table(predicted, per=steps))
-    log_compute_report(throughput, dp, cfg, shape.seq_len, device)
+def report(run: MeteredRun, plan) -> None:
+    """Lesson 01's report is the rows every lesson shares: the memory of one rank (the whole model,
+    one micro-batch's activations), the gradient all-reduce (data_parallel_traffic: every gradient
+    byte once per step), and tokens/s."""
+    shape = plan.shape
+    log_memory_rows(run, "one rank; activations of one micro-batch",
+                    predicted_activation_bytes(plan.cfg, shape.micro_batch_size, shape.seq_len))
+    log_traffic_rows(run, f"dp={plan.grid.dp}; ring all-reduce sends 2(N-1)/N x payload", technique={},
+                     gradients=data_parallel_traffic(run.n_params, next(run.model.parameters()).element_size()))
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -313,7 +306,8 @@ def main(argv=None):
                        grid.dp_rank, device, meters=(activations,),
                        evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
                        cfg=plan.cfg)
-    report(model, optimizer, plan, activations, throughput, device, args.steps)
+    report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len, grid.dp_size,
+                      device, args.steps), plan)
     shutdown()
 
 

@@ -73,8 +73,8 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_memory, step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
+                                   log_traffic_rows)
 from picotron_like.model import GPT, IGNORE_INDEX, RMSNorm, SwiGLU, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
@@ -703,29 +703,25 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     return 4 * float_elements + other_bytes
 
 
-def report(model, optimizer, plan, args, activations: ActivationMeter, throughput, compute_dtype, device) -> None:
-    cfg, shape, grid = plan.cfg, plan.shape, plan.grid
-    tp, sp, b, s = grid.tp, args.sequence_parallel, shape.micro_batch_size, shape.seq_len
-    n_params = tp_parameter_count(cfg, tp)
-    log0(f"\n== memory (one rank; activations of one micro-batch; tp={tp}, sequence parallel={sp}) ==")
-    log0(f"parameters on this rank: {sum(p.numel() for p in model.parameters()):,} measured, {n_params:,} "
-         f"predicted (of {count_parameters(cfg)['total']:,})")
-    log0(memory_table(measured_memory(model, optimizer, activations.peak_bytes),
-                      predicted_memory(n_params, predicted_tp_activation_bytes(cfg, b, s, tp, sp))))
+def report(run: MeteredRun, plan, sequence_parallel: bool, compute_dtype) -> None:
+    """The shared rows with this lesson's formulas (a tp rank's parameters and activations, the tp
+    collectives), and what tensor parallelism changes: the parameters and the logits per rank."""
+    cfg, shape, tp = plan.cfg, plan.shape, plan.grid.tp
+    b, s, n_params = shape.micro_batch_size, shape.seq_len, tp_parameter_count(cfg, tp)
+    log_memory_rows(run, f"one rank; activations of one micro-batch; tp={tp}, sequence parallel={sequence_parallel}",
+                    predicted_tp_activation_bytes(cfg, b, s, tp, sequence_parallel), n_params)
+    log0(f"parameters on this rank: {run.n_params:,} measured, {n_params:,} predicted "
+         f"(of {count_parameters(cfg)['total']:,})")
     if s % tp == 0:
         with_sp, without_sp = (predicted_tp_activation_bytes(cfg, b, s, tp, flag) for flag in (True, False))
         log0(f"activations predicted with sequence parallelism: {with_sp / 1e6:.3f} MB per rank, without: "
              f"{without_sp / 1e6:.3f} MB (the norms and their outputs, replicated over tp without it)")
     log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
          f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
-
-    log0(f"\n== communication per step (b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, "
-         f"{shape.grad_accum} micro-batches) ==")
-    predicted = add_traffic(predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sp, compute_dtype),
-                            data_parallel.predicted_dp_traffic(n_params, next(model.parameters()).element_size()),
-                            step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("tp",)))
-    log0(comm.meter.table(predicted, per=args.steps))
-    log_compute_report(throughput, grid.world_size, cfg, s, device)
+    log_traffic_rows(run, f"b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, {shape.grad_accum} micro-batches",
+                     predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sequence_parallel, compute_dtype),
+                     norm_groups=("tp",))
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -761,7 +757,8 @@ def main(argv=None):
                        plan.batches, grid.dp_rank, device, meters=(activations,),
                        evaluate=partial(data_parallel.evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
-    report(model, optimizer, plan, args, activations, throughput, settings.compute_dtype, device)
+    report(MeteredRun(module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len, grid.shape.world_size,
+                      device, args.steps), plan, args.sequence_parallel, settings.compute_dtype)
     shutdown()
 
 

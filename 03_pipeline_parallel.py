@@ -74,6 +74,7 @@ equal 2*m*b*s*h per boundary to the byte.
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass
 from functools import partial
 
@@ -84,8 +85,8 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
+                                   log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, init_reference_parameters
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
@@ -659,14 +660,6 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
     return whole_model_ids - 8 * micro_batch * seq_len * ((not has_embedding) + (not has_head))
 
 
-def predicted_traffic(pipeline: Pipeline, shape) -> dict:
-    """Per step: this rank's p2p, its stage's gradients all-reduced over dp, and the step's loss
-    (summed over pp and dp) and squared gradient norm (over pp)."""
-    n_params = sum(p.numel() for chunk in pipeline.chunks for p in chunk.parameters())
-    return add_traffic(predicted_p2p_traffic(pipeline, shape.grad_accum), {("all_reduce", "dp"): n_params * 4},
-                       step_bookkeeping_traffic(loss_groups=("pp", "dp"), norm_groups=("pp",)))
-
-
 def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:
     """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
     activation bytes measured and predicted at the schedule's peak, p2p bytes sent per step."""
@@ -678,12 +671,14 @@ def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMete
                          comm.meter.get("isend", "pp").payload_bytes / steps], dtype=torch.float64)
 
 
-def report(pipeline, optimizer, plan, args, grid, activations: ActivationMeter, timeline: TimelineRecorder,
-           throughput, device) -> None:
+def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
+    """The timeline and its bubble, every stage's activations at the schedule's peak, then the shared
+    rows of stage 0's rank: its memory and its traffic (p2p, its stage's gradients over dp, the loss
+    summed over pp and dp, the squared norm over pp)."""
     cfg, shape = plan.cfg, plan.shape
     pp, m, v, boundary = grid.pp_size, shape.grad_accum, pipeline.virtual_stages, pipeline.activation_shape
-    comm_table = comm.meter.table(predicted_traffic(pipeline, shape), per=args.steps)
-    row = stage_report_row(pipeline, cfg, shape, activations, args.steps)
+    training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
+    row = stage_report_row(pipeline, cfg, shape, run.activations, args.steps)
     stages = [torch.empty_like(row) for _ in range(pp)]
     # CPU rows on purpose, after training: on CUDA the group's gloo backend carries them, not NCCL.
     comm.call(dist.all_gather, stages, row, group=grid.pp_group)
@@ -704,21 +699,18 @@ def report(pipeline, optimizer, plan, args, grid, activations: ActivationMeter, 
     if v > 1:
         log0(f"(interleaved: micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
              f"{stages[0][1].item() / v:.1f} stages' worth, where 1F1B keeps {pp})")
-    modules = nn.ModuleList(chunk.module for chunk in pipeline.chunks)
-    n_params = sum(p.numel() for p in modules.parameters())
-    log0(f"stage 0's rank ({n_params:,} of {count_parameters(cfg)['total']:,} parameters):")
-    log0(memory_table(measured_memory(modules, optimizer, activations.peak_bytes),
-                      predicted_memory(n_params, int(stages[0][3]))))
+    log_memory_rows(run, f"stage 0's rank: {run.n_params:,} of {count_parameters(cfg)['total']:,} parameters",
+                    int(stages[0][3]))
 
-    log0("\n== communication per step (rank 0; p2p payload = what this rank sends / receives) ==")
-    log0(comm_table)
+    log_traffic_rows(run, "rank 0; p2p payload = what this rank sends / receives",
+                     predicted_p2p_traffic(pipeline, m), loss_groups=("pp", "dp"), norm_groups=("pp",),
+                     meter=training_traffic)
     total_sent = sum(r[4].item() for r in stages)
     boundary_bytes = 2 * m * torch.Size(boundary).numel() * 4
     log0(f"p2p over the whole pipeline: {pp * v - 1} boundaries x 2*m*b*s*h*4 bytes = {pp * v - 1} x "
          f"2*{m}*{'*'.join(map(str, boundary))}*4 = {(pp * v - 1) * boundary_bytes / 1e6:.4f} MB predicted, "
          f"{total_sent / 1e6:.4f} MB measured (sum of every stage's sends)")
-
-    log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -774,7 +766,9 @@ def main(argv=None):
                        grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1,
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
                        cfg=cfg)
-    report(pipeline, optimizer, plan, args, grid, activations, timeline, throughput, device)
+    modules = nn.ModuleList(chunk.module for chunk in pipeline.chunks)
+    report(MeteredRun(modules, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
+                      grid.shape.world_size, device, args.steps), pipeline, plan, args, grid, timeline)
     shutdown()
 
 

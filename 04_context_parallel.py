@@ -74,9 +74,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory,
-                                   memory_table, predicted_activation_bytes, predicted_memory,
-                                   step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_traffic, log0, log_compute_report,
+                                   log_memory_rows, log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
@@ -587,17 +586,6 @@ def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str
             per_step * 2 * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) * d * element_bytes}
 
 
-def predicted_step_traffic(model, cfg, shape, grid: ProcessGrid, mode: str, compute_dtype) -> dict:
-    """Every collective of one step by (kind, group): the cp traffic, the gradients' sum over
-    dp × cp, and the loss scalar."""
-    n_params = sum(p.numel() for p in model.module.parameters())
-    gradients = data_parallel.predicted_dp_traffic(n_params, 4)[("all_reduce", "dp")]
-    return add_traffic(predicted_cp_traffic(cfg, shape.micro_batch_size, shape.seq_len, grid.cp_size, mode,
-                                            shape.grad_accum, torch.finfo(compute_dtype).bits // 8),
-                       {("all_reduce", "dp_cp"): gradients},
-                       step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=()))
-
-
 def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigzag: bool, cp_rank: int,
                              n_micro: int, mode: str = "ring") -> int:
     """Query-key scores one rank's attention forward computes per optimizer step.
@@ -647,21 +635,23 @@ def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
     return [int(w) for w in everyone.tolist()]
 
 
-def log_memory(model, optimizer, cfg, shape, cp_size: int, mode: str, activations: ActivationMeter) -> None:
+def log_memory(run: MeteredRun, shape, cp_size: int, mode: str) -> None:
     seq, micro, tokens = shape.seq_len, shape.micro_batch_size, shape.seq_len // cp_size
-    log0(f"\n== memory (one rank; a micro-batch here is {micro} x {tokens} tokens) ==")
-    predicted = predicted_cp_activation_bytes(cfg, micro, seq, cp_size, mode)
-    log0(memory_table(measured_memory(model.module, optimizer, activations.peak_bytes),
-                      predicted_memory(sum(p.numel() for p in model.module.parameters()), predicted)))
-    log0(f"the same micro-batch on one device (seq {seq}): {predicted_activation_bytes(cfg, micro, seq) / 1e6:.3f} "
-         f"MB predicted; per cp rank, that of seq/cp = {tokens} tokens")
+    log_memory_rows(run, f"one rank; a micro-batch here is {micro} x {tokens} tokens",
+                    predicted_cp_activation_bytes(run.cfg, micro, seq, cp_size, mode))
+    log0(f"the same micro-batch on one device (seq {seq}): "
+         f"{predicted_activation_bytes(run.cfg, micro, seq) / 1e6:.3f} MB predicted; per cp rank, that of "
+         f"seq/cp = {tokens} tokens")
 
 
-def log_communication(model, cfg, shape, grid: ProcessGrid, mode: str, compute_dtype, steps: int) -> None:
-    cp, n_micro = grid.cp_size, shape.grad_accum
-    log0(f"\n== communication per step (cp={cp} {mode}; gradients over dp x cp = {grid.dp_size} x {cp}) ==")
-    log0(comm.meter.table(predicted_step_traffic(model, cfg, shape, grid, mode, compute_dtype), per=steps))
+def log_communication(run: MeteredRun, shape, grid: ProcessGrid, mode: str, compute_dtype) -> None:
+    """The cp traffic, and lesson 01's gradient all-reduce over dp x cp: the cp ranks hold other
+    tokens of the same sequences, so their gradients are shares of one sum too."""
+    cfg, cp, n_micro = run.cfg, grid.cp_size, shape.grad_accum
     kv_bytes = torch.finfo(compute_dtype).bits // 8
+    log_traffic_rows(run, f"cp={cp} {mode}; gradients over dp x cp = {grid.dp_size} x {cp}",
+                     predicted_cp_traffic(cfg, shape.micro_batch_size, shape.seq_len, cp, mode, n_micro, kv_bytes),
+                     data_parallel_traffic(run.n_params, group="dp_cp"), loss_groups=("dp_cp",))
     kv_block = 2 * shape.micro_batch_size * (shape.seq_len // cp) * cfg.n_kv_heads * cfg.head_dim
     if mode == "ring":
         log0(f"ring, per layer and micro-batch: cp-1 = {cp - 1} K/V blocks of {kv_block * kv_bytes / 1e3:.1f} kB "
@@ -688,12 +678,12 @@ def log_attention_work(attention_work: AttentionWork, cp: ContextParallel, cfg, 
     log0(f"max/min = {max(work) / max(min(work), 1):.2f} (every step waits for the busiest rank)")
 
 
-def report(model, optimizer, plan, args, grid: ProcessGrid, cp: ContextParallel, activations: ActivationMeter,
-           attention_work: AttentionWork, throughput, device, compute_dtype) -> None:
-    log_memory(model, optimizer, plan.cfg, plan.shape, cp.size, args.cp_mode, activations)
-    log_communication(model, plan.cfg, plan.shape, grid, args.cp_mode, compute_dtype, args.steps)
+def report(run: MeteredRun, plan, args, grid: ProcessGrid, cp: ContextParallel, attention_work: AttentionWork,
+           compute_dtype) -> None:
+    log_memory(run, plan.shape, cp.size, args.cp_mode)
+    log_communication(run, plan.shape, grid, args.cp_mode, compute_dtype)
     log_attention_work(attention_work, cp, plan.cfg, plan.shape, args.cp_mode, args.zigzag)
-    log_compute_report(throughput, grid.shape.world_size, plan.cfg, plan.shape.seq_len, device)
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -743,7 +733,9 @@ def main(argv=None):
                        meters=(activations, attention_work),
                        evaluate=functools.partial(evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
-    report(model, optimizer, plan, args, grid, cp, activations, attention_work, throughput, device, compute_dtype)
+    run = MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
+                     grid.shape.world_size, device, args.steps)
+    report(run, plan, args, grid, cp, attention_work, compute_dtype)
     shutdown()
 
 

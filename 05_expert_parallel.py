@@ -76,7 +76,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, add_traffic, log0, log_compute_report, measured_memory, memory_table,
+from picotron_like.metrics import (ActivationMeter, MeteredRun, add_traffic, data_parallel_traffic, log0, log_compute_report, measured_memory, memory_table,
                                    predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic,
                                    tensor_bytes)
 from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
@@ -669,7 +669,7 @@ def predicted_step_traffic(model: ExpertDataParallel, cfg, grid: ProcessGrid, bi
     and the norm scalar over ep, and the balancing bookkeeping."""
     n_params = sum(p.numel() for p in model.module.parameters())
     expert_bytes = 4 * sum(p.numel() for p in model.expert_parameters)
-    return add_traffic(data_parallel.predicted_dp_traffic(n_params, 4),
+    return add_traffic(data_parallel_traffic(n_params),
                        {("all_reduce", "dp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes},
                        step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("ep",) if grid.ep_size > 1 else ()),
                        balancing_traffic(cfg, len(model.module.layers), bias_update_rate, "dp"))
@@ -713,7 +713,8 @@ def report(model: ExpertDataParallel, optimizer, plan, grid: ProcessGrid, activa
         log0("predicted from every step's routing counts, per layer and micro-batch: "
              "all_to_all_single 2 (sent + received) h e + 8 E")
     log_routing(measured_step, grid.dp_group)
-    log_compute_report(throughput, grid.shape.world_size, cfg, shape.seq_len, device)
+    log_compute_report(MeteredRun(model.module, optimizer, activations, throughput, cfg, shape.seq_len,
+                                  grid.shape.world_size, device, args.steps))
 
 
 # ============================================================================ main

@@ -77,7 +77,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import add_traffic, log0, log_compute_report, step_bookkeeping_traffic
+from picotron_like.metrics import MeteredRun, add_traffic, log0, log_compute_report, step_bookkeeping_traffic
 from picotron_like.model import GPT, count_parameters, get_config, is_expert_parameter
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
@@ -769,7 +769,8 @@ def report(model: ZeroDataParallel, optimizer, plan, precision: Precision, gathe
     report_model_states(model, optimizer, precision, gathered)
     log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
     log0(comm.meter.table(predicted_step_traffic(model, precision, plan.shape.grad_accum), per=throughput.steps))
-    log_compute_report(throughput, group_size(model.dp_group), plan.cfg, plan.shape.seq_len, device)
+    log_compute_report(MeteredRun(model.module, optimizer, None, throughput, plan.cfg, plan.shape.seq_len,
+                                  group_size(model.dp_group), device, throughput.steps))
 
 
 def report_model_states(model: ZeroDataParallel, optimizer, precision: Precision, gathered: GatheredParameterMeter,

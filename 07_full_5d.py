@@ -85,7 +85,7 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
+from picotron_like.metrics import (ActivationMeter, MeteredRun, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                     predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
@@ -955,7 +955,8 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         predicted = predicted_step_traffic(model, pipeline, plan.cfg, shape, args, grid, precision, forwards,
                                            throughput.steps, extra)
     log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
-    log_compute_report(throughput, grid.shape.world_size, plan.cfg, shape.seq_len, device)
+    log_compute_report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len,
+                                  grid.shape.world_size, device, throughput.steps))
 
 
 class FirstStepsMemory:

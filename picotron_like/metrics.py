@@ -12,7 +12,11 @@ goes through ``comm.call``); the rest is here:
 - ``step_bookkeeping_traffic``: the two float32 scalars every training step all-reduces (its loss
   and its gradient norm), so that no report adds them by hand;
 - ``Throughput`` and ``log_compute_report``: tokens per second, and on a known GPU the MFU;
-- ``StepMemory``: each step's peak memory (CUDA), or the process's peak resident set (CPU).
+- ``StepMemory``: each step's peak memory (CUDA), or the process's peak resident set (CPU);
+- ``MeteredRun`` with ``log_memory_rows``, ``log_traffic_rows`` and ``log_compute_report``: the
+  rows every lesson's report shares (weights, gradients, optimizer states, activations, the data-
+  parallel gradient reduction and the step's scalars, tokens/s), printed the same way everywhere,
+  so that a lesson's own report adds only its technique's rows.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from picotron_like import comm
 from picotron_like.model import GPTConfig, flops_per_token
 
 
@@ -207,6 +212,12 @@ def memory_table(measured: MemoryReport, predicted: MemoryReport) -> str:
 # ----------------------------------------------------------------------------- communication
 
 
+def data_parallel_traffic(n_params: int, grad_bytes: int = 4, group: str = "dp") -> dict[tuple[str, str], int]:
+    """Bytes per step of lesson 01's gradient reduction: one all-reduce of every gradient byte over
+    the ranks that hold other tokens (`group`: dp, or dp x cp under context parallelism)."""
+    return {("all_reduce", group): n_params * grad_bytes}
+
+
 def step_bookkeeping_traffic(loss_groups=(), norm_groups=()) -> dict[tuple[str, str], int]:
     """Bytes per step of the two float32 scalars a training step all-reduces besides its technique:
     the loss, summed over `loss_groups`, and the squared gradient norm, summed over `norm_groups`
@@ -215,6 +226,11 @@ def step_bookkeeping_traffic(loss_groups=(), norm_groups=()) -> dict[tuple[str, 
     for group in (*loss_groups, *norm_groups):
         traffic[("all_reduce", group)] += 4
     return dict(traffic)
+
+
+def step_traffic(technique: dict, gradients: dict, loss_groups=("dp",), norm_groups=()) -> dict:
+    """A step's every collective: the technique's, the gradient reduction's, the two scalars'."""
+    return add_traffic(technique, gradients, step_bookkeeping_traffic(loss_groups, norm_groups))
 
 
 def add_traffic(*predictions: dict) -> dict:
@@ -333,18 +349,66 @@ class Throughput:
         return tokens / seconds if seconds else float("nan")
 
 
-def log_compute_report(throughput: Throughput, n_ranks: int, cfg: GPTConfig, seq_len: int,
-                       device: torch.device) -> None:
-    """The compute part of every lesson's report: tokens/s, and on a known GPU the MFU.
+# ----------------------------------------------------------------------------- the rows every report shares
+
+
+@dataclass
+class MeteredRun:
+    """What a lesson's report reads once training is over: this rank's model (the module whose
+    parameters the rank holds, not a wrapper) and optimizer, the meters that watched the steps,
+    and the run's size. Every lesson builds one; the shared rows below read only it."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    activations: ActivationMeter
+    throughput: Throughput
+    cfg: GPTConfig
+    seq_len: int
+    n_ranks: int            # every rank of the run: they share the tokens of tokens/s
+    device: torch.device
+    steps: int
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def log_memory_rows(run: MeteredRun, title: str, predicted_activations: int,
+                    predicted_params: int | None = None) -> None:
+    """The memory section: weights, gradients, AdamW's states (counted from the tensors this rank
+    holds) and activations (the meter's peak), each next to its formula. `predicted_params`: what
+    the lesson's technique says this rank holds (default: what it does hold, so that only the
+    bytes per parameter are being checked)."""
+    params = run.n_params if predicted_params is None else predicted_params
+    log0(f"\n== memory ({title}) ==")
+    log0(memory_table(measured_memory(run.model, run.optimizer, run.activations.peak_bytes),
+                      predicted_memory(params, predicted_activations)))
+
+
+def log_traffic_rows(run: MeteredRun, title: str, technique: dict, gradients: dict | None = None,
+                     loss_groups=("dp",), norm_groups=(), meter: comm.CommMeter | None = None) -> None:
+    """The communication section: every collective the run counted per step, next to the sum of
+    the technique's own prediction (`technique`), the gradient reduction (`gradients`; default
+    lesson 01's all-reduce of this rank's gradients over dp) and the step's two scalars.
+    `meter`: a copy of the counts taken before the report's own bookkeeping collectives ran."""
+    gradients = data_parallel_traffic(run.n_params) if gradients is None else gradients
+    predicted = step_traffic(technique, gradients, loss_groups, norm_groups)
+    log0(f"\n== communication per step ({title}) ==")
+    log0((meter or comm.meter).table(predicted, per=run.steps))
+
+
+def log_compute_report(run: MeteredRun) -> None:
+    """The compute section: tokens/s, and on a known GPU the MFU.
 
     MFU (model FLOPs utilisation) divides the FLOPs the model needs per token (flops_per_token)
     by the GPU's peak: work a technique adds (recomputation, idle bubbles, communication) lowers
     it instead of counting as useful. Every rank shares the tokens, whatever it computes of them.
     """
+    throughput, n_ranks = run.throughput, run.n_ranks
     tokens_per_s = throughput.tokens_per_second
     log0("\n== compute ==")
     log0(f"tokens/s (all ranks): {tokens_per_s:,.0f}   per rank: {tokens_per_s / n_ranks:,.0f}")
-    peak = throughput.peak_flops or peak_flops(device)
+    peak = throughput.peak_flops or peak_flops(run.device)
     if peak:
-        mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(cfg, seq_len), peak)
+        mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(run.cfg, run.seq_len), peak)
         log0(f"MFU: {100 * mfu:.1f} % of {peak / 1e12:.0f} TFLOP/s dense bf16 peak per GPU ({MFU_CONVENTION})")

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter
+from picotron_like.metrics import ActivationMeter, data_parallel_traffic, step_traffic
 from picotron_like.model import IGNORE_INDEX, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
@@ -289,7 +289,11 @@ def context_parallel_run(variant: Variant):
         batch = lesson.context_parallel_batch(step_batch(step, grid.dp_rank), cp.split, cp.rank)
         with activations if step == 0 else nullcontext():
             results.append(lesson.train_step(model, optimizer, batch, settings))
-    predicted = lesson.predicted_step_traffic(model, CFG, data.shape, grid, variant.mode, torch.float32)
+    # The report's traffic rows: the cp collectives, lesson 01's gradient all-reduce over dp x cp, the loss.
+    n_params = sum(p.numel() for p in model.module.parameters())
+    predicted = step_traffic(lesson.predicted_cp_traffic(CFG, MICRO, variant.seq_len, grid.cp_size, variant.mode,
+                                                         data.shape.grad_accum),
+                             data_parallel_traffic(n_params, group="dp_cp"), loss_groups=("dp_cp",))
     return {"grads": seen["before"], "clipped_grads": seen["after"], "activations": activations.peak_bytes,
             "predicted_activations": lesson.predicted_cp_activation_bytes(CFG, MICRO, variant.seq_len, grid.cp_size,
                                                                           variant.mode),

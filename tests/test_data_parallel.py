@@ -31,7 +31,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import add_traffic, step_bookkeeping_traffic
+from picotron_like.metrics import add_traffic, data_parallel_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, IGNORE_INDEX, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
@@ -97,7 +97,7 @@ def data_parallel_run(mode: str, bucket_bytes: int, masked: bool = False):
 
     n_params = sum(p.numel() for p in model.parameters())
     grad_bytes = next(model.parameters()).element_size()
-    predicted = add_traffic(lesson.predicted_dp_traffic(n_params, grad_bytes),
+    predicted = add_traffic(data_parallel_traffic(n_params, grad_bytes),
                             step_bookkeeping_traffic(loss_groups=("dp",)))
     return {"grads": seen["before"], "clipped_grads": seen["after"],
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],

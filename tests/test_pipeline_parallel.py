@@ -51,7 +51,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter
+from picotron_like.metrics import ActivationMeter, data_parallel_traffic, step_traffic
 from picotron_like.model import GPT, cross_entropy_loss, get_config
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
@@ -264,7 +264,10 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
             "params": {name: p.detach().clone() for name, p in named},
             # every collective of the training steps, per step, and the devices its tensors lived on
             "traffic": {key: entry.payload_bytes / STEPS for key, entry in comm.meter.traffic.items()},
-            "predicted_traffic": lesson.predicted_traffic(pipeline, data.shape),
+            # the report's rows: p2p, the stage's gradients over dp, the loss over pp and dp, the norm over pp
+            "predicted_traffic": step_traffic(lesson.predicted_p2p_traffic(pipeline, data.shape.grad_accum),
+                                              data_parallel_traffic(sum(p.numel() for _, p in named)),
+                                              loss_groups=("pp", "dp"), norm_groups=("pp",)),
             "devices": dict(comm.meter.devices),
             "sent": comm.meter.get("isend", "pp").payload_bytes / STEPS,
             "boundary_elements": torch.Size(boundary).numel(),

@@ -39,7 +39,7 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, add_traffic, step_bookkeeping_traffic
+from picotron_like.metrics import ActivationMeter, add_traffic, data_parallel_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, IGNORE_INDEX, GPTConfig, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
@@ -435,7 +435,7 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
             n_micro = SEQUENCES_PER_STEP // (MICRO * dp)
             predicted = add_traffic(
                 tp_lesson.predicted_tp_traffic(CFG, MICRO, SEQ, n_micro, tp, sequence_parallel),
-                dp_lesson.predicted_dp_traffic(tp_lesson.tp_parameter_count(CFG, tp), 4),
+                data_parallel_traffic(tp_lesson.tp_parameter_count(CFG, tp)),
                 step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("tp",)))
             assert result["traffic"] == {key: STEPS * value for key, value in predicted.items()}, what
             # Every collective of the training step moved tensors on the rank's device (on a GPU,
