@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
 
@@ -116,27 +117,16 @@ def stage_layer_ranges(n_layers: int, n_stages: int) -> list[range]:
     return ranges
 
 
-class StageLayers(nn.Module):
+def stage_layers(blocks: dict[int, Block]) -> nn.Sequential:
     """A stage's slice of GPT.layers, registered under the layers' indices in the whole model.
 
     So a stage holding layers 4-7 names its parameters layers.4.attn.q_proj.weight ..., exactly
     as the reference GPT does: reference_init draws every value from its name, weight decay is
-    decided by name, and a test compares a stage with the reference name by name.
+    decided by name, and a test compares a stage with the reference name by name. A Sequential
+    because it keeps those names and still iterates, counts and indexes by position as GPT.layers
+    does (its own forward is never called: a block also takes the rotary tables).
     """
-
-    def __init__(self, blocks: dict[int, Block]):
-        super().__init__()
-        for index, block in blocks.items():
-            self.add_module(str(index), block)
-
-    def __iter__(self):
-        return iter(self._modules.values())
-
-    def __len__(self):
-        return len(self._modules)
-
-    def __getitem__(self, position: int) -> Block:
-        return list(self._modules.values())[position]
+    return nn.Sequential(OrderedDict((str(index), block) for index, block in blocks.items()))
 
 
 class PipelineStage(nn.Module):
@@ -162,7 +152,7 @@ class PipelineStage(nn.Module):
         self.cfg = cfg
         self.layer_ids = layer_ids
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden) if has_embedding else None
-        self.layers = StageLayers({index: Block(cfg) for index in layer_ids})
+        self.layers = stage_layers({index: Block(cfg) for index in layer_ids})
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps) if has_head else None
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False) if has_head else None
         self.cross_entropy = cross_entropy_loss
@@ -285,6 +275,24 @@ class Transfer:
     message: Message
 
 
+def action_transfers(action: Action, pp: int, pp_rank: int, n_stages: int) -> tuple[tuple, tuple]:
+    """What an action must receive before it runs, and what it sends once it has run.
+
+    A forward of virtual stage s receives its input from stage s-1 and sends its output to s+1; a
+    backward receives the gradient of its output from s+1 and sends the gradient of its input to
+    s-1. The ends of the pipeline have no neighbour there. Stage s lives on rank s % pp.
+    """
+    stage, micro_batch = action.chunk * pp + pp_rank, action.micro_batch
+    before, after = (stage - 1) % pp, (stage + 1) % pp
+    if action.kind == "F":
+        needs = (Transfer("recv", before, Message("activation", stage, micro_batch)),) if stage > 0 else ()
+        makes = (Transfer("send", after, Message("activation", stage + 1, micro_batch)),) if stage < n_stages - 1 else ()
+    else:
+        needs = (Transfer("recv", after, Message("gradient", stage, micro_batch)),) if stage < n_stages - 1 else ()
+        makes = (Transfer("send", before, Message("gradient", stage - 1, micro_batch)),) if stage > 0 else ()
+    return needs, makes
+
+
 def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1) -> list:
     """The schedule with its communication: Actions, and between them tuples of Transfers.
 
@@ -300,27 +308,16 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     simulate every rank's program, with the strictest semantics, before training.
     """
     n_stages = pp * virtual_stages
-    program, sends = [], []
+    program, sends = [], ()
     for unit in units:
-        receives = []
-        for action in unit:
-            stage = action.chunk * pp + pp_rank
-            if action.kind == "F" and stage > 0:
-                receives.append(Transfer("recv", (stage - 1) % pp, Message("activation", stage, action.micro_batch)))
-            if action.kind == "B" and stage < n_stages - 1:
-                receives.append(Transfer("recv", (stage + 1) % pp, Message("gradient", stage, action.micro_batch)))
+        transfers = [action_transfers(action, pp, pp_rank, n_stages) for action in unit]
+        receives = tuple(transfer for needs, _ in transfers for transfer in needs)
         if sends or receives:
-            program.append(tuple(sends + receives))
-        sends = []
-        for action in unit:
-            stage = action.chunk * pp + pp_rank
-            program.append(action)
-            if action.kind == "F" and stage < n_stages - 1:
-                sends.append(Transfer("send", (stage + 1) % pp, Message("activation", stage + 1, action.micro_batch)))
-            if action.kind == "B" and stage > 0:
-                sends.append(Transfer("send", (stage - 1) % pp, Message("gradient", stage - 1, action.micro_batch)))
+            program.append(sends + receives)
+        program.extend(unit)
+        sends = tuple(transfer for _, makes in transfers for transfer in makes)
     if sends:
-        program.append(tuple(sends))
+        program.append(sends)
     return program
 
 
@@ -370,8 +367,7 @@ class Pipeline:
 
     def one_f_one_b(self, batch: StepBatch) -> torch.Tensor:
         """1F1B with one chunk per rank, written out: the warm-up's forwards, the steady state's
-        forward-backward pairs, the cool-down's backwards, and around each computation the receive
-        it needs and the send of what it produced.
+        forward-backward pairs, the cool-down's backwards, each one received, computed and sent.
 
         Each exchange posts what the last computation produced (its send) together with what the
         next one needs (its receive), and waits for both: posting them together is what keeps two
@@ -382,59 +378,41 @@ class Pipeline:
         p, r, m = self.pp, self.pp_rank, len(batch.micro_batches)
         inputs, outputs, grads = {}, {}, {}     # keyed by (stage, micro-batch)
         loss = torch.zeros((), device=self.device)
+        sent = ()                               # what the last computation produced, not yet sent
 
-        def receive_activation(i):              # micro-batch i's hidden states, from stage r-1
-            return [Transfer("recv", r - 1, Message("activation", r, i))] if r > 0 else []
-
-        def send_activation(i):                 # to stage r+1
-            return [Transfer("send", r + 1, Message("activation", r + 1, i))] if r < p - 1 else []
-
-        def receive_gradient(i):                # the gradient of our output of micro-batch i, from r+1
-            return [Transfer("recv", r + 1, Message("gradient", r, i))] if r < p - 1 else []
-
-        def send_gradient(i):                   # the gradient of our input, to r-1
-            return [Transfer("send", r - 1, Message("gradient", r - 1, i))] if r > 0 else []
-
-        def exchange(transfers):
-            if transfers:
-                self.exchange(tuple(transfers), inputs, outputs, grads)
-
-        def forward(i):
-            nonlocal loss
-            loss += self.forward_step(Action("F", 0, i), batch, inputs, outputs)
-
-        def backward(i):                        # the last one starts the data-parallel reduction
-            self.backward_step(Action("B", 0, i), i == m - 1, inputs, outputs, grads)
+        def receive_compute_send(action: Action):
+            nonlocal loss, sent
+            needs, makes = action_transfers(action, p, r, n_stages=p)
+            if sent or needs:
+                self.exchange(sent + needs, inputs, outputs, grads)
+            if action.kind == "F":
+                loss += self.forward_step(action, batch, inputs, outputs)
+            else:                               # the last backward starts the data-parallel reduction
+                self.backward_step(action, action.micro_batch == m - 1, inputs, outputs, grads)
+            sent = makes
 
         warmup = min(p - 1 - r, m)
-        sent = []
         # warm-up: forwards only; the first gradient comes back after p-1-r more forwards downstream
         for i in range(warmup):
-            exchange(sent + receive_activation(i))
-            forward(i)
-            sent = send_activation(i)
+            receive_compute_send(Action("F", 0, i))
         # steady state: each forward admits micro-batch warmup+i, each backward frees micro-batch i
         for i in range(m - warmup):
-            exchange(sent + receive_activation(warmup + i))
-            forward(warmup + i)
-            sent = send_activation(warmup + i)
-            exchange(sent + receive_gradient(i))
-            backward(i)
-            sent = send_gradient(i)
+            receive_compute_send(Action("F", 0, warmup + i))
+            receive_compute_send(Action("B", 0, i))
         # cool-down: the backwards of the warm-up's micro-batches drain the pipe
         for i in range(m - warmup, m):
-            exchange(sent + receive_gradient(i))
-            backward(i)
-            sent = send_gradient(i)
-        exchange(sent)
+            receive_compute_send(Action("B", 0, i))
+        if sent:
+            self.exchange(sent, inputs, outputs, grads)
         return loss
 
-    def run_program(self, batch: StepBatch) -> torch.Tensor:
+    def run_program(self, batch: StepBatch, program=None) -> torch.Tensor:
         """Any schedule, by its communication program: the same steps one_f_one_b writes out,
-        generated by communication_program from the schedule's compute units."""
+        generated by communication_program from the schedule's compute units. forward_only runs
+        the program of the schedule's forwards alone."""
         inputs, outputs, grads = {}, {}, {}     # keyed by (virtual stage, micro-batch)
         loss = torch.zeros((), device=self.device)
-        for index, step in enumerate(self.program):
+        for index, step in enumerate(self.program if program is None else program):
             if not isinstance(step, Action):
                 self.exchange(step, inputs, outputs, grads)
             elif step.kind == "F":
@@ -447,14 +425,7 @@ class Pipeline:
         """Forward of every micro-batch and nothing else (validation, under torch.no_grad): the
         schedule's forwards in its own order, with only their activation transfers. Returns this
         rank's share of the loss, as forward_backward does."""
-        inputs, outputs = {}, {}
-        loss = torch.zeros((), device=self.device)
-        for step in self.forward_program:
-            if isinstance(step, Action):
-                loss += self.forward_step(step, batch, inputs, outputs)
-            else:
-                self.exchange(step, inputs, outputs, grads={})
-        return loss
+        return self.run_program(batch, self.forward_program)
 
     def forward_step(self, action: Action, batch: StepBatch, inputs, outputs):
         stage = action.chunk * self.pp + self.pp_rank
@@ -662,21 +633,21 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
 
 def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:
     """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
-    activation bytes measured and predicted at the schedule's peak, p2p bytes sent per step."""
+    activation bytes at the schedule's peak and p2p bytes sent per step, each measured and predicted."""
     per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len)
                        for chunk in pipeline.chunks]
     return torch.tensor([sum(len(chunk.module.layer_ids) for chunk in pipeline.chunks),
                          peak_live_micro_batches(pipeline.program), activations.peak_bytes,
                          peak_live_micro_batches(pipeline.program, per_micro_batch),
-                         comm.meter.get("isend", "pp").payload_bytes / steps], dtype=torch.float64)
+                         comm.meter.get("isend", "pp").payload_bytes / steps,
+                         predicted_p2p_traffic(pipeline, shape.grad_accum)[("isend", "pp")]], dtype=torch.float64)
 
 
 def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
-    """The timeline and its bubble, every stage's activations at the schedule's peak, then the shared
-    rows of stage 0's rank: its memory and its traffic (p2p, its stage's gradients over dp, the loss
-    summed over pp and dp, the squared norm over pp)."""
-    cfg, shape = plan.cfg, plan.shape
-    pp, m, v, boundary = grid.pp_size, shape.grad_accum, pipeline.virtual_stages, pipeline.activation_shape
+    """The timeline and its bubble, every stage's activations and sends, then the shared rows of
+    stage 0's rank: its memory and its traffic (p2p, its stage's gradients over dp, the loss summed
+    over pp and dp, the squared norm over pp)."""
+    cfg, shape, pp, m, v = plan.cfg, plan.shape, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages
     training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
     row = stage_report_row(pipeline, cfg, shape, run.activations, args.steps)
     stages = [torch.empty_like(row) for _ in range(pp)]
@@ -692,24 +663,21 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
          f"{bubble_formula(args.schedule, pp, m, v):.3f}   (the formula assumes equal stages, each on its own core)")
 
-    log0("\n== memory: activations at the schedule's peak ==")
-    log0(f"{'stage':<7}{'layers':>7}{'micro-batches kept':>20}{'measured MB':>13}{'predicted MB':>14}")
-    for stage, (layers, kept, measured_bytes, predicted_bytes, _) in enumerate(r.tolist() for r in stages):
-        log0(f"{stage:<7}{int(layers):>7}{int(kept):>20}{measured_bytes / 1e6:>13.3f}{predicted_bytes / 1e6:>14.3f}")
+    log0("\n== every stage: activations at the schedule's peak; p2p sent per step (a boundary carries m "
+         "activations forward and m gradients back, b x s x h each) ==")
+    log0(f"{'stage':<7}{'layers':>7}{'micro-batches kept':>20}{'measured MB':>13}{'predicted MB':>14}"
+         f"{'sent MB':>9}{'predicted':>11}")
+    for stage, (layers, kept, *megabytes) in enumerate(r.tolist() for r in stages):
+        log0(f"{stage:<7}{int(layers):>7}{int(kept):>20}" + "".join(
+            f"{value / 1e6:>{width}.3f}" for value, width in zip(megabytes, (13, 14, 9, 11))))
     if v > 1:
         log0(f"(interleaved: micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
              f"{stages[0][1].item() / v:.1f} stages' worth, where 1F1B keeps {pp})")
     log_memory_rows(run, f"stage 0's rank: {run.n_params:,} of {count_parameters(cfg)['total']:,} parameters",
                     int(stages[0][3]))
-
     log_traffic_rows(run, "rank 0; p2p payload = what this rank sends / receives",
                      predicted_p2p_traffic(pipeline, m), loss_groups=("pp", "dp"), norm_groups=("pp",),
                      meter=training_traffic)
-    total_sent = sum(r[4].item() for r in stages)
-    boundary_bytes = 2 * m * torch.Size(boundary).numel() * 4
-    log0(f"p2p over the whole pipeline: {pp * v - 1} boundaries x 2*m*b*s*h*4 bytes = {pp * v - 1} x "
-         f"2*{m}*{'*'.join(map(str, boundary))}*4 = {(pp * v - 1) * boundary_bytes / 1e6:.4f} MB predicted, "
-         f"{total_sent / 1e6:.4f} MB measured (sum of every stage's sends)")
     log_compute_report(run)
 
 
@@ -750,7 +718,8 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
     chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
-    optimizer = build_optimizer(nn.ModuleList(chunk.module for chunk in chunks), args.lr)
+    modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
+    optimizer = build_optimizer(modules, args.lr)
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
                         activation_shape(cfg, shape), device, compute_dtype)
@@ -766,9 +735,8 @@ def main(argv=None):
                        grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1,
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
                        cfg=cfg)
-    modules = nn.ModuleList(chunk.module for chunk in pipeline.chunks)
-    report(MeteredRun(modules, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
-                      grid.shape.world_size, device, args.steps), pipeline, plan, args, grid, timeline)
+    report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
+                      device, args.steps), pipeline, plan, args, grid, timeline)
     shutdown()
 
 

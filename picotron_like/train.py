@@ -271,7 +271,7 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
 
 
 _TECHNIQUE = {"dp": "data parallelism", "tp": "tensor parallelism", "pp": "pipeline parallelism",
-              "cp": "context parallelism"}
+              "cp": "context parallelism", "ep": "expert parallelism"}
 _AXIS_HELP = {
     "dp": "data-parallel degree (lesson 01)",
     "tp": "tensor-parallel degree: ranks sharing each layer (lesson 02)",
@@ -286,7 +286,8 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_fla
     --bucket-mb with dp (unless `bucket_flag` is False: lesson 06 reduces per unit, not per bucket).
     The `fill_axis` (the lesson's own) takes the ranks the others leave. The other axes' flags are
     accepted but hidden, so that check_flag_ranges refuses them with a line pointing to lesson 07
-    rather than argparse with "unrecognized arguments"."""
+    rather than argparse with "unrecognized arguments"; so is --ep, which lesson 05 defines (with
+    its experts' other flags) and names in `axes`, as 07 does."""
     for axis in AXES:
         if axis == fill_axis:
             help_text = f"{_AXIS_HELP[axis]}; default: the world size / the other degrees"
@@ -294,6 +295,8 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_fla
         else:
             parser.add_argument(f"--{axis}", type=int, default=defaults.get(axis, 1),
                                 help=_AXIS_HELP[axis] if axis in axes else argparse.SUPPRESS)
+    if "ep" not in axes:
+        parser.add_argument("--ep", type=int, default=1, help=argparse.SUPPRESS)
     parser.set_defaults(fill_axis=fill_axis, lesson_axes=axes)
     if "tp" in axes:
         parser.add_argument("--sequence-parallel", action="store_true",
@@ -331,8 +334,8 @@ def check_flag_ranges(args) -> None:
         value = getattr(args, name, None)
         if value is not None and not rule(value):
             problems.append(f"--{name.replace('_', '-')} {value} must be {words}")
-    for axis in AXES:
-        if axis not in getattr(args, "lesson_axes", AXES) and getattr(args, axis, 1) != 1:
+    for axis in (*AXES, "ep"):
+        if axis not in getattr(args, "lesson_axes", (*AXES, "ep")) and getattr(args, axis, 1) != 1:
             problems.append(f"--{axis} {getattr(args, axis)}: this lesson teaches its technique with data "
                             f"parallelism alone; {_TECHNIQUE[axis]} composes with it "
                             f"in lesson 07: run 07_full_5d.py with the same flags")

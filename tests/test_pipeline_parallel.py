@@ -529,6 +529,10 @@ def test_script_trains_under_torchrun():
     assert run.returncode == 0, run.stdout + run.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", run.stdout)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, run.stdout
-    for line in ("timeline of the last step", "bubble (idle / busy): measured", "p2p over the whole pipeline",
-                 "tokens/s"):
+    for line in ("timeline of the last step", "bubble (idle / busy): measured", "p2p sent per step", "tokens/s"):
         assert line in run.stdout, run.stdout
+    # the per-stage table: stage, layers, micro-batches kept, activations and sends measured / predicted
+    stages = re.findall(r"^(\d) +\d+ +\d+ +(\S+) +(\S+) +(\S+) +(\S+)$", run.stdout, re.M)
+    assert [stage for stage, *_ in stages] == ["0", "1"], run.stdout
+    assert all(kept == predicted_kept and sent == predicted_sent
+               for _, kept, predicted_kept, sent, predicted_sent in stages), run.stdout

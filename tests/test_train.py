@@ -134,6 +134,11 @@ def plan(flags: str, monkeypatch, world_size: int = 2, seen_shapes=None):
                                    "micro_batch_size*seq_len*dp = 8*128*2 = 2048 tokens; use 2048 tokens"),
     ("--dp 3", "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2"),
     ("--peak-tflops 0", "--peak-tflops 0.0 must be a positive number"),
+    # another lesson's axis: refused with a pointer to lesson 07, --ep too (lesson 05 defines it)
+    ("--pp 2", "--pp 2: this lesson teaches its technique with data parallelism alone; pipeline parallelism "
+               "composes with it in lesson 07: run 07_full_5d.py with the same flags"),
+    ("--ep 2", "--ep 2: this lesson teaches its technique with data parallelism alone; expert parallelism "
+               "composes with it in lesson 07: run 07_full_5d.py with the same flags"),
 ])
 def test_each_bad_flag_is_one_clear_line(flags, message, monkeypatch):
     """Checked before any process group exists; one line per problem names the value, the rule and
