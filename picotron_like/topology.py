@@ -44,6 +44,17 @@ from picotron_like import comm
 
 AXES = ("dp", "pp", "cp", "tp")
 
+TIMEOUT_ENV = "PICOTRON_LIKE_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 30 * 60
+"""How long a collective waits for a rank that has not joined it before failing. Long on purpose:
+a healthy run keeps its peers waiting for minutes at times (the first step under --compile, each
+rank building a large model, a checkpoint written before the collective that agrees it is done),
+and a watchdog that fires then kills a good run. A dead rank is not found by this timeout: torchrun's
+agent watches its ranks and stops the others as soon as one exits (and tells the agents of the other
+nodes through the rendezvous), and gloo fails a collective at once when a peer's connection closes;
+a test kills a rank under torchrun and sees the run gone in seconds. What is left to the timeout is
+a rank alive but stuck (a deadlock, a hung file system): PICOTRON_LIKE_TIMEOUT_S shortens it."""
+
 
 class ConfigError(ValueError):
     """A parallel configuration that cannot run; the message names the value, the rule and the fix."""
@@ -170,15 +181,16 @@ def rank_device(local_rank: int, cuda_devices: int, requested: str | None = None
 
 
 def init_distributed(init_method: str | None = None, rank: int | None = None,
-                     world_size: int | None = None, timeout_s: float = 120.0,
+                     world_size: int | None = None, timeout_s: float | None = None,
                      device_type: str | None = None) -> torch.device:
     """Create the default process group (see backend_for); returns this rank's device.
 
     With no arguments it reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR).
     One GPU per local rank (rank_device); `device_type` or PICOTRON_LIKE_DEVICE=cpu keeps a rank on
     the CPU. A finite timeout turns a collective that some rank never joins into an error on the
-    others instead of a hang.
+    others instead of a hang (collective_timeout_s: DEFAULT_TIMEOUT_S unless set).
     """
+    timeout_s = collective_timeout_s() if timeout_s is None else timeout_s
     requested = device_type or os.environ.get(DEVICE_ENV)
     cuda_devices = torch.cuda.device_count() if requested != "cpu" and torch.cuda.is_available() else 0
     device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), cuda_devices, requested)
@@ -190,6 +202,20 @@ def init_distributed(init_method: str | None = None, rank: int | None = None,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
     return device
+
+
+def collective_timeout_s() -> float:
+    """PICOTRON_LIKE_TIMEOUT_S, or DEFAULT_TIMEOUT_S; a value that is not a positive number is one
+    ConfigError, raised before any process group exists."""
+    value = os.environ.get(TIMEOUT_ENV, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={value} must be a positive number of seconds "
+                          f"(default {DEFAULT_TIMEOUT_S})")
+    return seconds
 
 
 def world_size_from_env() -> int:

@@ -46,7 +46,7 @@ from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
 from picotron_like.model import GPTConfig, flops_per_token, get_config
-from picotron_like.topology import AXES, ConfigError, GridShape, world_size_from_env
+from picotron_like.topology import AXES, ConfigError, GridShape, collective_timeout_s, world_size_from_env
 
 # ----------------------------------------------------------------------------- optimisation
 
@@ -404,6 +404,7 @@ def checked_plan(args, validate: Callable[[GPTConfig, GridShape, BatchShape, obj
     derived from --global-batch-tokens), so what is validated is what trains.
     """
     check_flag_ranges(args)
+    collective_timeout_s()      # a bad PICOTRON_LIKE_TIMEOUT_S is one line too, not a failed init
     grid = grid_from_args(args, world_size)
     cfg = get_config(args.preset, n_layers=args.n_layers)
     if configure is not None:

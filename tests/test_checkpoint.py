@@ -33,7 +33,7 @@ import torch
 import picotron_like.checkpoint as checkpoints
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import GPT, moe_layers
-from picotron_like.testing import run_ranks
+from picotron_like.testing import run_ranks, torchrun_workers
 from picotron_like.topology import ProcessGrid
 from picotron_like.train import plan_run, train
 
@@ -256,21 +256,6 @@ def two_rank_runs(four_rank_checkpoint: str, killed: str, uninterrupted: str) ->
                                           four_rank_checkpoint], 2)}
 
 
-def worker_pids(parent: int) -> list[int]:
-    """torchrun's workers (its child processes, read from /proc): torchrun starts each in a session
-    of its own, so killing torchrun's process group would leave them running."""
-    children = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as file:
-                fields = file.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(entry))
-    return children
-
-
 def test_killed_run_resumes_to_the_same_parameters_and_four_ranks_resume_on_two(saved, tmp_path):
     """torchrun (2 ranks, ZeRO-2, a checkpoint every step, the last 2 kept) killed with SIGKILL,
     every process at once, once step 3's checkpoint exists: mid-step, mid-save or mid-deletion; a
@@ -286,7 +271,7 @@ def test_killed_run_resumes_to_the_same_parameters_and_four_ranks_resume_on_two(
     deadline = time.monotonic() + 180
     while not (killed / "step_00000003").exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    for pid in [*worker_pids(process.pid), process.pid]:     # as a lost node: every process at once
+    for pid in [*torchrun_workers(process.pid), process.pid]:     # as a lost node: every process at once
         os.kill(pid, signal.SIGKILL)
     process.wait()
     done = [step for step, path in checkpoints.list_checkpoints(killed)]

@@ -1,12 +1,21 @@
 """The process grid: coordinates, groups on real ranks, neighbours, and the grid's validation rules."""
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.testing import run_ranks
-from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, backend_for, rank_device,
+from picotron_like.lessons import REPO_ROOT
+from picotron_like.testing import run_ranks, torchrun_workers
+from picotron_like.topology import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ConfigError, GridShape, ProcessGrid, backend_for,
+                                    collective_timeout_s, rank_device,
                                     validate_parallel_config)
 
 LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
@@ -164,3 +173,51 @@ def test_several_violations_are_reported_together():
 def test_valid_configs_pass():
     validate_parallel_config(GridShape(dp=2, pp=2, cp=2, tp=1), 8)
     validate_parallel_config(GridShape(pp=2, tp=2), 4)
+
+
+def test_the_collective_timeout_is_long_and_set_by_one_variable(monkeypatch):
+    """Long by default (a compiling or checkpointing peer is not a dead one); a bad value is one
+    ConfigError before any process group."""
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout_s() == DEFAULT_TIMEOUT_S >= 30 * 60
+    monkeypatch.setenv(TIMEOUT_ENV, "90")
+    assert collective_timeout_s() == 90
+    for bad in ("0", "-5", "soon", "nan"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{TIMEOUT_ENV}={bad} must be a positive number"):
+            collective_timeout_s()
+
+
+def test_a_killed_rank_ends_the_run_in_seconds_despite_the_long_timeout(tmp_path):
+    """torchrun, 2 ranks of lesson 01 at the default (30-minute) collective timeout; rank 1 killed
+    with SIGKILL mid-training. Rank 0 must not wait for the timeout: the whole run is gone well
+    within 60 s, with a non-zero exit, and torchrun's report names the lost rank and its signal."""
+    log = tmp_path / "stdout.txt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO_ROOT / "01_data_parallel.py"), "--steps", "100000", "--seq-len", "32",
+               "--micro-batch-size", "2", "--val-every", "0"]
+    env = {key: value for key, value in os.environ.items() if key != TIMEOUT_ENV}
+    with open(log, "w") as stdout:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                                   env=dict(env, OMP_NUM_THREADS="1"))
+        try:
+            deadline = time.monotonic() + 120
+            while "step    3 |" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert process.poll() is None, log.read_text()
+            rank_of = {int(open(f"/proc/{pid}/environ").read().split("RANK=")[1].split("\0")[0]): pid
+                       for pid in torchrun_workers(process.pid)}
+            os.kill(rank_of[1], signal.SIGKILL)
+            killed_at = time.monotonic()
+            _, stderr = process.communicate(timeout=60)
+            gone_after = time.monotonic() - killed_at
+        finally:
+            if process.poll() is None:
+                for pid in [*torchrun_workers(process.pid), process.pid]:
+                    os.kill(pid, signal.SIGKILL)
+                process.wait()
+    assert process.returncode != 0
+    assert gone_after < 60, gone_after
+    assert re.search(r"rank\s*:\s*1\b", stderr) and "Signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    assert not torchrun_workers(process.pid)
+
