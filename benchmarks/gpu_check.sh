@@ -12,6 +12,8 @@
 # whole log gpu_check.log, each run's output NAME.txt and --metrics file NAME.metrics.jsonl, and
 # for lesson 07's runs the memory plan for the same flags NAME.plan.txt; the log ends with a
 # table of tokens/s, MFU and peak memory next to the plan (benchmarks/gpu_check_table.py).
+# On a node of 8 GPUs it goes on: every lesson and some lesson 07 layouts in float32 against lesson 07
+# on one GPU (a pass/fail table: NCCL equal to one device), then lesson 07 with the 8b preset.
 # Copy its figures into benchmarks/RESULTS.md with the date and the GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
@@ -109,12 +111,49 @@ say ""
 say "lesson 07 at world size 1 (medians after the first two steps; plan: --plan --gpus 1 --gpu $plan_gpu, same flags):"
 python3 benchmarks/gpu_check_table.py "$out" | tee -a "$log"
 
-# ---- one 8-GPU node (B300, H100 or H200): lesson 07 with the 8b preset in layouts that fit ----
-# Each rank builds its share of the reference model on the CPU before moving it to its GPU (a
-# minute or two, and up to 32 GB of host memory per rank for the tp-only layout).
+# ---- one 8-GPU node (B300, H100 or H200) ----
 if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
-  big="--preset 8b --seq-len 4096 --micro-batch-size 1 --steps 12 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
+  budget=$((SECONDS + ${GPU_CHECK_NODE_BUDGET_S:-2400}))     # a node's own budget, after the one-GPU part's
   eight() { local name=$1; shift; run "$name" 900 torchrun --standalone --nproc_per_node=8 "$@" --metrics "$out/$name.metrics.jsonl"; }
+  four() { local name=$1; shift; run "$name" 900 torchrun --standalone --nproc_per_node=4 "$@" --metrics "$out/$name.metrics.jsonl"; }
+
+  # Self-check: NCCL's collectives equal to one device. Only a real node can show it (NCCL will not
+  # put two ranks on one GPU). Each lesson and a few lesson 07 layouts in float32 with TF32 off, and
+  # lesson 07 on one GPU with the same seed, data and global batch (8 sequences of 1024 tokens), then
+  # a pass/fail table of every step's loss and gradient norm (benchmarks/equal_to_one_device.py).
+  export NVIDIA_TF32_OVERRIDE=0
+  same="--seq-len 1024 --global-batch-tokens 8192 --micro-batch-size 1 --steps 6 --warmup-steps 2 --lr 3e-4 --dtype float32 --seed 0"
+  dense="--preset 125m $same"          # 12 heads, 12 layers: tp 4, pp 4, cp up to 8
+  moe="--preset tiny-moe $same"        # 4 experts: ep up to 4
+  CUDA_VISIBLE_DEVICES=0 one_gpu equal-reference-dense 600 07_full_5d.py $dense
+  CUDA_VISIBLE_DEVICES=0 one_gpu equal-reference-moe 600 07_full_5d.py $moe
+  eight equal-01-dp8 01_data_parallel.py --dp 8 $dense
+  eight equal-02-tp4-dp2-sp 02_tensor_parallel.py --tp 4 --dp 2 --sequence-parallel $dense
+  eight equal-03-pp4-dp2 03_pipeline_parallel.py --pp 4 --dp 2 $dense
+  eight equal-03-pp4-interleaved 03_pipeline_parallel.py --pp 4 --dp 2 --schedule interleaved $dense
+  eight equal-04-cp8-ring 04_context_parallel.py --cp 8 $dense
+  eight equal-04-cp4-dp2-ulysses 04_context_parallel.py --cp 4 --dp 2 --cp-mode ulysses $dense
+  eight equal-06-zero3-dp8 06_zero.py --dp 8 --zero-stage 3 $dense
+  eight equal-07-dp2-pp2-tp2-sp 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 $dense
+  eight equal-07-pp2-cp2-tp2-full 07_full_5d.py --pp 2 --cp 2 --tp 2 --zero-stage 1 --recompute full $dense
+  eight equal-07-dp2-cp2-tp2-zero3 07_full_5d.py --dp 2 --cp 2 --tp 2 --cp-mode ulysses --zero-stage 3 $dense
+  four equal-05-ep4 05_expert_parallel.py --ep 4 $moe
+  eight equal-07-moe-dp4-ep4-tp2 07_full_5d.py --dp 4 --ep 4 --tp 2 --zero-stage 1 $moe
+  unset NVIDIA_TF32_OVERRIDE
+  say ""
+  say "equal to one device (float32, TF32 off; every step's loss and gradient norm):"
+  python3 benchmarks/equal_to_one_device.py "$out/equal-reference-dense.metrics.jsonl" \
+    "$out"/equal-0[1-4]*.metrics.jsonl "$out"/equal-06*.metrics.jsonl "$out"/equal-07-[dp]*.metrics.jsonl \
+    | tee -a "$log" || failed+=(equal-dense)
+  # MoE at a looser tolerance: a token whose two best experts score within rounding of each other
+  # may be routed differently, which moves the loss by ~1e-4 (the CPU proofs force the routing).
+  python3 benchmarks/equal_to_one_device.py --rtol 1e-3 "$out/equal-reference-moe.metrics.jsonl" \
+    "$out"/equal-05*.metrics.jsonl "$out"/equal-07-moe*.metrics.jsonl | tee -a "$log" || failed+=(equal-moe)
+
+  # Speed: lesson 07 with the 8b preset in layouts that fit. Each rank builds its share of the
+  # reference model on the CPU before moving it to its GPU (a minute or two, and up to 32 GB of host
+  # memory per rank for the tp-only layout).
+  big="--preset 8b --seq-len 4096 --micro-batch-size 1 --steps 12 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
   # dp 2 x pp 2 x tp 2 with sequence parallelism, ZeRO-1, selective recompute: ~20 GB of model
   # states per rank, activations of two live micro-batches on the first stage.
   eight 8gpu-dp2-pp2-tp2 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big

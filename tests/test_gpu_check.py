@@ -1,0 +1,85 @@
+"""The device check, as far as a CPU can check it: its 8-GPU self-check launches only layouts the
+lessons accept, and its comparison passes runs equal to one device and fails the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.train import checked_plan
+
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def equal_runs() -> list[tuple[str, int, str, list[str]]]:
+    """(name, world size, lesson file, flags) of every run of the self-check, variables expanded."""
+    text = SCRIPT.read_text()
+    variables = {}
+    for name, value in re.findall(r'^\s*(same|dense|moe)="([^"]*)"', text, re.M):
+        variables[name] = re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], value)
+    runs = []
+    for launcher, name, rest in re.findall(r"^\s*(?:CUDA_VISIBLE_DEVICES=0 )?(eight|four|one_gpu) (equal-\S+) (.*)$",
+                                           text, re.M):
+        words = shlex.split(re.sub(r"\$(\w+)", lambda m: variables[m.group(1)], rest))
+        if launcher == "one_gpu":
+            words = words[1:]       # one_gpu NAME TIMEOUT SCRIPT ...
+        runs.append((name, {"eight": 8, "four": 4, "one_gpu": 1}[launcher], words[0], words[1:]))
+    return runs
+
+
+def test_the_self_check_covers_every_lesson_and_launches_only_accepted_layouts():
+    runs = equal_runs()
+    assert {lesson for _, _, lesson, _ in runs} == {f"{n:02d}_{name}.py" for n, name in (
+        (1, "data_parallel"), (2, "tensor_parallel"), (3, "pipeline_parallel"), (4, "context_parallel"),
+        (5, "expert_parallel"), (6, "zero"), (7, "full_5d"))}
+    for name, world_size, lesson_file, flags in runs:
+        lesson = load_lesson(lesson_file.removesuffix(".py"))
+        args = lesson.parse_args(flags)
+        configure = getattr(lesson, "moe_config", None) or getattr(getattr(lesson, "expert_parallel", None),
+                                                                   "moe_config", None)
+        plan = checked_plan(args, lesson.validate, configure, world_size)     # raises on a refused layout
+        # the same global batch as its one-GPU reference: 8 sequences of 1024 tokens, float32
+        assert plan.shape.tokens_per_step == 8 * 1024 and args.dtype == "float32", name
+
+
+def metrics_of(lesson: str, ranks: int, directory, *flags: str):
+    path = directory / f"{lesson}-{ranks}.metrics.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               str(REPO_ROOT / f"{lesson}.py"), "--steps", "3", "--seq-len", "64", "--micro-batch-size", "2",
+               "--global-batch-tokens", "512", "--metrics", str(path), *flags]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout + run.stderr
+    return path
+
+
+def compare(*paths, rtol: str = "1e-4"):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "equal_to_one_device.py"), "--rtol", rtol,
+                           *map(str, paths)], capture_output=True, text=True, timeout=60)
+
+
+def test_the_comparison_passes_a_run_equal_to_one_device_and_fails_others(tmp_path):
+    """Lesson 01 on 2 gloo ranks against lesson 07 on one: equal (to ~1e-7 here). A copy with one
+    loss moved by 1e-3, and one missing a step, fail; the exit code says so."""
+    reference = metrics_of("07_full_5d", 1, tmp_path)
+    run = metrics_of("01_data_parallel", 2, tmp_path)
+    moved, short = tmp_path / "moved.metrics.jsonl", tmp_path / "short.metrics.jsonl"
+    records = [json.loads(line) for line in run.read_text().splitlines()]
+    records[1]["loss"] *= 1 + 1e-3
+    moved.write_text("\n".join(json.dumps(r) for r in records))
+    short.write_text("\n".join(json.dumps(r) for r in records[:2]))
+    equal = compare(reference, run)
+    assert equal.returncode == 0 and re.search(r"^01_data_parallel-2 +3 .* pass$", equal.stdout, re.M), equal.stdout
+    unequal = compare(reference, run, moved, short)
+    assert unequal.returncode == 1, unequal.stdout
+    assert re.search(r"^moved +3 +1\.0\de-03 .* FAIL$", unequal.stdout, re.M), unequal.stdout
+    assert re.search(r"^short +2 .* FAIL$", unequal.stdout, re.M), unequal.stdout
+
+
+def test_the_device_check_is_valid_bash():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
