@@ -124,6 +124,9 @@ PRESETS: dict[str, GPTConfig] = {
     "mixtral-8x7b": GPTConfig(vocab_size=32000, seq_len=4096, n_layers=32, hidden=4096, n_heads=32,
                               n_kv_heads=8, ffn_hidden=14336, n_experts=8, experts_per_token=2,
                               rope_theta=1e6),
+    # Llama-3.2-1B's blocks and vocabulary, but its LM head is a weight of its own: 1.50e9 parameters
+    # where Llama-3.2-1B, whose head is the embedding's transpose, has 1.24e9. Tying them under a
+    # pipeline would need the first and the last stage to sum the shared weight's gradient.
     "1b": GPTConfig(vocab_size=128256, seq_len=2048, n_layers=16, hidden=2048, n_heads=32,
                     n_kv_heads=8, ffn_hidden=8192, rope_theta=500000.0),
     "8b": GPTConfig(vocab_size=128256, seq_len=8192, n_layers=32, hidden=4096, n_heads=32,
