@@ -72,6 +72,7 @@ HEADER_BYTES = HEADER_INTS * 4
 LLAMA3_SHARD_MAGIC = 20240801
 
 PREPARE_HINT = "make one with: python -m picotron_like.data prepare INPUT.txt OUT.bin"
+IDS_CHECKED_AT_START = 2**20    # tokens at the start of each shard checked before training (2 MB)
 
 
 class DataError(ValueError):
@@ -275,15 +276,14 @@ class TokenBatches:
         self.shape = shape
         self.seed = int(seed)
         self.shards = [read_token_shard(path) for path in self.paths]
+        # Token ids are checked against the model's vocabulary where they are read, not by reading
+        # every shard in full at start-up (every rank of a node would read the whole dataset before
+        # its first step): here, the start of each shard, which catches shards of the wrong
+        # tokenizer before any process group exists; then every window as a step reads it.
+        self.vocab_size = vocab_size
         if vocab_size is not None:
             for path, shard in zip(self.paths, self.shards):
-                max_id = int(shard.max()) if shard.size else -1
-                if max_id >= vocab_size:
-                    raise DataError(
-                        f"{path}: token id {max_id} >= the model's vocab_size {vocab_size}, so the "
-                        f"embedding cannot look it up; use a model config with vocab_size >= {max_id + 1} "
-                        f"(GPT-2 token shards need 50257, or 50304 padded) or shards of a smaller tokenizer"
-                    )
+                self._check_ids(shard[:IDS_CHECKED_AT_START], path)
         # The index is the cumulative window count per shard, not a table of (shard, offset) pairs:
         # a binary search turns a window id into both, at a cost of one integer per shard.
         windows_per_shard = np.array([max(0, (s.size - 1) // shape.seq_len) for s in self.shards])
@@ -323,7 +323,19 @@ class TokenBatches:
         rows = np.empty((count, self.shape.seq_len + 1), dtype=np.int64)
         for row, shard_id, offset in zip(rows, shard_ids, offsets):
             row[:] = self.shards[shard_id][offset : offset + self.shape.seq_len + 1]
+        if self.vocab_size is not None and rows.size and rows.max() >= self.vocab_size:
+            bad = int(np.argmax(rows.max(axis=1) >= self.vocab_size))
+            self._check_ids(rows[bad], self.paths[shard_ids[bad]], where=f" (the window at token {offsets[bad]})")
         return torch.from_numpy(rows)
+
+    def _check_ids(self, tokens: np.ndarray, path: Path, where: str = "") -> None:
+        max_id = int(tokens.max()) if tokens.size else -1
+        if max_id >= self.vocab_size:
+            raise DataError(
+                f"{path}{where}: token id {max_id} >= the model's vocab_size {self.vocab_size}, so the "
+                f"embedding cannot look it up; use a model config with vocab_size >= {max_id + 1} "
+                f"(GPT-2 token shards need 50257, or 50304 padded) or shards of a smaller tokenizer"
+            )
 
     def global_batch(self, step: int) -> torch.Tensor:
         """All windows of a step, [sequences_per_step, seq_len+1]: what one device would train on."""

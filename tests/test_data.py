@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import picotron_like.data as data_module
 from picotron_like.data import (
     HEADER_INTS,
     SHARD_MAGIC,
@@ -95,6 +96,25 @@ def test_token_id_beyond_vocab_fails_clearly(tmp_path):
     with pytest.raises(DataError, match="token id 300 >= the model's vocab_size 256.*vocab_size >= 301"):
         TokenBatches(path, shape, seed=0, vocab_size=256)
     TokenBatches(path, shape, seed=0, vocab_size=301)
+
+
+def test_token_ids_are_checked_where_they_are_read_not_by_reading_every_shard(tmp_path, monkeypatch):
+    """Start-up reads only the first IDS_CHECKED_AT_START tokens of a shard; an id beyond the
+    vocabulary after them is refused when a step reads its window, naming the shard and the place."""
+    monkeypatch.setattr(data_module, "IDS_CHECKED_AT_START", 64)
+    tokens = np.arange(1000) % 200
+    tokens[500] = 250
+    path = tmp_path / "late.bin"
+    write_token_shard(path, tokens)
+    shape = BatchShape(micro_batch_size=1, seq_len=8, grad_accum=1, dp=1)
+    batches = TokenBatches(path, shape, seed=0, vocab_size=200)         # the first 64 tokens are fine
+    steps = range(batches.n_windows)        # one window per step: one epoch reads every window once
+    with pytest.raises(DataError, match=r"late\.bin \(the window at token 496\): token id 250 >= the "
+                                        r"model's vocab_size 200"):
+        for step in steps:
+            batches.step_batch(step, 0)
+    for step in steps:                      # the same data fits a larger vocabulary
+        TokenBatches(path, shape, seed=0, vocab_size=251).step_batch(step, 0)
 
 
 def test_too_little_data_for_one_batch_fails_clearly(tmp_path):
