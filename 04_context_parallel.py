@@ -79,7 +79,7 @@ from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_tr
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
@@ -459,7 +459,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: st
 
     Nothing else changes: every other layer is per token and runs on this rank's S/cp tokens as
     it is. The gradients then need one more thing, done by the caller: a sum over the dp × cp
-    ranks (wrap_gradient_reduction).
+    ranks (build_model).
     """
     core = functools.partial(CP_MODES[mode], cp=cp)
     for module in model.modules():
@@ -468,8 +468,10 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: st
     return model
 
 
-def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_bytes: int) -> torch.nn.Module:
-    """Lesson 01's bucketed data parallel, over the dp × cp group instead of dp alone.
+def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
+                bucket_bytes: int = 2**20) -> torch.nn.Module:
+    """The reference GPT with context-parallel attention cores, wrapped in lesson 01's bucketed data
+    parallel over the dp × cp group instead of dp alone.
 
     Needed even at dp = 1. Each cp rank holds a full copy of the weights but computes only part
     of their gradient: the MLP weights' gradient from its own S/cp tokens, the K/V projections'
@@ -480,31 +482,14 @@ def wrap_gradient_reduction(model: torch.nn.Module, grid: ProcessGrid, bucket_by
     would be right only if every rank held as many valid targets as every other; with masked
     targets one rank's part of a sequence may hold none at all. Skip the reduction and the cp
     copies step with different partial gradients and drift apart from the first step.
+
+    Context parallelism adds nothing to the step itself: lesson 01's train_step and evaluate run
+    as they are. The batch holds this rank's tokens and the global target count; the step sums
+    the loss shares over the wrapper's dp × cp group, which gives the global batch's mean, and
+    every cp rank then holds the same gradients, as dp replicas do (clipping needs no rule).
     """
-    return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
-
-
-def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
-                bucket_bytes: int = 2**20) -> torch.nn.Module:
-    """The reference GPT with context-parallel attention cores, its gradients summed over dp × cp
-    (lesson 01)."""
     model = apply_context_parallel(GPT(cfg, seed=seed).to(device), cp, mode)
-    return wrap_gradient_reduction(model, grid, bucket_bytes)
-
-
-def train_step(model, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
-    """Lesson 01's step as it is: context parallelism adds nothing to the step. The batch holds
-    this rank's tokens (context_parallel_batch) and the global target count; the wrapper sums the
-    gradients over dp × cp, and the step sums the loss shares over the same group, which gives the
-    global batch's mean. Every cp rank then holds the same gradients, as dp replicas do: clipping
-    needs no rule of its own (plain StepSettings)."""
-    return data_parallel.train_step(model, optimizer, batch, settings)
-
-
-def evaluate(model, batch: StepBatch, settings: StepSettings) -> float:
-    """Lesson 01's forward-only loss: the attention cores run their ring (or all-to-all) forward as
-    in training, and the loss shares are summed over dp × cp."""
-    return data_parallel.evaluate(model, batch, settings)
+    return data_parallel.wrap_data_parallel(model, grid.dp_cp_group, "bucketed", bucket_bytes)
 
 
 # ============================================================================ configuration rules
@@ -727,11 +712,11 @@ def main(argv=None):
     log0(grid.shape.picture())
 
     activations, attention_work = ActivationMeter(model), AttentionWork()
-    step = functools.partial(train_step, model, optimizer, settings=settings)
+    step = functools.partial(data_parallel.train_step, model, optimizer, settings=settings)
     throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
                        prepare_batch=sequence_cut(grid, args.zigzag),
                        meters=(activations, attention_work),
-                       evaluate=functools.partial(evaluate, model, settings=settings),
+                       evaluate=functools.partial(data_parallel.evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
     run = MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
                      grid.shape.world_size, device, args.steps)

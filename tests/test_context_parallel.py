@@ -45,6 +45,7 @@ from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 
 lesson = load_lesson("04_context_parallel")
+data_parallel = load_lesson("01_data_parallel")
 
 # 8 heads over 4 kv-heads: grouped-query attention, and both counts divisible by cp = 4 for Ulysses.
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=8, n_kv_heads=4, ffn_hidden=128)
@@ -288,7 +289,7 @@ def context_parallel_run(variant: Variant):
     for step in range(STEPS):
         batch = lesson.context_parallel_batch(step_batch(step, grid.dp_rank), cp.split, cp.rank)
         with activations if step == 0 else nullcontext():
-            results.append(lesson.train_step(model, optimizer, batch, settings))
+            results.append(data_parallel.train_step(model, optimizer, batch, settings))   # lesson 01's step
     # The report's traffic rows: the cp collectives, lesson 01's gradient all-reduce over dp x cp, the loss.
     n_params = sum(p.numel() for p in model.module.parameters())
     predicted = step_traffic(lesson.predicted_cp_traffic(CFG, MICRO, variant.seq_len, grid.cp_size, variant.mode,

@@ -30,6 +30,7 @@ import torch
 from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
+from picotron_like.metrics import BalancingLog, RoutingMeter
 from picotron_like.model import GPT, get_config, moe_layers
 from picotron_like.pipeline_tools import simulate_pipeline
 from picotron_like.testing import run_ranks, train_reference
@@ -100,7 +101,7 @@ def context_parallel_layout() -> float:
     grid = ProcessGrid(GridShape(dp=2, cp=2))
     cp = cp_lesson.ContextParallel.from_grid(grid, zigzag=True)
     model = cp_lesson.build_model(CFG, SEED, grid, cp, "ring", CPU)
-    return validate(partial(cp_lesson.evaluate, model, settings=SETTINGS), grid,
+    return validate(partial(load_lesson("01_data_parallel").evaluate, model, settings=SETTINGS), grid,
                     cp_lesson.sequence_cut(grid, zigzag=True))
 
 
@@ -113,7 +114,7 @@ def expert_parallel_layout() -> tuple[float, bool]:
     shape = val_batches(4).shape
     model = moe.build_model(MOE_CFG, SEED, grid, CPU, moe.grouped_experts, shape.sequences_per_step)
     loads = [layer.expert_load.clone() for layer in moe_layers(model)]
-    log, routing = moe.BalancingLog([model], (grid.dp_group,)), moe.RoutingMeter([model])
+    log, routing = BalancingLog([model], (grid.dp_group,)), RoutingMeter([model])
     with routing:
         loss = validate(partial(moe.evaluate, model, settings=SETTINGS), grid)
     untouched = (all(torch.equal(layer.expert_load, load) for layer, load in zip(moe_layers(model), loads))
