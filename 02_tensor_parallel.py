@@ -30,23 +30,28 @@ all-gather, and keep those regions split along the sequence:
 
     [b, s/tp, h] ─► RMSNorm ─► all-gather ─► column ─► ... ─► row ─► reduce-scatter ─► [b, s/tp, h]
 
-The column layers keep only this rank's s/tp tokens of their input and gather it again in
-backward (once per norm), so every activation of a block is divided by tp.
+The column layers keep the gathered sequence for their weight gradients. The refinement
+(--save-sequence-shard, as Megatron-LM's code does) keeps only this rank's s/tp tokens of it and
+gathers them again in backward, once per norm: then every activation of a block is divided by tp.
 
 The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocabulary V):
     memory:  weights, gradients, optimizer states / tp (norm gains replicated); a block's
              activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
-             replicated unless --sequence-parallel divides them too. Logits b*s*V/tp, not b*s*V.
+             replicated: --sequence-parallel divides their 2(2h + 1), --save-sequence-shard the
+             column layers' 2h too. Logits b*s*V/tp, not b*s*V.
     communication: (4L + 2) all-reduces of b*s*h; with --sequence-parallel the same volume as
-             (4L + 2) all-gathers and (4L + 2) reduce-scatters, plus 2L + 1 backward all-gathers
-             of b*s*h and 2L + 1 all-reduces of h (norm gains). The loss: 3 all-reduces of b*s.
+             (4L + 2) all-gathers and (4L + 2) reduce-scatters, and 2L + 1 all-reduces of h (norm
+             gains); --save-sequence-shard adds 2L + 1 backward all-gathers of b*s*h. The loss: 3
+             all-reduces of b*s.
     compute: the same FLOPs split tp ways, but every collective sits on the critical path: tp
              needs NVLink's bandwidth and stays inside a node.
 
 Run it:
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2                      # CPU, ~30 s
     torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2 --sequence-parallel
-    torchrun --nproc_per_node=8 02_tensor_parallel.py --tp 8 --preset 1b --seq-len 2048 --sequence-parallel
+    torchrun --nproc_per_node=4 02_tensor_parallel.py --tp 2 --dp 2 --sequence-parallel --save-sequence-shard
+    torchrun --nproc_per_node=8 02_tensor_parallel.py --tp 8 --preset 1b --seq-len 2048 --sequence-parallel \
+        --save-sequence-shard
 
 The lesson takes --tp and --dp (the tp groups are replicas joined by lesson 01's bucketed
 all-reduce; --bucket-mb sets its bucket size); --pp and --cp are refused with a line pointing to
@@ -54,9 +59,9 @@ lesson 07, which composes every axis.
 
 What to look for: the loss falls as on one device (the tests prove equality to float32 rounding);
 the tp rows of the communication table equal the formula to the byte; --sequence-parallel turns
-the all-reduces into all-gathers and reduce-scatters of the same volume plus one backward
-all-gather per norm, and the activations per rank fall from the report's "without" prediction to
-its "with sequence parallelism" one.
+the all-reduces into all-gathers and reduce-scatters of the same volume, and the activations per
+rank fall from the report's "off" prediction to its "plain" one; --save-sequence-shard adds one
+backward all-gather per norm and takes them down to "saving the shard".
 
 More: docs/02_tensor_parallel.md (derivations, the full price, when tp pays).
 """
@@ -86,6 +91,14 @@ data_parallel = load_lesson("01_data_parallel")
 # ============================================================================ the technique: tensor parallelism
 
 
+def all_reduced(x, group):
+    """The sum over the group, of a copy: an in-place all-reduce would change a tensor autograd still
+    holds (an input it saved, or a gradient it hands to another branch of the graph too)."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    comm.call(dist.all_reduce, x, group=group)
+    return x
+
+
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """f: identity forward, all-reduce backward.
 
@@ -100,11 +113,7 @@ class CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # A fresh buffer: autograd may hand the same gradient tensor to another branch of the graph,
-        # which an in-place all-reduce would silently change.
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        comm.call(dist.all_reduce, grad, group=ctx.group)
-        return grad, None
+        return all_reduced(grad, ctx.group), None
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -116,10 +125,7 @@ class ReduceFromTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        # Reduce a copy: an in-place all-reduce would change the input behind autograd's back.
-        x = x.clone(memory_format=torch.contiguous_format)
-        comm.call(dist.all_reduce, x, group=group)
-        return x
+        return all_reduced(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -261,10 +267,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, group, reduction, ignore_index):
-        vocab_slice = logits.shape[-1]
-        vocab_start = dist.get_rank(group) * vocab_slice
-        z = logits.float().reshape(-1, vocab_slice)
-        targets = targets.reshape(-1)
+        z, targets = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        vocab_start, vocab_slice = dist.get_rank(group) * z.shape[1], z.shape[1]
 
         z_max = z.max(dim=-1).values
         comm.call(dist.all_reduce, z_max, op=dist.ReduceOp.MAX, group=group)
@@ -273,11 +277,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         comm.call(dist.all_reduce, sum_exp, group=group)
 
         valid = targets != ignore_index
-        local_target = targets - vocab_start
-        mine = valid & (local_target >= 0) & (local_target < vocab_slice)
-        local_target = torch.where(mine, local_target, -1)
-        rows = torch.arange(z.shape[0], device=z.device)
-        target_logit = torch.where(mine, z[rows, local_target.clamp(min=0)] - z_max, 0.0)
+        mine = valid & (targets >= vocab_start) & (targets < vocab_start + vocab_slice)
+        local_target = torch.where(mine, targets - vocab_start, -1)
+        target_logit = torch.where(mine, z.gather(1, local_target.clamp(min=0)[:, None])[:, 0] - z_max, 0.0)
         comm.call(dist.all_reduce, target_logit, group=group)
 
         loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum()
@@ -310,8 +312,8 @@ def vocab_parallel_cross_entropy(logits, targets, group, reduction: str = "mean"
     return VocabParallelCrossEntropy.apply(logits, targets, group, reduction, ignore_index)
 
 
-# The four layer types a conversion swaps in; sequence parallelism (the next section) swaps in a
-# subclass of each instead, and nothing else changes.
+# The four layer types a conversion swaps in; sequence parallelism (the next sections) swaps in
+# subclasses instead, and nothing else changes.
 TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnParallelLinear, RowParallelLinear)
 
 
@@ -322,7 +324,7 @@ def split_dense_mlp(block, tp_group, norm, column, row) -> None:
     parallelize_mlp(block.mlp, tp_group, column, row)
 
 
-def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, split_mlp=None):
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequence_shard: bool = False, split_mlp=None):
     """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
 
     Contract:
@@ -334,14 +336,14 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, split_mlp=No
     - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
       -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
       RowParallelLinear, lm_head -> ColumnParallelLinear (vocab-split logits) with
-      `model.cross_entropy` -> vocab-parallel cross-entropy (with sequence parallelism, the
-      SequenceParallel* subclasses of those four layers). Parameter names stay the same.
-      `Attention.attention_core` is untouched.
+      `model.cross_entropy` -> vocab-parallel cross-entropy (with sequence parallelism,
+      SEQUENCE_PARALLEL_LAYERS; with `save_sequence_shard` too, SHARD_SAVING_LAYERS). Parameter
+      names stay the same. `Attention.attention_core` is untouched.
     - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
       parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
       [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
-      sends [b, s/tp, h] between stages and needs no code of its own. The norms then return a
-      SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
+      sends [b, s/tp, h] between stages and needs no code of its own. Saving the shard, the norms
+      return a SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
       Rotary tables are built for the full sequence (positions as in the reference).
     - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
     - `split_mlp(block, tp_group, norm, column, row)` splits each block's MLP half (`mlp_norm`,
@@ -356,7 +358,8 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, split_mlp=No
     if split_mlp is None:
         validate_tensor_parallel(model.cfg, group_size(tp_group))
         split_mlp = split_dense_mlp
-    embedding, norm, column, row = SEQUENCE_PARALLEL_LAYERS if sequence_parallel else TENSOR_PARALLEL_LAYERS
+    embedding, norm, column, row = (TENSOR_PARALLEL_LAYERS if not sequence_parallel else
+                                    SHARD_SAVING_LAYERS if save_sequence_shard else SEQUENCE_PARALLEL_LAYERS)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
     for block in model.layers:
@@ -432,17 +435,99 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return all_gather_sequence(grad, ctx.group), None
 
 
+class GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward.
+
+    The gradient that arrives here is the sum of the input gradients of every column layer that
+    read the gathered sequence (autograd adds them up), so one reduce-scatter serves q, k and v.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
+    """Make `param`'s gradient the sum over the tp ranks, once per backward pass.
+
+    Under sequence parallelism a replicated parameter used on the sequence-split activations (a
+    norm gain, a row-parallel bias) sees only s/tp tokens per rank, so its gradient is a partial
+    sum. A tensor hook runs before the gradient is added into .grad, so the sum is taken per
+    micro-batch and gradient accumulation and data parallelism work on the full gradient.
+    """
+    param.register_hook(partial(all_reduced, group=group))
+
+
+# The four layer types with the sequence-parallel entry and exit. Between blocks, and inside the
+# norms, each rank now holds its s/tp tokens only. The column layers are tensor parallelism's own:
+# they multiply the gathered sequence and keep it, [b, s, h] per norm on every tp rank, for their
+# weight gradient (the next section keeps only this rank's tokens of it).
+
+
+class SequenceParallelEmbedding(VocabParallelEmbedding):
+    """Sums the vocabulary slices by a reduce-scatter, so the embedding already returns this rank's
+    s/tp tokens: GPT.forward and a pipeline stage need no extra call to enter the split region."""
+
+    def exit_region(self, rows):
+        return ReduceScatterToSequenceParallelRegion.apply(rows, self.group)
+
+
+class SequenceParallelRMSNorm(TensorParallelRMSNorm):
+    """Normalises this rank's s/tp tokens, then all-gathers the whole sequence for the
+    column-parallel layers after it. The gain saw s/tp tokens here, so its gradient is summed over tp."""
+
+    def __init__(self, norm: RMSNorm, group):
+        super().__init__(norm, group)
+        sum_gradient_over_tp(self.weight, group)
+
+    def enter_region(self, x):
+        return GatherFromSequenceParallelRegion.apply(x, self.group)                # SP's f
+
+
+class SequenceParallelRowLinear(RowParallelLinear):
+    """Ends the region by a reduce-scatter: this rank keeps its s/tp tokens of the sum. The bias is
+    added to those tokens only, so its gradient is summed over tp."""
+
+    def __init__(self, full: nn.Linear, group):
+        super().__init__(full, group)
+        if self.bias is not None:
+            sum_gradient_over_tp(self.bias, group)
+
+    def exit_region(self, partial_sums):
+        return ReduceScatterToSequenceParallelRegion.apply(partial_sums, self.group)
+
+
+SEQUENCE_PARALLEL_LAYERS = (SequenceParallelEmbedding, SequenceParallelRMSNorm, ColumnParallelLinear,
+                            SequenceParallelRowLinear)
+
+
+# ============================================================================ the technique: saving the sequence shard
+
+# The plain form's column layers keep the gathered sequence until their backward: [b, s, h] per
+# norm, replicated on every tp rank, the one thing a block keeps that tp does not divide. Keep only
+# this rank's [b, s/tp, h] instead and all-gather it once more in backward, as Megatron-LM's linear
+# layers do under sequence parallelism. The trade-off, per micro-batch:
+#   memory saved: the column layers' kept input / tp, (2L + 1) * b*s*h * (tp - 1)/tp elements per rank
+#   price:        one more all-gather of b*s*h per norm (2L + 1) in backward, started before the
+#                 input gradient's matmul so that it travels while that runs
+
+
 class SequenceRegather:
     """Backward's all-gather of one norm's output, made once for all the column layers that read it.
 
     q, k and v (gate and up) each need the whole sequence for their weight gradient, and they
     read the same input: the first of them to run backward starts the all-gather, the others
-    reuse its result. The entry's backward, which autograd runs only after all of theirs, drops
-    it: the gathered sequence lives for that stretch of the backward pass only.
+    reuse its result, and the last of them (`readers` counts them in forward) drops it, so the
+    gathered sequence lives for that stretch of the backward pass only.
     """
 
     def __init__(self, group):
-        self.group, self.wait, self.full = group, None, None
+        self.group, self.readers, self.wait, self.full = group, 0, None, None
 
     def start(self, shard):
         if self.wait is None and self.full is None:
@@ -451,44 +536,25 @@ class SequenceRegather:
     def result(self):
         if self.full is None:
             self.full, self.wait = self.wait(), None
-        return self.full
-
-    def release(self):
-        self.full = None
-
-
-class GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """SP's f: all-gather the sequence forward, reduce-scatter the gradient backward.
-
-    The gradient that arrives here is the sum of the input gradients of every column layer that
-    read the gathered sequence (autograd adds them up), so one reduce-scatter serves q, k and v;
-    their backward passes are done, and the sequence they gathered again can go.
-    """
-
-    @staticmethod
-    def forward(ctx, x, group, regather):
-        ctx.group, ctx.regather = group, regather
-        return all_gather_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.regather.release()
-        return reduce_scatter_sequence(grad, ctx.group), None, None
+        full, self.readers = self.full, self.readers - 1
+        if self.readers == 0:
+            self.full = None
+        return full
 
 
 class SequenceParallelInput:
-    """What the column-parallel layers after a norm receive under sequence parallelism.
+    """What the column-parallel layers after a norm receive when they save the shard.
 
     `shard` is the norm's output, this rank's s/tp tokens; `full` is the whole sequence, gathered
     once in forward for every layer that reads it; `regather` gathers it once again in backward.
     A layer multiplies `full` but keeps only `shard` for backward, so the gathered sequence is
     freed once the layers that read it have run instead of living until their backward: that is
-    what makes every activation of a block 1/tp under sequence parallelism.
+    what makes every activation of a block 1/tp.
     """
 
     def __init__(self, shard, group):
         self.shard, self.regather = shard, SequenceRegather(group)
-        self.full = GatherFromSequenceParallelRegion.apply(shard, group, self.regather)
+        self.full = GatherFromSequenceParallelRegion.apply(shard, group)
 
 
 class LinearSavingSequenceShard(torch.autograd.Function):
@@ -504,6 +570,7 @@ class LinearSavingSequenceShard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, full, shard, regather, weight, bias):
+        regather.readers += 1
         ctx.regather, ctx.bias_dtype = regather, None if bias is None else bias.dtype
         ctx.save_for_backward(shard, weight)
         return F.linear(full, weight, bias)
@@ -520,69 +587,23 @@ class LinearSavingSequenceShard(torch.autograd.Function):
         return grad_input, None, None, grad_weight, grad_bias
 
 
-def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
-    """Make `param`'s gradient the sum over the tp ranks, once per backward pass.
-
-    Under sequence parallelism a replicated parameter used on the sequence-split activations (a
-    norm gain, a row-parallel bias) sees only s/tp tokens per rank, so its gradient is a partial
-    sum. A tensor hook runs before the gradient is added into .grad, so the sum is taken per
-    micro-batch and gradient accumulation and data parallelism work on the full gradient.
-    """
-    def all_reduce_grad(grad):
-        grad = grad.clone()
-        comm.call(dist.all_reduce, grad, group=group)
-        return grad
-
-    param.register_hook(all_reduce_grad)
-
-
-# The same four layers with the sequence-parallel entry and exit. Between blocks, and inside the
-# norms, each rank now holds its s/tp tokens only.
-
-
-class SequenceParallelEmbedding(VocabParallelEmbedding):
-    """Sums the vocabulary slices by a reduce-scatter, so the embedding already returns this rank's
-    s/tp tokens: GPT.forward and a pipeline stage need no extra call to enter the split region."""
-
-    def exit_region(self, rows):
-        return ReduceScatterToSequenceParallelRegion.apply(rows, self.group)
-
-
-class SequenceParallelRMSNorm(TensorParallelRMSNorm):
-    """Normalises this rank's s/tp tokens and hands them on as a SequenceParallelInput, whose
-    all-gather builds the whole sequence for the column-parallel layers. The gain saw s/tp tokens
-    here, so its gradient is summed over tp."""
-
-    def __init__(self, norm: RMSNorm, group):
-        super().__init__(norm, group)
-        sum_gradient_over_tp(self.weight, group)
+class ShardSavingRMSNorm(SequenceParallelRMSNorm):
+    """Hands the column layers after it a SequenceParallelInput: the gathered sequence to multiply
+    and this rank's tokens of it to keep."""
 
     def enter_region(self, x):
         return SequenceParallelInput(x, self.group)
 
 
-class SequenceParallelColumnLinear(ColumnParallelLinear):
+class ShardSavingColumnLinear(ColumnParallelLinear):
     """Multiplies the gathered sequence, keeps this rank's tokens of it for backward."""
 
     def forward(self, x: SequenceParallelInput):
         return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
 
 
-class SequenceParallelRowLinear(RowParallelLinear):
-    """Ends the region by a reduce-scatter: this rank keeps its s/tp tokens of the sum. The bias is
-    added to those tokens only, so its gradient is summed over tp."""
-
-    def __init__(self, full: nn.Linear, group):
-        super().__init__(full, group)
-        if self.bias is not None:
-            sum_gradient_over_tp(self.bias, group)
-
-    def exit_region(self, partial_sums):
-        return ReduceScatterToSequenceParallelRegion.apply(partial_sums, self.group)
-
-
-SEQUENCE_PARALLEL_LAYERS = (SequenceParallelEmbedding, SequenceParallelRMSNorm, SequenceParallelColumnLinear,
-                            SequenceParallelRowLinear)
+SHARD_SAVING_LAYERS = (SequenceParallelEmbedding, ShardSavingRMSNorm, ShardSavingColumnLinear,
+                       SequenceParallelRowLinear)
 
 
 # ============================================================================ configuration rules
@@ -596,8 +617,7 @@ def validate_tensor_parallel(cfg, grid: GridShape | int, seq_len: int | None = N
     come from validate_parallel_config; tensor parallelism adds its splits, dense MLPs, and with
     sequence parallelism a sequence split evenly.
     """
-    if isinstance(grid, int):
-        grid = GridShape(tp=grid)
+    grid = GridShape(tp=grid) if isinstance(grid, int) else grid
     problems = []
     try:
         validate_parallel_config(grid, grid.world_size if world_size is None else world_size)
@@ -624,7 +644,15 @@ def split_problems(cfg, tp: int) -> list[str]:
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     """For plan_run: the grid's rules and tensor parallelism's, on the sequence length that will run."""
+    if args.save_sequence_shard and not args.sequence_parallel:
+        raise ConfigError("bad flags:\n  - --save-sequence-shard refines sequence parallelism: add "
+                          "--sequence-parallel or drop --save-sequence-shard")
     validate_tensor_parallel(cfg, grid, shape.seq_len, args.sequence_parallel, world_size)
+
+
+# Sequence parallelism's three forms, as apply_tensor_parallel's and the formulas' keywords.
+SEQUENCE_PARALLEL_FORMS = {"off": dict(sequence_parallel=False), "plain": dict(sequence_parallel=True),
+                           "saving the shard": dict(sequence_parallel=True, save_sequence_shard=True)}
 
 
 # ============================================================================ measuring the three challenges
@@ -638,7 +666,7 @@ def tp_parameter_count(cfg, tp: int) -> int:
 
 def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: int, sequence_parallel: bool,
                          compute_dtype=torch.float32, n_layers: int | None = None, with_embedding: bool = True,
-                         with_head: bool = True) -> dict:
+                         with_head: bool = True, save_sequence_shard: bool = False) -> dict:
     """Payload bytes on the tp group per optimizer step: n_micro micro-batches through a GPT, or
     through a pipeline stage of `n_layers` layers with or without the embedding and the head.
 
@@ -646,9 +674,9 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
     down_proj), 2 per layer backward (the norms' f), and the head's f backward: 4L + 2 messages of N.
     Under autocast the row-parallel outputs (and their gradients) travel in the compute dtype; the
     embedding and the norms produce float32. The loss adds 3 all-reduces of b*s float32. Under
-    sequence parallelism each message becomes an all-gather and a reduce-scatter, the column
-    layers gather each norm's output again in backward (2L + 1 more all-gathers of N, float32),
-    and the 2L + 1 norm gains' gradients (h float32 each) are summed.
+    sequence parallelism each message becomes an all-gather and a reduce-scatter, and the 2L + 1
+    norm gains' gradients (h float32 each) are summed; saving the shard, the column layers gather
+    each norm's output again in backward (2L + 1 more all-gathers of N, float32).
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     N = micro_batch * seq_len * cfg.hidden
@@ -660,9 +688,9 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
         # forward: embedding + row outputs; backward: the norms' f (g's backward is free)
         per_micro = {("all_reduce", "tp"): fp32_bytes + row_bytes + loss}
     else:
-        # every message above moves once as an all-gather and once as a reduce-scatter; the
-        # column layers' weight gradients gather each norm's output once more
-        per_micro = {("all_gather_single", "tp"): fp32_bytes + row_bytes + n_norms * N * 4,
+        # every message above moves once as an all-gather and once as a reduce-scatter; saving the
+        # shard, the column layers' weight gradients gather each norm's output once more
+        per_micro = {("all_gather_single", "tp"): fp32_bytes + row_bytes + n_norms * N * 4 * save_sequence_shard,
                      ("reduce_scatter_single", "tp"): fp32_bytes + row_bytes,
                      ("all_reduce", "tp"): loss + n_norms * cfg.hidden * 4}
     return {key: n_micro * value for key, value in per_micro.items() if value}
@@ -670,19 +698,20 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
 
 def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
                                   n_layers: int | None = None, with_embedding: bool = True,
-                                  with_head: bool = True) -> int:
+                                  with_head: bool = True, save_sequence_shard: bool = False) -> int:
     """Bytes autograd saves for one micro-batch on one tp rank (float32, dense model), for a whole
     GPT or a pipeline stage, with the loss summed as a training step asks for it.
 
     Per token and layer, in elements:
-      two RMSNorms, each: input, 1/rms, normalised input, and the output
-      the column layers keep for their weight gradients (/tp with SP)      2 * (3h + 1)
+      two RMSNorms, each: input, 1/rms, normalised input (/tp with SP)    2 * (2h + 1)
+      their outputs, the column layers' input for their weight gradients
+      (/tp with SP saving the shard; plain SP keeps the gathered sequence) 2 * h
       attention: q, k and v (repeated), output, log-sum-exp                (4h + n_heads) / tp
       o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
-    so with sequence parallelism everything a block saves is divided by tp. Plus the rotary tables
-    (s * head_dim); the embedding's int64 local ids and one-byte mask per token; the head's final
-    norm and input (3h + 1, /tp with SP), the loss's softmax over V/tp and its int64 targets (a
-    mean would keep its int64 count of targets too, 8 bytes).
+    so with sequence parallelism saving the shard everything a block saves is divided by tp. Plus
+    the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per token;
+    the head's final norm and input (as a block's norm), the loss's softmax over V/tp and its int64
+    targets (a mean would keep its int64 count of targets too, 8 bytes).
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len
@@ -690,36 +719,33 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     # Integers throughout, so that the prediction is exact: sequence parallelism needs s % tp == 0
     # and the grid rules make h, f, n_heads and V multiples of tp.
     norm_tokens = tokens // tp if sequence_parallel else tokens      # the tokens a norm sees here
-    norm = 3 * h + 1
+    kept_tokens = norm_tokens if save_sequence_shard else tokens     # ... and its output's, kept
+    norm = (2 * h + 1) * norm_tokens + h * kept_tokens
     split = 4 * h + cfg.n_heads + h + 4 * f
-    float_elements = layers * (2 * norm_tokens * norm + tokens * split // tp)
+    float_elements = layers * (2 * norm + tokens * split // tp) + with_head * (norm + tokens * cfg.vocab_size // tp)
     float_elements += seq_len * cfg.head_dim if layers else 0
-    other_bytes = 0
-    if with_embedding:
-        other_bytes += tokens * (8 + 1)
-    if with_head:
-        float_elements += norm_tokens * norm + tokens * cfg.vocab_size // tp
-        other_bytes += tokens * 8
+    other_bytes = tokens * ((8 + 1) * with_embedding + 8 * with_head)     # int64 ids and a mask; int64 targets
     return 4 * float_elements + other_bytes
 
 
-def report(run: MeteredRun, plan, sequence_parallel: bool, compute_dtype) -> None:
+def report(run: MeteredRun, plan, form: str, compute_dtype) -> None:
     """The shared rows with this lesson's formulas (a tp rank's parameters and activations, the tp
-    collectives), and what tensor parallelism changes: the parameters and the logits per rank."""
-    cfg, shape, tp = plan.cfg, plan.shape, plan.grid.tp
+    collectives) for sequence parallelism's `form` (a key of SEQUENCE_PARALLEL_FORMS), and what
+    tensor parallelism changes: the parameters and the logits per rank."""
+    cfg, shape, tp, keywords = plan.cfg, plan.shape, plan.grid.tp, SEQUENCE_PARALLEL_FORMS[form]
     b, s, n_params = shape.micro_batch_size, shape.seq_len, tp_parameter_count(cfg, tp)
-    log_memory_rows(run, f"one rank; activations of one micro-batch; tp={tp}, sequence parallel={sequence_parallel}",
-                    predicted_tp_activation_bytes(cfg, b, s, tp, sequence_parallel), n_params)
+    log_memory_rows(run, f"one rank; activations of one micro-batch; tp={tp}, sequence parallelism {form}",
+                    predicted_tp_activation_bytes(cfg, b, s, tp, **keywords), n_params)
     log0(f"parameters on this rank: {run.n_params:,} measured, {n_params:,} predicted "
          f"(of {count_parameters(cfg)['total']:,})")
     if s % tp == 0:
-        with_sp, without_sp = (predicted_tp_activation_bytes(cfg, b, s, tp, flag) for flag in (True, False))
-        log0(f"activations predicted with sequence parallelism: {with_sp / 1e6:.3f} MB per rank, without: "
-             f"{without_sp / 1e6:.3f} MB (the norms and their outputs, replicated over tp without it)")
+        log0("activations predicted per rank, sequence parallelism " + ", ".join(
+            f"{name} {predicted_tp_activation_bytes(cfg, b, s, tp, **other) / 1e6:.3f} MB"
+            for name, other in SEQUENCE_PARALLEL_FORMS.items()))
     log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
          f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
     log_traffic_rows(run, f"b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, {shape.grad_accum} micro-batches",
-                     predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, sequence_parallel, compute_dtype),
+                     predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, compute_dtype=compute_dtype, **keywords),
                      norm_groups=("tp",))
     log_compute_report(run)
 
@@ -731,6 +757,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "tp"), fill_axis="dp", tp=2)
+    parser.add_argument("--save-sequence-shard", action="store_true", help="with --sequence-parallel: column "
+                        "layers keep their input's s/tp tokens, all-gather them again in backward (memory-optimal)")
     add_training_flags(parser, micro_batch_size=4, steps=20)
     return parser.parse_args(argv)
 
@@ -740,15 +768,16 @@ def main(argv=None):
     plan = plan_run(args, validate)
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
-    module = apply_tensor_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.tp_group, args.sequence_parallel)
+    form = "saving the shard" if args.save_sequence_shard else "plain" if args.sequence_parallel else "off"
+    module = apply_tensor_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.tp_group,
+                                   **SEQUENCE_PARALLEL_FORMS[form])
     # The tp groups are data-parallel replicas of each other: lesson 01's bucketed all-reduce.
     model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(module, args.lr)
     settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm,
                             norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group))
-    log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={grid.dp_size}, "
-         f"sequence parallel={args.sequence_parallel}, {count_parameters(plan.cfg)['total']:,} parameters, "
-         f"{plan.shape.tokens_per_step:,} tokens per step")
+    log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={grid.dp_size}, sequence parallelism {form}, "
+         f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
     activations = ActivationMeter(model)
@@ -758,7 +787,7 @@ def main(argv=None):
                        evaluate=partial(data_parallel.evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
     report(MeteredRun(module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len, grid.shape.world_size,
-                      device, args.steps), plan, args.sequence_parallel, settings.compute_dtype)
+                      device, args.steps), plan, form, settings.compute_dtype)
     shutdown()
 
 

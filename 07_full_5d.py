@@ -155,7 +155,9 @@ def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel:
     if cfg.n_experts:
         tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel=False, split_mlp=split_moe_mlp)
     else:
-        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel)
+        # Sequence parallelism in lesson 02's memory-optimal form (its --save-sequence-shard): a trainer
+        # wants the memory, and this lesson's recompute and plan formulas count that form.
+        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel, save_sequence_shard=True)
 
 
 def split_moe_mlp(block, group, norm, column, row) -> None:
@@ -703,7 +705,8 @@ def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int
         where = {} if stage is None else dict(n_layers=len(stage.layer_ids),
                                               with_embedding=stage.tok_embeddings is not None,
                                               with_head=stage.lm_head is not None)
-        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel, **where)
+        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel,
+                                                              save_sequence_shard=True, **where)
     elif stage is not None:
         local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
     else:
@@ -859,7 +862,8 @@ def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
     if tp > 1:
         predicted.append(tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
-            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None))
+            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None,
+            save_sequence_shard=True))
     if has_experts:
         routed = routed_traffic(routing, grid, cfg.hidden, 4)
         predicted += [expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),

@@ -245,7 +245,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     if tp > 1:      # on the critical path: every block waits for its all-reduces
         traffic = tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
-            n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None)
+            n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None, save_sequence_shard=True)
         exposed += wire_bytes(on_axis(traffic, "tp"), tp) / bandwidth(grid.group_ranks(("tp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
         traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,

@@ -1,19 +1,22 @@
 """
 Lesson 02 proven equal to one device, on real gloo ranks.
 
-Spawns of 2 and 4 ranks carry every multi-rank check (starting ranks is the slow part):
-- layers: column, row (with and without sequence parallelism), embedding and the vocab-parallel
+Sequence parallelism (SP) comes in its three forms throughout: off, plain, and saving the shard
+(tp_lesson.SEQUENCE_PARALLEL_FORMS). Spawns of 2 and 4 ranks carry every multi-rank check
+(starting ranks is the slow part):
+- layers: column (each form), row and embedding (with and without SP) and the vocab-parallel
   cross-entropy (mean and sum, with ignored targets, and with every target ignored) against their
   single-device counterparts at tp = 2 and 4, a bad model refused by apply_tensor_parallel, two
-  pipeline-stage halves converted separately (with and without SP), and PyTorch's own
+  pipeline-stage halves converted separately (each form), and PyTorch's own
   torch.distributed.tensor.parallel on the same model;
-- the whole GPT at tp = 2 and 4 (with and without SP) and dp x tp = 2 x 2 (with and without SP):
-  losses, gradient norms, gradients before and after clipping and parameters after AdamW steps with
-  gradient accumulation, against one device training on the whole global batch; dp x tp on
-  targets masked differently on every rank and micro-batch (one micro-batch entirely), so that only
-  a loss token-weighted over the global batch can agree; the traffic of every group against the
-  formulas, every collective on the rank's device, the saved activations against their formula,
-  and what SP saves (every activation of a block / tp) from the measurements alone;
+- the whole GPT at tp = 2 and 4 and dp x tp = 2 x 2 (each form): losses, gradient norms, gradients
+  before and after clipping and parameters after AdamW steps with gradient accumulation, against
+  one device training on the whole global batch; dp x tp on targets masked differently on every
+  rank and micro-batch (one micro-batch entirely), so that only a loss token-weighted over the
+  global batch can agree; the traffic of every group against the formulas, every collective on
+  the rank's device, the saved activations against their formula, and what each form of SP saves
+  (plain: the norms' work / tp; saving the shard: every activation of a block / tp) from the
+  measurements alone;
 - the script under torchrun, and its refusal of bad flags and configurations.
 
 Tolerances. A tensor-parallel matmul adds the same products as the reference in a different order
@@ -43,10 +46,11 @@ from picotron_like.metrics import ActivationMeter, add_traffic, data_parallel_tr
 from picotron_like.model import GPT, IGNORE_INDEX, GPTConfig, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
-from picotron_like.train import StepSettings, build_optimizer, set_learning_rate
+from picotron_like.train import StepSettings, build_optimizer, checked_plan, set_learning_rate
 
 tp_lesson = load_lesson("02_tensor_parallel")
 dp_lesson = load_lesson("01_data_parallel")
+FORMS = tp_lesson.SEQUENCE_PARALLEL_FORMS       # off, plain, saving the shard: keywords of the lesson's functions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +74,7 @@ def shard(full, dim, rank, tp):
 # ----------------------------------------------------------------------------- layers
 
 
-def check_column(group, sequence_parallel):
+def check_column(group, form):
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(1)
     full = nn.Linear(16, 24, bias=True)
@@ -82,22 +86,24 @@ def check_column(group, sequence_parallel):
     (full(x) * grad_out).sum().backward()
 
     # a copy, not a view: a view of x would keep x's whole storage, which the meter would count
-    x_local = (shard(x, 1, rank, tp) if sequence_parallel else x).detach().clone().requires_grad_()
-    if sequence_parallel:
-        layer = tp_lesson.SequenceParallelColumnLinear(full, group)
-        enter = tp_lesson.SequenceParallelInput
-    else:
-        layer = tp_lesson.ColumnParallelLinear(full, group)
-        enter = tp_lesson.CopyToTensorParallelRegion.apply
+    x_local = (x if form == "off" else shard(x, 1, rank, tp)).detach().clone().requires_grad_()
+    column, enter = {"off": (tp_lesson.ColumnParallelLinear, tp_lesson.CopyToTensorParallelRegion.apply),
+                     "plain": (tp_lesson.ColumnParallelLinear, tp_lesson.GatherFromSequenceParallelRegion.apply),
+                     "saving the shard": (tp_lesson.ShardSavingColumnLinear, tp_lesson.SequenceParallelInput)}[form]
+    layer = column(full, group)
     with ActivationMeter(layer) as saved:
-        out = layer(enter(x_local, group))
-    what = f"column tp={tp} sp={sequence_parallel}"
-    # The layer keeps its input as this rank holds it: under sequence parallelism this rank's tokens
-    # only, not the sequence it gathered (which backward gathers again).
-    assert saved.peak_bytes == x_local.numel() * x_local.element_size(), what
+        entered = enter(x_local, group)
+        out = layer(entered)
+    what = f"column tp={tp} sp={form}"
+    # The layer keeps the input it multiplies, the whole sequence (gathered, under plain sequence
+    # parallelism), unless it saves the shard: then this rank's tokens only (backward gathers again).
+    kept = x_local if form == "saving the shard" else x
+    assert saved.peak_bytes == kept.numel() * kept.element_size(), what
     assert_close(out, shard(full(x), 2, rank, tp), f"{what} output")
     (out * shard(grad_out, 2, rank, tp)).sum().backward()
-    expected_x_grad = shard(x.grad, 1, rank, tp) if sequence_parallel else x.grad
+    if form == "saving the shard":      # its one reader's backward is done: the regathered sequence is gone
+        assert entered.regather.readers == 0 and entered.regather.full is None, what
+    expected_x_grad = x.grad if form == "off" else shard(x.grad, 1, rank, tp)
     assert_close(x_local.grad, expected_x_grad, f"{what} input grad")
     assert_close(layer.weight.grad, shard(full.weight.grad, 0, rank, tp), f"{what} weight grad")
     assert_close(layer.bias.grad, shard(full.bias.grad, 0, rank, tp), f"{what} bias grad")
@@ -212,7 +218,7 @@ def check_reduce_scatter_refuses_uneven_sequence(group):
         tp_lesson.reduce_scatter_sequence(torch.zeros(1, 6, 4), group)
 
 
-def check_pipeline_stages(tokens, group, sequence_parallel):
+def check_pipeline_stages(tokens, group, form):
     """Two pipeline-stage-like halves of the GPT, converted separately, called the way lesson 03
     calls them: stage 0 has the embedding and layer 0, stage 1 layer 1, the final norm and the head.
     The stages exchange the hidden states as they are (this rank's s/tp tokens under SP).
@@ -223,7 +229,7 @@ def check_pipeline_stages(tokens, group, sequence_parallel):
     first.layers, first.norm, first.lm_head = first.layers[:1], None, None
     second.layers, second.tok_embeddings = second.layers[1:], None
     for stage in (first, second):
-        tp_lesson.apply_tensor_parallel(stage, group, sequence_parallel)
+        tp_lesson.apply_tensor_parallel(stage, group, **FORMS[form])
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     rope = first.rope(torch.arange(inputs.shape[1]))
     comm.meter.reset()
@@ -233,10 +239,10 @@ def check_pipeline_stages(tokens, group, sequence_parallel):
     with ActivationMeter(second) as second_saved:
         loss = second.head_loss(second.layers[0](hidden, rope), targets, reduction="sum")
     loss.backward()
-    predicted = [tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, sequence_parallel, n_layers=1,
-                                                         with_head=False),
-                 tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, sequence_parallel, n_layers=1,
-                                                         with_embedding=False)]
+    predicted = [tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, n_layers=1, with_head=False,
+                                                         **FORMS[form]),
+                 tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, n_layers=1, with_embedding=False,
+                                                         **FORMS[form])]
     return {"loss": loss.item() / targets.numel(),
             "traffic": {kind: entry.payload_bytes for (kind, _), entry in comm.meter.traffic.items()},
             "activations": [first_saved.peak_bytes, second_saved.peak_bytes], "predicted_activations": predicted}
@@ -246,8 +252,9 @@ def check_layers():
     world = dist.get_world_size()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # new_group is collective: all ranks make both
     for group in (dist.group.WORLD, pairs[dist.get_rank() // 2]):
-        for sequence_parallel in (False, True):
-            check_column(group, sequence_parallel)
+        for form in FORMS:
+            check_column(group, form)
+        for sequence_parallel in (False, True):     # both forms of SP share the row layer and embedding
             check_row(group, sequence_parallel)
             check_embedding(group, sequence_parallel)
         check_cross_entropy(group)
@@ -263,7 +270,7 @@ def check_layers():
     for name, param in reference.named_parameters():
         assert_close(torch_grads[name], param.grad, f"torch.distributed.tensor.parallel grad {name}")
     return {"world": world, "ours": ours(tokens[:, :-1], tokens[:, 1:]).item(),
-            "stages": {sp: check_pipeline_stages(tokens, dist.group.WORLD, sp) for sp in (False, True)},
+            "stages": {form: check_pipeline_stages(tokens, dist.group.WORLD, form) for form in FORMS},
             "torch_tp": torch_loss, "reference": reference_loss.item()}
 
 
@@ -272,16 +279,16 @@ def test_layers_and_torch_tensor_parallel_match_single_device():
     for result in results:
         # One forward of the whole model: float32 rounding only (see the module docstring).
         assert result["ours"] == pytest.approx(result["reference"], rel=1e-6, abs=0)
-        for sequence_parallel, stages in result["stages"].items():
+        for form, stages in result["stages"].items():
             assert stages["loss"] == pytest.approx(result["reference"], rel=1e-6, abs=0)
             assert stages["activations"] == stages["predicted_activations"]
             predicted = {}
             for first_stage in (True, False):
                 for (kind, _), value in tp_lesson.predicted_tp_traffic(
-                        CFG, 2, SEQ, 1, result["world"], sequence_parallel, n_layers=1,
-                        with_embedding=first_stage, with_head=not first_stage).items():
+                        CFG, 2, SEQ, 1, result["world"], n_layers=1, with_embedding=first_stage,
+                        with_head=not first_stage, **FORMS[form]).items():
                     predicted[kind] = predicted.get(kind, 0) + value
-            assert stages["traffic"] == predicted, sequence_parallel
+            assert stages["traffic"] == predicted, form
         # PyTorch's DTensor tensor parallelism runs on gloo/CPU in this torch and agrees (its gradients
         # were compared inside the ranks).
         assert result["torch_tp"] == pytest.approx(result["reference"], rel=1e-6, abs=0)
@@ -340,9 +347,9 @@ def capture_gradients(model, optimizer, before, after):
 def check_model(configs):
     results = []
     device = torch.device("cpu")
-    for dp, tp, sequence_parallel, masked in configs:
+    for dp, tp, form, masked in configs:
         grid = ProcessGrid(GridShape(dp=dp, tp=tp))
-        module = tp_lesson.apply_tensor_parallel(GPT(CFG, seed=SEED), grid.tp_group, sequence_parallel)
+        module = tp_lesson.apply_tensor_parallel(GPT(CFG, seed=SEED), grid.tp_group, **FORMS[form])
         model = dp_lesson.wrap_data_parallel(module, grid.dp_group, "bucketed", 16 * 2**10)
         optimizer = build_test_optimizer(module)
         settings = StepSettings(device, torch.float32, MAX_GRAD_NORM, norm_groups=(grid.tp_group,),
@@ -358,7 +365,7 @@ def check_model(configs):
             with activations if step == 0 else nullcontext():
                 steps.append(dp_lesson.train_step(model, optimizer, batch, settings))
         results.append({
-            "config": (dp, tp, sequence_parallel, masked), "tp_rank": grid.tp_rank,
+            "config": (dp, tp, form, masked), "tp_rank": grid.tp_rank,
             "losses": [result.loss for result in steps], "norms": [result.grad_norm for result in steps],
             "grads": grads, "clipped_grads": clipped_grads,
             "params": {name: p.detach().clone() for name, p in module.named_parameters()},
@@ -374,10 +381,10 @@ def local_view(full, split_dim, tp_rank, tp):
     return full if split_dim is None else shard(full, split_dim, tp_rank, tp)
 
 
-# (dp, tp, sequence_parallel, masked targets) per world size: tp = 2 and 4 alone on the data as it
-# comes, and dp x tp = 2 x 2 on masked targets.
-MODEL_CONFIGS = {2: [(1, 2, False, False), (1, 2, True, False)],
-                 4: [(1, 4, False, False), (1, 4, True, False), (2, 2, False, True), (2, 2, True, True)]}
+# (dp, tp, sequence parallelism's form, masked targets) per world size, each form: tp = 2 and 4 alone
+# on the data as it comes, and dp x tp = 2 x 2 on masked targets.
+MODEL_CONFIGS = {2: [(1, 2, form, False) for form in FORMS],
+                 4: [(1, 4, form, False) for form in FORMS] + [(2, 2, form, True) for form in FORMS]}
 
 
 @pytest.fixture(scope="module")
@@ -407,9 +414,9 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
     per_rank = run_ranks(world_size, check_model, MODEL_CONFIGS[world_size], timeout_s=240)
     for rank, results in enumerate(per_rank):
         for result in results:
-            dp, tp, sequence_parallel, masked = result["config"]
+            dp, tp, form, masked = result["config"]
             ref = reference[masked]
-            what = f"rank {rank} dp={dp} tp={tp} sp={sequence_parallel} masked={masked}"
+            what = f"rank {rank} dp={dp} tp={tp} sp={form} masked={masked}"
             # Losses and norms: float32 rounding of a differently ordered sum (split matmuls, the
             # token-weighted shares of micro-batches and dp ranks).
             assert result["losses"] == pytest.approx(ref["losses"], rel=1e-6, abs=0), what
@@ -434,7 +441,7 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
             # gradient all-reduce from lesson 01, the loss summed over dp and the norm over tp.
             n_micro = SEQUENCES_PER_STEP // (MICRO * dp)
             predicted = add_traffic(
-                tp_lesson.predicted_tp_traffic(CFG, MICRO, SEQ, n_micro, tp, sequence_parallel),
+                tp_lesson.predicted_tp_traffic(CFG, MICRO, SEQ, n_micro, tp, **FORMS[form]),
                 data_parallel_traffic(tp_lesson.tp_parameter_count(CFG, tp)),
                 step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("tp",)))
             assert result["traffic"] == {key: STEPS * value for key, value in predicted.items()}, what
@@ -442,22 +449,31 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
             # NCCL refuses anything else).
             assert result["devices"] == {key: ["cpu"] for key in result["traffic"]}, what
             assert result["activation_bytes"] == tp_lesson.predicted_tp_activation_bytes(
-                CFG, MICRO, SEQ, tp, sequence_parallel), what
+                CFG, MICRO, SEQ, tp, **FORMS[form]), what
 
-        # What sequence parallelism saves, from the measurements alone (independently of the
-        # formula): the 2L + 1 norms' inputs, 1/rms, normalised inputs and outputs (the column
-        # layers' input), 3h + 1 floats per token, go from every token to s/tp tokens ...
+        # What each form of sequence parallelism saves, from the measurements alone (independently
+        # of the formula). Plain: the 2L + 1 norms' inputs, 1/rms and normalised inputs, 2h + 1
+        # floats per token, go from every token to s/tp tokens; their outputs, which the column
+        # layers keep gathered, stay whole ...
         measured = {result["config"][:3]: result["activation_bytes"] for result in results}
-        tokens = MICRO * SEQ
-        norms = (2 * CFG.n_layers + 1) * tokens * (3 * CFG.hidden + 1) * 4
-        for (dp, tp, sequence_parallel), nbytes in measured.items():
-            if sequence_parallel:
-                assert measured[(dp, tp, False)] - nbytes == norms - norms // tp, (rank, dp, tp)
-        # ... and then everything else a block saves is split too: what is left after the parts
-        # outside the blocks that no tp rank splits (the rotary tables, the token ids with the
+        norm_tokens = (2 * CFG.n_layers + 1) * MICRO * SEQ
+        norm_work, norm_outputs = norm_tokens * (2 * CFG.hidden + 1) * 4, norm_tokens * CFG.hidden * 4
+        for dp, tp, _ in measured:
+            off, plain, saving = (measured[(dp, tp, form)] for form in FORMS)
+            assert off - plain == norm_work - norm_work // tp, (rank, dp, tp)
+            # ... and saving the shard keeps s/tp tokens of those outputs: less than plain by
+            # exactly what the formula predicts between the two
+            assert plain - saving == norm_outputs - norm_outputs // tp, (rank, dp, tp)
+            assert plain - saving == (tp_lesson.predicted_tp_activation_bytes(CFG, MICRO, SEQ, tp, **FORMS["plain"])
+                                      - tp_lesson.predicted_tp_activation_bytes(CFG, MICRO, SEQ, tp,
+                                                                                **FORMS["saving the shard"]))
+        # Saving the shard, everything else a block saves is split too: what is left after the
+        # parts outside the blocks that no tp rank splits (the rotary tables, the token ids with the
         # embedding's mask, the targets) scales as 1/tp (tp = 2 and 4 agree).
+        tokens = MICRO * SEQ
         unsplit = SEQ * CFG.head_dim * 4 + tokens * (8 + 1) + tokens * 8
-        assert len({(nbytes - unsplit) * tp for (_, tp, sp), nbytes in measured.items() if sp}) == 1, rank
+        assert len({(nbytes - unsplit) * tp for (_, tp, form), nbytes in measured.items()
+                    if form == "saving the shard"}) == 1, rank
 
 
 # ----------------------------------------------------------------------------- configuration errors
@@ -507,6 +523,13 @@ def test_script_refuses_a_bad_configuration_without_hanging():
     for problem in ("the world size is 1", "n_kv_heads=2 is not divisible by --tp 4",
                     "--seq-len 33 is not divisible by --tp 4"):
         assert problem in run.stderr, run.stderr
+
+
+def test_save_sequence_shard_needs_sequence_parallel():
+    """The refinement alone would refine nothing: one line naming both flags, before any process group."""
+    args = tp_lesson.parse_args(["--tp", "2", "--save-sequence-shard"])
+    with pytest.raises(ConfigError, match="--save-sequence-shard refines sequence parallelism: add --sequence-parallel"):
+        checked_plan(args, tp_lesson.validate, None, world_size=2)
 
 
 def test_script_refuses_sequence_parallel_without_tensor_parallel():
