@@ -67,6 +67,7 @@ import copy
 import functools
 import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -76,8 +77,8 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, MeteredRun, add_traffic, data_parallel_traffic, log0, log_compute_report, measured_memory, memory_table,
-                                   predicted_activation_bytes, predicted_memory, step_bookkeeping_traffic,
+from picotron_like.metrics import (ActivationMeter, BalancingLog, MeteredRun, RoutingMeter, add_traffic, data_parallel_traffic, log0,
+                                   log_compute_report, log_memory_rows, log_traffic_rows, predicted_activation_bytes,
                                    tensor_bytes)
 from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
@@ -160,12 +161,6 @@ def grouped_mm_fits(cfg, dtype: torch.dtype, device: torch.device = torch.device
     if device.type != "cuda":
         return True
     return dtype == torch.bfloat16 and (capability or torch.cuda.get_device_capability(device)) >= (9, 0)
-
-
-def uses_grouped_mm(args, cfg, dtype: torch.dtype, device: torch.device = torch.device("cpu"),
-                    capability: tuple[int, int] | None = None) -> bool:
-    """--grouped-mm where its kernel runs fast for this model, dtype and device; looped otherwise."""
-    return bool(cfg.n_experts) and args.grouped_mm and grouped_mm_fits(cfg, dtype, device, capability)
 
 
 def combine(tokens: torch.Tensor, dispatch: Dispatch, expert_out: torch.Tensor) -> torch.Tensor:
@@ -335,7 +330,7 @@ def update_router_biases(parts, group, rate: float) -> None:
 
 
 def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings: StepSettings,
-               bias_update_rate: float = 0.0, balancing_log=None) -> StepResult:
+               bias_update_rate: float = 0.0, balancing_log: BalancingLog | None = None) -> StepResult:
     """Lesson 01's step: the dispatch lives inside the layers and the gradient sums inside the
     wrapper. After the optimizer step, the router biases move (auxiliary-loss-free balancing);
     the aux and z losses of the step go to the log."""
@@ -344,9 +339,7 @@ def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings:
     # the norm is global, so every rank makes the same choice and the loads' all-reduce stays matched.
     if bias_update_rate and math.isfinite(result.grad_norm):
         update_router_biases([model.module], model.dp_group, bias_update_rate)
-    if balancing_log is None:
-        return result
-    return replace(result, extra=balancing_log.step_values())
+    return result if balancing_log is None else replace(result, extra=balancing_log.step_values())
 
 
 def evaluate(model: ExpertDataParallel, batch: StepBatch, settings: StepSettings) -> float:
@@ -448,109 +441,11 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 # ============================================================================ measuring the three challenges
 
 
-class BalancingLog:
-    """The step's enabled balancing losses (aux, z), each summed over layers, micro-batches and
-    ranks, for the log line; a disabled one is neither logged nor reduced.
-
-    A forward hook reads each MoE layer's read-outs (last_aux_loss, last_z_loss) after every
-    forward; step_values sums them over the ranks that hold other tokens (and other layers)."""
-
-    def __init__(self, parts, groups):
-        layers = [layer for part in parts for layer in moe_layers(part)]
-        self.names = [name for name, attribute in (("aux", "aux_loss_coef"), ("z", "z_loss_coef"))
-                      if any(getattr(layer, attribute) for layer in layers)]
-        self.groups, self.totals = groups, torch.zeros(len(self.names))
-        for layer in layers if self.names else ():
-            layer.register_forward_hook(self._read)
-
-    def _read(self, layer, inputs, output):
-        # Lesson 07's full recomputation runs the layer again inside backward, but checkpoint stops
-        # once the last tensor backward needs is rebuilt, inside the layer: this hook never fires then.
-        if not layer.training:      # a validation forward: not part of any step's objective
-            return
-        values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
-        self.totals += torch.stack([values[name] for name in self.names]).detach().cpu()
-
-    def step_values(self) -> dict:
-        if not self.names:
-            return {}
-        totals, self.totals = self.totals, torch.zeros(len(self.names))
-        for group in self.groups:
-            comm.call(dist.all_reduce, totals, group=group)
-        return dict(zip(self.names, totals.tolist()))
-
-
-@dataclass(frozen=True)
-class RoutedCall:
-    """One forward of one MoE layer, as the expert_compute seam saw it."""
-
-    layer: int              # index into RoutingMeter.layers (this rank's MoE layers, part by part)
-    micro_batch: int        # the layer's forward count since the meter was entered (folded: modulo the period)
-    counts: torch.Tensor    # [E] kept assignments per (global) expert (on the CPU once the meter is left)
-    dropped: int            # assignments dropped by capacity
-    n_calls: int = 1        # forwards summed into this one (a folding meter's)
-
-
-class RoutingMeter:
-    """Every MoE forward's routing counts while entered, read by a wrapper around whatever
-    dispatch is plugged into the expert_compute seam: the technique counts nothing itself. The
-    counts stay on the rank's device while training runs (no host synchronisation per layer) and
-    move to the CPU once, when the meter is left.
-
-    With a `period` (a layer's forwards per step), a meter over a whole run folds: a layer's n-th
-    forward adds its counts into call n % period, so it holds layers x period calls whatever the
-    number of steps. A folded call's counts are sums over the steps (n_calls says how many), which
-    is all the traffic formulas need: they are linear in the counts."""
-
-    def __init__(self, parts, period: int | None = None):
-        self.layers = [layer for part in parts for layer in moe_layers(part)]
-        self.part_of = [index for index, part in enumerate(parts) for _ in moe_layers(part)]
-        self.period = period
-        self.calls: list[RoutedCall] = []
-        self._forwards = [0] * len(self.layers)     # per layer: its forwards recorded so far
-        self._call_at = {}                          # (layer, n % period) -> its place in calls
-
-    def _recording(self, index, compute):
-        def recorded(tokens, routing, experts):
-            if not self.layers[index].training:     # validation: its traffic is not the steps' either
-                return compute(tokens, routing, experts)
-            counts = torch.bincount(routing.expert_ids[routing.kept], minlength=self.layers[index].n_experts)
-            forward = self._forwards[index]
-            self._forwards[index] += 1
-            self._record(RoutedCall(index, forward % self.period if self.period else forward, counts,
-                                    (~routing.kept).sum()))
-            return compute(tokens, routing, experts)
-        return recorded
-
-    def _record(self, call: RoutedCall) -> None:
-        place = self._call_at.get((call.layer, call.micro_batch))
-        if place is None:
-            if self.period:
-                self._call_at[(call.layer, call.micro_batch)] = len(self.calls)
-            self.calls.append(call)
-            return
-        folded = self.calls[place]
-        self.calls[place] = replace(folded, counts=folded.counts + call.counts, dropped=folded.dropped + call.dropped,
-                                    n_calls=folded.n_calls + 1)
-
-    def __enter__(self):
-        self._computes = [layer.expert_compute for layer in self.layers]
-        for index, layer in enumerate(self.layers):
-            layer.expert_compute = self._recording(index, layer.expert_compute)
-        return self
-
-    def __exit__(self, *exc):
-        for layer, compute in zip(self.layers, self._computes):
-            layer.expert_compute = compute
-        self.calls = [replace(call, counts=call.counts.cpu(), dropped=int(call.dropped)) for call in self.calls]
-        return False
-
-
-def rows_sent_and_received(meter: RoutingMeter, ep: ExpertParallel) -> tuple[list[int], list[int]]:
-    """Per recorded call: m, the assignments this rank dispatched (its kept choices), and r, the
-    rows that arrived for its own experts from every ep rank (r = m at ep = 1). The counts are
-    all-gathered over the ep group, whose ranks run the same calls in the same order."""
-    counts = torch.stack([call.counts for call in meter.calls]).to(torch.int64)      # [calls, E]
+def rows_sent_and_received(routing: RoutingMeter, ep: ExpertParallel) -> tuple[list[int], list[int]]:
+    """Per call the meter recorded: m, the assignments this rank dispatched (its kept choices), and
+    r, the rows that arrived for its own experts from every ep rank (r = m at ep = 1). The counts
+    are all-gathered over the ep group, whose ranks run the same calls in the same order."""
+    counts = torch.stack([call.counts for call in routing.calls]).to(torch.int64)      # [calls, E]
     sent = counts.sum(dim=1)
     if ep.size == 1:
         return sent.tolist(), sent.tolist()
@@ -607,72 +502,26 @@ def moe_layer_bytes_over_dense(cfg, tokens: int, sequences: int, sent: int, rece
             - 4 * element_bytes * cfg.ffn_hidden * tokens)
 
 
-def moe_bytes_by_micro_batch(cfg, tokens: int, sequences: int, meter: RoutingMeter, ep: ExpertParallel,
-                             grouped: bool, element_bytes: int = 4) -> collections.Counter:
-    """(part, micro-batch) -> what that micro-batch's MoE layers add over the dense formula, on
-    the routing counts the meter recorded (a part: one of the meter's modules; here the model,
-    in lesson 07 a pipeline chunk). `tokens` and `sequences`: one micro-batch's, on this rank."""
-    extra = collections.Counter()
-    for call, sent, received in zip(meter.calls, *rows_sent_and_received(meter, ep)):
-        extra[(meter.part_of[call.layer], call.micro_batch)] += moe_layer_bytes_over_dense(
-            cfg, tokens, sequences, sent, received, ep.size, grouped, element_bytes)
-    return extra
-
-
-def predicted_peak_activation_bytes(cfg, shape, meter: RoutingMeter, ep: ExpertParallel, grouped: bool) -> int:
-    """This rank's activations at their peak in the metered step (float32): the dense formula of
-    one micro-batch with each MoE layer's SwiGLU replaced by its routed bytes, at the micro-batch
-    that kept most (lesson 01 runs one micro-batch's forward and backward at a time)."""
+def predicted_peak_activation_bytes(cfg, shape, routing: RoutingMeter, ep: ExpertParallel, grouped: bool) -> int:
+    """This rank's activations at their peak in the step `routing` recorded (float32): the dense
+    formula of one micro-batch with each MoE layer's SwiGLU replaced by its routed bytes, at the
+    micro-batch that kept most (lesson 01 runs one micro-batch's forward and backward at a time)."""
     micro = shape.micro_batch_size
-    extra = moe_bytes_by_micro_batch(cfg, micro * shape.seq_len, micro, meter, ep, grouped)
-    return (predicted_activation_bytes(cfg, micro, shape.seq_len)
-            + max(extra[(0, micro_batch)] for micro_batch in range(shape.grad_accum)))
+    extra = collections.Counter()
+    for call, sent, received in zip(routing.calls, *rows_sent_and_received(routing, ep)):
+        extra[call.micro_batch] += moe_layer_bytes_over_dense(cfg, micro * shape.seq_len, micro, sent, received,
+                                                              ep.size, grouped)
+    return predicted_activation_bytes(cfg, micro, shape.seq_len) + max(extra.values())
 
 
-def expert_memory_bytes(cfg, ep: int, n_layers: int) -> int:
-    """Weights of this rank's experts: n_layers x 3 h f E / ep float32 parameters."""
-    return 4 * n_layers * 3 * cfg.hidden * cfg.ffn_hidden * cfg.n_experts // ep
-
-
-def predicted_routed_traffic(meter: RoutingMeter, ep: ExpertParallel, hidden: int, element_bytes: int,
-                             forward_only: bool = False) -> dict:
-    """The ep all-to-all's bytes, from the counts of every recorded call: 2 (m + r) h e + 8 E (m
-    rows out and r back in forward, the same reversed in backward, and the E int64 counts).
-    `forward_only`: the forward's share, (m + r) h e + 8 E (lesson 07's recomputed forward)."""
+def predicted_routed_traffic(routing: RoutingMeter, ep: ExpertParallel, hidden: int, element_bytes: int) -> dict:
+    """The ep all-to-all's bytes, from the counts of every call `routing` recorded: 2 (m + r) h e +
+    8 E (m rows out and r back in forward, the same reversed in backward, and the E int64 counts)."""
     if ep.size == 1:
         return {}
-    sent, received = rows_sent_and_received(meter, ep)
-    passes = 1 if forward_only else 2
-    n_experts = meter.layers[0].n_experts
-    return {("all_to_all_single", "ep"): sum(passes * (m + r) * hidden * element_bytes + 8 * n_experts * call.n_calls
-                                             for call, m, r in zip(meter.calls, sent, received))}
-
-
-def log_routing(meter: RoutingMeter, group) -> None:
-    counts = torch.zeros(len(meter.layers), meter.layers[0].n_experts, dtype=torch.int64)
-    dropped = torch.zeros(1, dtype=torch.int64)
-    for call in meter.calls:
-        counts[call.layer] += call.counts
-        dropped += call.dropped
-    comm.call(dist.all_reduce, counts, group=group)
-    comm.call(dist.all_reduce, dropped, group=group)
-    log0("\n== routing of one step (assignments per expert, summed over every rank routing other tokens) ==")
-    log0(f"{'layer':<8}{'min':>8}{'mean':>9}{'max':>8}{'max/mean':>10}")
-    for index, row in enumerate(counts.float()):
-        log0(f"{index:<8}{row.min():>8.0f}{row.mean():>9.1f}{row.max():>8.0f}{row.max() / row.mean():>10.2f}")
-    log0(f"assignments dropped by capacity: {int(dropped)}")
-
-
-def predicted_step_traffic(model: ExpertDataParallel, cfg, grid: ProcessGrid, bias_update_rate: float) -> dict:
-    """Every collective of a step but the all-to-all (predicted_routed_traffic): lesson 01's
-    gradient all-reduce, the experts' share of it moved from dp to edp, the loss scalar over dp
-    and the norm scalar over ep, and the balancing bookkeeping."""
-    n_params = sum(p.numel() for p in model.module.parameters())
-    expert_bytes = 4 * sum(p.numel() for p in model.expert_parameters)
-    return add_traffic(data_parallel_traffic(n_params),
-                       {("all_reduce", "dp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes},
-                       step_bookkeeping_traffic(loss_groups=("dp",), norm_groups=("ep",) if grid.ep_size > 1 else ()),
-                       balancing_traffic(cfg, len(model.module.layers), bias_update_rate, "dp"))
+    n_experts = routing.layers[0].n_experts
+    return {("all_to_all_single", "ep"): sum(2 * (m + r) * hidden * element_bytes + 8 * n_experts * call.n_calls
+                                             for call, m, r in zip(routing.calls, *rows_sent_and_received(routing, ep)))}
 
 
 def balancing_traffic(cfg, n_layers: int, bias_update_rate: float, token_group: str) -> dict:
@@ -684,37 +533,68 @@ def balancing_traffic(cfg, n_layers: int, bias_update_rate: float, token_group: 
                        {("all_reduce", token_group): 4 * cfg.n_experts * n_layers} if bias_update_rate else {})
 
 
-def report(model: ExpertDataParallel, optimizer, plan, grid: ProcessGrid, activations, measured_step: RoutingMeter,
-           every_step: RoutingMeter, throughput, device, grouped: bool, args) -> None:
-    cfg, shape, ep = plan.cfg, plan.shape, ExpertParallel.from_grid(grid)
-    # What training moved, before the report's own bookkeeping collectives (routing counts) add to it.
-    training_traffic = copy.deepcopy(comm.meter)
-    n_params = sum(p.numel() for p in model.module.parameters())
-    predicted = predicted_peak_activation_bytes(cfg, shape, measured_step, ep, grouped)
-    log0("\n== memory (one rank; activations at their peak in step 0) ==")
-    log0(memory_table(measured_memory(model.module, optimizer, activations.peak_bytes),
-                      predicted_memory(n_params, predicted)))
-    log0("predicted activations: the dense formula with each MoE layer's SwiGLU replaced by "
-         "moe_layer_activation_bytes, evaluated on step 0's routing counts (rows sent and received per layer "
-         "and micro-batch)")
-    experts = list(model.expert_parameters)
-    states = (v for p in experts for v in optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0)
+def predicted_traffic(module: nn.Module, grid: ProcessGrid, routing: RoutingMeter, bias_update_rate: float,
+                      steps: int) -> dict:
+    """A step's collectives as the pieces metrics.step_traffic adds up (the report prints them; the
+    tests add them up the same way): the technique's, the ep all-to-all and the balancing
+    bookkeeping; the gradients', lesson 01's all-reduce with the experts' share moved from dp to edp; the
+    loss over dp and the gradient norm over ep. The all-to-all is the mean over the `steps` steps
+    whose routing `routing` counted: a Fraction, exact, so the tests compare it with counted bytes."""
+    ep = ExpertParallel.from_grid(grid)
+    routed = predicted_routed_traffic(routing, ep, module.cfg.hidden, 4)
+    expert_bytes = 4 * sum(p.numel() for name, p in module.named_parameters() if is_expert_parameter(name))
+    return dict(technique=add_traffic({key: Fraction(value, steps) for key, value in routed.items()},
+                                      balancing_traffic(module.cfg, len(module.layers), bias_update_rate, "dp")),
+                gradients=add_traffic(data_parallel_traffic(sum(p.numel() for p in module.parameters())),
+                                      {("all_reduce", "dp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes}),
+                loss_groups=("dp",), norm_groups=("ep",) if ep.size > 1 else ())
+
+
+def log_expert_memory(run: MeteredRun, ep: int) -> None:
+    """The experts this rank holds, measured, next to 3 h f E / ep float32 weights per layer."""
+    experts = [p for name, p in run.model.named_parameters() if is_expert_parameter(name)]
+    states = (v for p in experts for v in run.optimizer.state[p].values() if torch.is_tensor(v) and v.dim() > 0)
     measured = [tensor_bytes(experts), tensor_bytes(p.grad for p in experts if p.grad is not None), tensor_bytes(states)]
-    weights = expert_memory_bytes(cfg, ep.size, len(model.module.layers))
+    weights = 4 * len(run.model.layers) * 3 * run.cfg.hidden * run.cfg.ffn_hidden * run.cfg.n_experts // ep
     log0("experts on this rank (3 h f E / ep per layer), measured / predicted MB: " + ", ".join(
         f"{name} {bytes_ / 1e6:.3f} / {times * weights / 1e6:.3f}"
         for name, bytes_, times in zip(("weights", "gradients", "AdamW states"), measured, (1, 1, 2))))
-    routed = predicted_routed_traffic(every_step, ep, cfg.hidden, 4)
-    log0(f"\n== communication per step (ep={ep.size} of dp = {grid.dp_size}) ==")
-    log0(training_traffic.table(add_traffic(predicted_step_traffic(model, cfg, grid, args.bias_update_rate),
-                                            {key: value / args.steps for key, value in routed.items()}),
-                                per=args.steps))
-    if routed:
-        log0("predicted from every step's routing counts, per layer and micro-batch: "
-             "all_to_all_single 2 (sent + received) h e + 8 E")
-    log_routing(measured_step, grid.dp_group)
-    log_compute_report(MeteredRun(model.module, optimizer, activations, throughput, cfg, shape.seq_len,
-                                  grid.shape.world_size, device, args.steps))
+
+
+def log_routing(routing: RoutingMeter, group) -> None:
+    """Assignments per expert in the step `routing` recorded, summed over the ranks holding other tokens."""
+    counts = torch.zeros(len(routing.layers), routing.layers[0].n_experts, dtype=torch.int64)
+    for call in routing.calls:
+        counts[call.layer] += call.counts
+    dropped = torch.tensor([sum(call.dropped for call in routing.calls)])
+    comm.call(dist.all_reduce, counts, group=group)
+    comm.call(dist.all_reduce, dropped, group=group)
+    log0("\n== routing of one step (assignments per expert, summed over every rank routing other tokens) ==")
+    log0(f"{'layer':<8}{'min':>8}{'mean':>9}{'max':>8}{'max/mean':>10}")
+    for index, row in enumerate(counts.float()):
+        log0(f"{index:<8}{row.min():>8.0f}{row.mean():>9.1f}{row.max():>8.0f}{row.max() / row.mean():>10.2f}")
+    log0(f"assignments dropped by capacity: {int(dropped)}")
+
+
+def report(run: MeteredRun, plan, args, grid: ProcessGrid, step_routing: RoutingMeter, every_step: RoutingMeter,
+           grouped: bool) -> None:
+    """The shared rows with the experts' own: activations on step 0's routing (`step_routing`), the
+    experts' memory, the all-to-all on every step's routing (`every_step`), the routing table."""
+    ep = ExpertParallel.from_grid(grid)
+    training_traffic = copy.deepcopy(comm.meter)    # before the report's own gathers of routing counts
+    log_memory_rows(run, "one rank; activations at their peak in step 0",
+                    predicted_peak_activation_bytes(run.cfg, plan.shape, step_routing, ep, grouped))
+    log0("predicted activations: the dense formula with each MoE layer's SwiGLU replaced by "
+         "moe_layer_activation_bytes, evaluated on step 0's routing counts (rows sent and received per layer "
+         "and micro-batch)")
+    log_expert_memory(run, ep.size)
+    log_traffic_rows(run, f"ep={ep.size} of dp = {grid.dp_size}", meter=training_traffic,
+                     **predicted_traffic(run.model, grid, every_step, args.bias_update_rate, run.steps))
+    if ep.size > 1:
+        log0("all_to_all_single predicted from every step's routing counts, per layer and micro-batch: "
+             "2 (sent + received) h e + 8 E")
+    log_routing(step_routing, grid.dp_group)
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -723,7 +603,7 @@ def report(model: ExpertDataParallel, optimizer, plan, grid: ProcessGrid, activa
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 05: expert parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp",), fill_axis="dp")
+    add_parallel_flags(parser, axes=("dp", "ep"), fill_axis="dp")
     add_moe_flags(parser)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=20)
     parser.set_defaults(preset="tiny-moe")
@@ -737,7 +617,7 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid, ep=expert_degree(args, plan.grid))
     compute_dtype = autocast_dtype(args.dtype, device)
-    grouped = uses_grouped_mm(args, cfg, compute_dtype, device)
+    grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, device)
     model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,
                         shape.sequences_per_step, int(args.bucket_mb * 2**20))
     optimizer = build_optimizer(model.module, args.lr)
@@ -748,16 +628,18 @@ def main(argv=None):
          f"{shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 
-    activations, measured_step = ActivationMeter(model), RoutingMeter([model])
+    activations, step_routing = ActivationMeter(model), RoutingMeter([model])
     every_step = RoutingMeter([model], period=shape.grad_accum)     # folded: fixed size however long the run
     step = functools.partial(train_step, model, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
                              balancing_log=BalancingLog([model], (grid.dp_group,)))
     with every_step:
         throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                           meters=(activations, measured_step),
+                           meters=(activations, step_routing),
                            evaluate=functools.partial(evaluate, model, settings=settings),
                            val_batches=plan.val_batches, cfg=cfg)
-    report(model, optimizer, plan, grid, activations, measured_step, every_step, throughput, device, grouped, args)
+    run = MeteredRun(model.module, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
+                     device, args.steps)
+    report(run, plan, args, grid, step_routing, every_step, grouped)
     shutdown()
 
 

@@ -85,8 +85,8 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, MeteredRun, SavedTensorMeters, add_traffic, log0, log_compute_report,
-                                    predicted_activation_bytes, step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, BalancingLog, MeteredRun, RoutingMeter, SavedTensorMeters, add_traffic,
+                                    log0, log_compute_report, predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
@@ -190,9 +190,10 @@ def experts_per_tp_rank(cfg, tp: int):
 
 
 def uses_grouped_experts(args, cfg, tp: int, dtype, device, capability=None) -> bool:
-    """Lesson 05's choice of the grouped matmul, for the experts as a tp rank holds them: what the
-    model is built with, and what the report and the memory plan (for its GPU) predict with."""
-    return expert_parallel.uses_grouped_mm(args, experts_per_tp_rank(cfg, tp), dtype, device, capability)
+    """--grouped-mm where lesson 05's grouped matmul runs fast for the experts as a tp rank holds
+    them: what the model is built with, and what the report and the memory plan (for its GPU) predict with."""
+    return bool(cfg.n_experts) and args.grouped_mm and expert_parallel.grouped_mm_fits(
+        experts_per_tp_rank(cfg, tp), dtype, device, capability)
 
 
 def expert_runner(grouped: bool, grid: ProcessGrid):
@@ -265,8 +266,8 @@ class StageChunks(torch.nn.Module):
         super().__init__()
         self.chunks = tuple(chunks)     # a tuple is not registered: each block is named once, below
         self.tok_embeddings = chunks[0].tok_embeddings
-        self.layers = pipeline_parallel.StageLayers({name: block for chunk in chunks
-                                                     for name, block in chunk.layers.named_children()})
+        self.layers = pipeline_parallel.stage_layers({name: block for chunk in chunks
+                                                      for name, block in chunk.layers.named_children()})
         self.norm, self.lm_head = chunks[-1].norm, chunks[-1].lm_head
 
 
@@ -319,16 +320,16 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
 
 
 def model_parts(model, pipeline) -> list[torch.nn.Module]:
-    """What lesson 05's meters and formulas take as a rank's parts: with a pipeline its chunks
+    """What the routing meters and lesson 05's formulas take as a rank's parts: with a pipeline its chunks
     (each PipelineChunk's .module one stage of lesson 03), else the model."""
     return list(pipeline.chunks) if pipeline is not None else [model]
 
 
 def balancing_log(model, pipeline, grid: ProcessGrid):
-    """Lesson 05's log of the step's aux and z losses, summed over the ranks holding other tokens
-    (dp x cp) and other layers (pp); a model without them logs and reduces nothing."""
-    return expert_parallel.BalancingLog(model_parts(model, pipeline),
-                                        (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
+    """The log of the step's aux and z losses, summed over the ranks holding other tokens (dp x cp)
+    and other layers (pp); a model without them logs and reduces nothing."""
+    return BalancingLog(model_parts(model, pipeline),
+                        (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
 
 
 # ============================================================================ the technique: the composed step
@@ -758,14 +759,13 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
     parts = model_parts(model, pipeline)
     sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
              for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
-    if cfg.n_experts and recompute != "full":
+    if cfg.n_experts and recompute != "full":     # each MoE layer's bytes over the dense formula, on its counts
         experts, dtype = experts_per_tp_rank(cfg, grid.tp_size), model.precision.param_dtype
-        micro = shape.micro_batch_size
-        routed = expert_parallel.moe_bytes_by_micro_batch(
-            experts, micro * shape.seq_len // grid.cp_size, micro, routing,
-            expert_parallel.ExpertParallel.from_grid(grid),
-            uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device), dtype.itemsize)
-        sizes = {key: size + routed[key] for key, size in sizes.items()}
+        ep, micro = expert_parallel.ExpertParallel.from_grid(grid), shape.micro_batch_size
+        grouped = uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device)
+        for call, sent, received in zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep)):
+            sizes[(routing.part_of[call.layer], call.micro_batch)] += expert_parallel.moe_layer_bytes_over_dense(
+                experts, micro * shape.seq_len // grid.cp_size, micro, sent, received, ep.size, grouped, dtype.itemsize)
     # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
     if pipeline is None:
         return max(sizes.values())
@@ -875,14 +875,16 @@ def routed_traffic(routing, grid: ProcessGrid, hidden: int, element_bytes: int, 
     """The bytes that depend on the routing, from the counts of every call `routing` recorded:
     lesson 05's all-to-all, and with tp > 1 the experts' g (r h e, forward) and f (r h float32
     gradients, backward) around the r rows this rank's experts received (tp x experts).
-    `forward_only`: the forward's share (the recomputed forward)."""
+    `forward_only`: the forward's share (the recomputed forward): of the all-to-all, the counts and
+    the m rows out and r back, (m + r) h e + 8 E, lesson 05's bytes less the backward's rows."""
     ep = expert_parallel.ExpertParallel.from_grid(grid)
-    predicted = expert_parallel.predicted_routed_traffic(routing, ep, hidden, element_bytes, forward_only)
-    if grid.tp_size == 1:
-        return predicted
-    _, received = expert_parallel.rows_sent_and_received(routing, ep)
-    return add_traffic(predicted, {("all_reduce", "tp"): sum(received) * hidden
-                                   * (element_bytes + (0 if forward_only else 4))})
+    sent, received = expert_parallel.rows_sent_and_received(routing, ep)
+    predicted = [expert_parallel.predicted_routed_traffic(routing, ep, hidden, element_bytes)]
+    if forward_only and ep.size > 1:
+        predicted.append({("all_to_all_single", "ep"): -(sum(sent) + sum(received)) * hidden * element_bytes})
+    if grid.tp_size > 1:
+        predicted.append({("all_reduce", "tp"): sum(received) * hidden * (element_bytes + (0 if forward_only else 4))})
+    return add_traffic(*predicted)
 
 
 def expert_layer_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, compute_dtype) -> dict:
@@ -1061,7 +1063,7 @@ def start_memory_history(path: str | None, device) -> str | None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 07: the full 5D-parallel trainer (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp"), fill_axis="dp", bucket_flag=False)
+    add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp", "ep"), fill_axis="dp", bucket_flag=False)
     zero.add_zero_flags(parser)
     expert_parallel.add_moe_flags(parser)
     pipeline_parallel.add_schedule_flags(parser)
@@ -1117,7 +1119,7 @@ def main(argv=None):
     parts = model_parts(model, pipeline)
     # every_step folds a layer's calls by the step (its forwards per step: twice under full recompute)
     calls_per_step = plan.shape.grad_accum * (2 if args.recompute == "full" else 1)
-    routing, every_step = ((expert_parallel.RoutingMeter(parts), expert_parallel.RoutingMeter(parts, calls_per_step))
+    routing, every_step = ((RoutingMeter(parts), RoutingMeter(parts, calls_per_step))
                            if plan.cfg.n_experts else (None, None))
     model_or_pipeline = model if pipeline is None else pipeline
     first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)

@@ -9,6 +9,10 @@ goes through ``comm.call``); the rest is here:
   saved-tensors hook;
 - ``measured_memory`` / ``predicted_memory`` / ``memory_table``: weights, gradients, optimizer
   states and activations, counted from the tensors a rank holds and predicted by formula;
+- ``RoutingMeter``: what the MoE layers' routers chose, per layer and forward (the counts the
+  expert formulas of memory and traffic take as input), read at the model's expert_compute seam;
+- ``BalancingLog``: the MoE layers' balancing losses (aux, z) of a step, summed over the ranks, for
+  the step's log line;
 - ``step_bookkeeping_traffic``: the two float32 scalars every training step all-reduces (its loss
   and its gradient norm), so that no report adds them by hand;
 - ``Throughput`` and ``log_compute_report``: tokens per second, and on a known GPU the MFU;
@@ -26,13 +30,13 @@ import sys
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPTConfig, flops_per_token
+from picotron_like.model import GPTConfig, flops_per_token, moe_layers
 
 
 def is_rank0() -> bool:
@@ -240,6 +244,104 @@ def add_traffic(*predictions: dict) -> dict:
         for key, value in prediction.items():
             total[key] += value
     return dict(total)
+
+
+# ----------------------------------------------------------------------------- mixture of experts: routing and balancing
+
+
+@dataclass(frozen=True)
+class RoutedCall:
+    """One forward of one MoE layer, as its expert_compute seam saw it."""
+
+    layer: int              # index into RoutingMeter.layers (the MoE layers of its parts, part by part)
+    micro_batch: int        # the layer's forward count since the meter was made (folded: modulo the period)
+    counts: torch.Tensor    # [E] kept assignments per expert (on the CPU once the meter is left)
+    dropped: int            # assignments dropped by capacity
+    n_calls: int = 1        # forwards summed into this one (a folding meter's)
+
+
+class RoutingMeter:
+    """Every training forward's routing counts, per MoE layer, while entered: a wrapper around
+    whatever dispatch is plugged into the layers' expert_compute seam (model.py) reads them, so
+    the dispatch counts nothing itself. The counts stay on the device while training runs (no
+    host synchronisation per layer) and move to the CPU once, when the meter is left.
+
+    `parts`: the modules holding the layers (a model, or a rank's pipeline chunks: part_of says
+    which holds each). With a `period` (a layer's forwards per step), a meter over a whole run
+    folds: a layer's n-th forward adds its counts into call n % period, so it holds layers x
+    period calls whatever the number of steps, each the sum of n_calls forwards' counts, which
+    is all that formulas linear in the counts need."""
+
+    def __init__(self, parts, period: int | None = None):
+        self.layers = [layer for part in parts for layer in moe_layers(part)]
+        self.part_of = [index for index, part in enumerate(parts) for _ in moe_layers(part)]
+        self.period = period
+        self.calls: list[RoutedCall] = []
+        self._forwards = [0] * len(self.layers)     # per layer: its forwards recorded so far
+        self._slots: dict[tuple[int, int], RoutedCall] = {}     # (layer, micro_batch) -> its call
+
+    def _recording(self, index: int, compute):
+        def recorded(tokens, routing, experts):
+            layer = self.layers[index]
+            if layer.training:      # a validation forward is no step's work
+                counts = torch.bincount(routing.expert_ids[routing.kept], minlength=layer.n_experts)
+                self._record(index, counts, (~routing.kept).sum())
+            return compute(tokens, routing, experts)
+        return recorded
+
+    def _record(self, index: int, counts: torch.Tensor, dropped: torch.Tensor) -> None:
+        forward = self._forwards[index]
+        self._forwards[index] += 1
+        slot = (index, forward % self.period if self.period else forward)
+        known = self._slots.get(slot)
+        self._slots[slot] = RoutedCall(*slot, counts, dropped) if known is None else replace(
+            known, counts=known.counts + counts, dropped=known.dropped + dropped, n_calls=known.n_calls + 1)
+
+    def __enter__(self):
+        self._computes = [layer.expert_compute for layer in self.layers]
+        for index, layer in enumerate(self.layers):
+            layer.expert_compute = self._recording(index, layer.expert_compute)
+        return self
+
+    def __exit__(self, *exc):
+        for layer, compute in zip(self.layers, self._computes):
+            layer.expert_compute = compute
+        self.calls = [replace(call, counts=call.counts.cpu(), dropped=int(call.dropped))
+                      for call in self._slots.values()]
+        return False
+
+
+class BalancingLog:
+    """The step's enabled balancing losses (aux, z), each summed over layers, micro-batches and
+    ranks, for the log line; a disabled one is neither logged nor reduced.
+
+    A forward hook reads each MoE layer's read-outs (last_aux_loss, last_z_loss) after every
+    training forward of the layers in `parts` (a model, or a rank's pipeline chunks); step_values
+    sums them over `groups`: the ranks that hold other tokens, and those that hold other layers."""
+
+    def __init__(self, parts, groups):
+        layers = [layer for part in parts for layer in moe_layers(part)]
+        self.names = [name for name, attribute in (("aux", "aux_loss_coef"), ("z", "z_loss_coef"))
+                      if any(getattr(layer, attribute) for layer in layers)]
+        self.groups, self.totals = groups, torch.zeros(len(self.names))
+        for layer in layers if self.names else ():
+            layer.register_forward_hook(self._read)
+
+    def _read(self, layer, inputs, output):
+        # Full recomputation runs the layer again inside backward, but non-reentrant checkpoint stops
+        # once the last tensor backward needs is rebuilt, inside the layer: this hook never fires then.
+        if not layer.training:      # a validation forward: not part of any step's objective
+            return
+        values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
+        self.totals += torch.stack([values[name] for name in self.names]).detach().cpu()
+
+    def step_values(self) -> dict:
+        if not self.names:
+            return {}
+        totals, self.totals = self.totals, torch.zeros(len(self.names))
+        for group in self.groups:
+            comm.call(dist.all_reduce, totals, group=group)
+        return dict(zip(self.names, totals.tolist()))
 
 
 # ----------------------------------------------------------------------------- compute

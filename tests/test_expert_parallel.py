@@ -43,7 +43,7 @@ import picotron_like.model as model_module
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, add_traffic
+from picotron_like.metrics import ActivationMeter, BalancingLog, RoutingMeter, step_traffic
 from picotron_like.model import GPT, get_config, looped_expert_compute, moe_layers
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
@@ -81,7 +81,7 @@ def test_local_dispatch_loop_and_grouped_equal_the_reference(options):
         model = GPT(cfg, seed=SEED)
         for layer in moe_layers(model):
             layer.expert_compute = compute
-        meter, routing = ActivationMeter(model), lesson.RoutingMeter([model])
+        meter, routing = ActivationMeter(model), RoutingMeter([model])
         with meter, routing:
             loss = model(tokens, targets)
         loss.backward()
@@ -256,7 +256,7 @@ def expert_parallel_run(variant: Variant):
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     settings = lesson.step_settings(model, grid, CPU, torch.float32, MAX_GRAD_NORM)
-    log = lesson.BalancingLog([model], (grid.dp_group,))
+    log = BalancingLog([model], (grid.dp_group,))
     choices, step_of = {}, [0]
     record_choices([model], grid, data, choices, step_of)
 
@@ -275,8 +275,8 @@ def expert_parallel_run(variant: Variant):
         else data.step_batch
     results, biases = [], []
     # every_step folds by the step, as the lesson's main does: it must predict the same traffic
-    activations, measured_step = ActivationMeter(model), lesson.RoutingMeter([model])
-    every_step = lesson.RoutingMeter([model], period=data.shape.grad_accum)
+    activations, measured_step = ActivationMeter(model), RoutingMeter([model])
+    every_step = RoutingMeter([model], period=data.shape.grad_accum)
     with every_step:
         for step in range(STEPS):
             step_of[0] = step
@@ -289,10 +289,10 @@ def expert_parallel_run(variant: Variant):
     traffic = {key: t.payload_bytes for key, t in comm.meter.traffic.items()}   # before the gathers below
     n_slots = len(moe_layers(model.module)) * data.shape.grad_accum
     assert len(every_step.calls) == n_slots and sum(call.n_calls for call in every_step.calls) == STEPS * n_slots
+    # The report's rows, added up as it adds them; the all-to-all's mean per step is exact (a Fraction).
+    per_step = step_traffic(**lesson.predicted_traffic(model.module, grid, every_step, variant.bias_update_rate, STEPS))
+    predicted = {key: STEPS * value for key, value in per_step.items()}
     ep = lesson.ExpertParallel.from_grid(grid)
-    per_step = lesson.predicted_step_traffic(model, variant.cfg, grid, variant.bias_update_rate)
-    predicted = add_traffic({key: STEPS * value for key, value in per_step.items()},
-                            lesson.predicted_routed_traffic(every_step, ep, CFG.hidden, 4))
     return {"activations": activations.peak_bytes, "traffic": traffic, "predicted_traffic": predicted,
             "predicted_activations": lesson.predicted_peak_activation_bytes(variant.cfg, data.shape, measured_step,
                                                                             ep, variant.grouped),

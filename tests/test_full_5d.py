@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, SavedTensorMeters, add_traffic
+from picotron_like.metrics import ActivationMeter, BalancingLog, RoutingMeter, SavedTensorMeters, add_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
@@ -104,7 +104,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
     # for the recomputed forward's traffic.
-    routings = ([full_5d.expert_parallel.RoutingMeter(full_5d.model_parts(model, pipeline)) for _ in range(STEPS)]
+    routings = ([RoutingMeter(full_5d.model_parts(model, pipeline)) for _ in range(STEPS)]
                 if cfg.n_experts else [])
     routing = routings[0] if routings else None
     log = full_5d.balancing_log(model, pipeline, grid)
@@ -168,7 +168,7 @@ def lesson_05_run(grid: ProcessGrid, extra) -> dict:
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     settings = expert_parallel.step_settings(model, grid, CPU, torch.float32, MAX_GRAD_NORM)
-    log = expert_parallel.BalancingLog([model], (grid.dp_group,))
+    log = BalancingLog([model], (grid.dp_group,))
     results, biases = [], []
     for step in range(STEPS):
         results.append(expert_parallel.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings,

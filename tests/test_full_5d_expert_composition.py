@@ -23,7 +23,7 @@ import pytest
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, add_traffic
+from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
 from picotron_like.testing import masked_step_batch, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
@@ -84,7 +84,7 @@ def composed_run(variant: ComposedVariant) -> dict:
         else data.step_batch
     parts = full_5d.model_parts(model, pipeline)
     activations = ActivationMeter(model.module)
-    routings = [full_5d.expert_parallel.RoutingMeter(parts) for _ in range(STEPS)]
+    routings = [RoutingMeter(parts) for _ in range(STEPS)]
     comm.meter.reset()
 
     def batch_of_step(step: int):
