@@ -556,8 +556,8 @@ def resume(manifest, model, optimizer, grid: ProcessGrid, settings: dict) -> int
 
 
 def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
-    """train()'s after_step: a checkpoint every --save-every steps and after the last (None
-    without --save-dir)."""
+    """train()'s after_step: a checkpoint every --save-every steps and after the last, the run's
+    or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir)."""
     if args.save_dir is None:
         return None
     slices = reference_slices(model, grid)
@@ -566,9 +566,9 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
                        "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages},
             "settings": run_settings(args, model.precision)}
 
-    def after_step(step: int) -> None:
+    def after_step(step: int, last: bool) -> None:
         done = step + 1
-        if done == args.steps or (args.save_every and done % args.save_every == 0):
+        if last or (args.save_every and done % args.save_every == 0):
             checkpoints.save(args.save_dir, done, slices, optimizer, info, args.keep_last)
 
     return after_step

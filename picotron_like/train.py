@@ -31,6 +31,7 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -535,6 +536,74 @@ class MetricsFile:
             self.file.close()
 
 
+class PeerLost(RuntimeError):
+    """A rank died: the run stops at once, without a checkpoint (nothing could agree on one)."""
+
+
+class AgreedStop:
+    """Stop every rank after the same step when any of them is told to stop, without making a
+    step wait for the others to agree.
+
+    Schedulers warn a job before they end it: SLURM sends SIGTERM (and with --signal=USR1@120,
+    SIGUSR1 two minutes before), Kubernetes SIGTERM, torchrun passes its own SIGTERM on to its
+    ranks. The signal reaches the ranks at different moments, maybe in different steps, so a rank
+    cannot stop when it sees it: the others would wait for it in their next collective. Instead a
+    handler only notes it, and the ranks agree: after each step, each starts an all-reduce (MAX) of
+    its note, a CPU tensor over gloo, asynchronously, and reads the result one step later, when it
+    has long arrived. All ranks read the same result at the same step, so they all stop after the
+    step in which it arrives: one step after the signal, the price of never holding a step up for
+    the agreement (a scheduler's grace period must cover one step and a checkpoint).
+
+    A dead peer is not waited for either: torchrun sends SIGTERM to the ranks left when one dies,
+    and their agreeing all-reduce then fails at once (gloo sees the peer's connection closed), which
+    raises PeerLost instead of a checkpoint that could never complete.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signal_number = 0                  # the first signal this rank got (0: none)
+        self.agreed_signal = ""                 # once agreed: the name of the signal the ranks stop on
+        self._agreeing = None                   # (flag tensor, work) started after the previous step
+
+    def __enter__(self):
+        self._previous = {number: signal.signal(number, self._note) for number in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        if self._agreeing is not None and exc[0] is None:
+            self._wait()                        # leave no collective in flight behind the loop
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        return False
+
+    def _note(self, number, frame) -> None:
+        self.signal_number = self.signal_number or number
+
+    def _wait(self) -> bool:
+        flag, work = self._agreeing
+        self._agreeing = None
+        if work is not None:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise PeerLost(f"a peer is gone ({str(error).splitlines()[0]}): stopping without a checkpoint; "
+                               f"resume from the last one") from None
+        if flag.item():
+            self.agreed_signal = signal.Signals(int(flag.item())).name
+        return bool(flag.item())
+
+    def after_step(self) -> bool:
+        """Whether every rank stops after this step: some rank was signalled before the previous
+        step ended. Starts the agreement that the next step's call reads."""
+        stop = self._wait() if self._agreeing is not None else False
+        flag = torch.tensor([self.signal_number], dtype=torch.int32)
+        # Not through comm.call: the communication meter reports the technique, not bookkeeping.
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        self._agreeing = (flag, work)
+        return stop
+
+
 def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
           prepare_batch: Callable | None = None, meters=(), meter_step: int = 0,
           evaluate: Callable | None = None, val_batches: TokenBatches | None = None,
@@ -555,7 +624,8 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     (StepMemory) and, given the model's `cfg` on a GPU of known peak (or --peak-tflops), its MFU;
     --profile DIR records a few steps with torch.profiler (step_profiler). A resumed run starts
     at `start_step` (the learning rate and the data follow from the step alone) and appends to the
-    metrics file; `after_step(step)` runs after each step, once it is logged (checkpoints).
+    metrics file; `after_step(step, last)` runs after each step, once it is logged (checkpoints:
+    `last` is true for the run's final step, also when the ranks agreed to stop early: AgreedStop).
     """
     throughput = Throughput()
     tokens = batches.shape.tokens_per_step
@@ -566,7 +636,8 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     n_ranks = dist.get_world_size() if dist.is_initialized() else 1
     model_flops = flops_per_token(cfg, batches.shape.seq_len) if cfg is not None else None
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, device)
-    with NonFiniteStepGuard(optimizer) as guard, profiler if profiler is not None else nullcontext():
+    with NonFiniteStepGuard(optimizer) as guard, AgreedStop() as stop, \
+            profiler if profiler is not None else nullcontext():
         for step in range(start_step, args.steps):
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)
@@ -597,8 +668,20 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             metrics.write(record)
             if profiler is not None:
                 profiler.step()
+            try:
+                stopping = stop.after_step()
+            except PeerLost as error:
+                print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
+            started = time.perf_counter()
             if after_step is not None:
-                after_step(step)
+                after_step(step, stopping or step == args.steps - 1)
+            if stopping:
+                log0(f"stopped after step {step}: {stop.agreed_signal} ({args.steps - step - 1} steps left)"
+                     + (f"; the checkpoint took {time.perf_counter() - started:.1f} s: continue with --resume"
+                        if after_step is not None else ""))
+                break
     metrics.close()
     throughput.skipped_steps = guard.skipped_steps
     return throughput

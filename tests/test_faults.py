@@ -1,0 +1,90 @@
+"""What a cluster does to a run, done to one under torchrun: a scheduler's stop signal."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from picotron_like.lessons import REPO_ROOT
+from picotron_like.testing import torchrun_workers
+
+RUN = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256", "--seed", "3",
+       "--lr", "3e-3", "--warmup-steps", "2", "--dp", "2", "--zero-stage", "1", "--steps", "14"]
+
+
+def torchrun_07(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            str(REPO_ROOT / "07_full_5d.py"), *RUN, *flags]
+
+
+def losses(path) -> dict[int, float]:
+    records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {record["step"]: record["loss"] for record in records if "grad_norm" in record}
+
+
+def rank_pids(parent: int) -> dict[int, int]:
+    """torchrun's workers by their RANK."""
+    ranks = {}
+    for pid in torchrun_workers(parent):
+        with open(f"/proc/{pid}/environ") as file:
+            environment = dict(entry.split("=", 1) for entry in file.read().split("\0") if "=" in entry)
+        ranks[int(environment["RANK"])] = pid
+    return ranks
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly(tmp_path):
+    """SIGTERM reaches rank 1 alone, mid-run (a scheduler's signals reach ranks at different
+    moments). Every rank stops after the same step, one after the signal was agreed on, writes the
+    checkpoint of that step, says so and exits 0; --resume then trains exactly the losses of a run
+    that was never stopped. SIGUSR1 (SLURM's --signal=USR1@120) takes the same path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    save_dir, log = tmp_path / "checkpoints", tmp_path / "stopped.txt"
+    with open(log, "w") as stdout:
+        stopped = subprocess.Popen(torchrun_07("--save-dir", str(save_dir), "--metrics", str(tmp_path / "a.jsonl")),
+                                   cwd=REPO_ROOT, stdout=stdout, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 150
+            while "step    3 |" not in log.read_text() and stopped.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(rank_pids(stopped.pid)[1], signal.SIGTERM)
+            stopped.wait(timeout=120)
+        finally:
+            if stopped.poll() is None:
+                for pid in [*torchrun_workers(stopped.pid), stopped.pid]:
+                    os.kill(pid, signal.SIGKILL)
+    output = log.read_text()
+    assert stopped.returncode == 0, output
+    found = re.search(r"^stopped after step (\d+): SIGTERM \((\d+) steps left\); the checkpoint took [\d.]+ s: "
+                      r"continue with --resume$", output, re.M)
+    assert found and 3 <= int(found[1]) < 13 and int(found[2]) == 13 - int(found[1]), output
+    last = int(found[1])
+    assert sorted(losses(tmp_path / "a.jsonl")) == list(range(last + 1))
+    assert (save_dir / f"step_{last + 1:08d}" / "manifest.json").exists()
+    assert "Traceback" not in output, output
+
+    subprocess.run(torchrun_07("--save-dir", str(save_dir), "--resume", "--metrics", str(tmp_path / "b.jsonl")),
+                   cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=180)
+    subprocess.run(torchrun_07("--metrics", str(tmp_path / "whole.jsonl")), cwd=REPO_ROOT, env=env, check=True,
+                   capture_output=True, timeout=180)
+    whole, first, resumed = (losses(tmp_path / name) for name in ("whole.jsonl", "a.jsonl", "b.jsonl"))
+    assert first == {step: whole[step] for step in first}
+    assert resumed == {step: whole[step] for step in range(last + 1, 14)}
+
+
+def test_the_stop_agreement_reads_each_signal_and_restores_the_handlers():
+    """In one process: either signal is noted, agreed on one step later, and named; the handlers
+    a program had before the loop are back after it."""
+    from picotron_like.train import AgreedStop
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with AgreedStop() as stop:
+        assert stop.after_step() is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.after_step() is False           # noted during this step: agreed on at the next
+        assert stop.after_step() is True and stop.agreed_signal == "SIGUSR1"
+    assert signal.getsignal(signal.SIGUSR1) is before
