@@ -32,8 +32,8 @@ The code follows the stages: ZeRO-1 (whole gradients reduce-scattered once per s
 rank's pieces of the float32 master, the updated shards all-gathered), then what ZeRO-2 changes (a
 reduce-scatter at every micro-batch into the gradient shard), then what ZeRO-3 adds (each unit
 gathered just before its forward and again for its backward, freed after, the next one
-prefetched); then mixed precision (bf16 weights beside a float32 master) and the expert units
-lesson 07 needs, each in a section of its own. Clipping sums each shard's squares over the ranks.
+prefetched); then mixed precision (bf16 weights beside a float32 master), in a section of its
+own. Clipping sums each shard's squares over the ranks.
 
 The price. With bytes per parameter p (weights) and g (gradients), m = 4 for a float32 master
 beside bf16 weights (0 in float32: the weights are the master), Psi' the parameter count padded
@@ -56,7 +56,7 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
     torchrun --nproc_per_node=3 06_zero.py --zero-stage 2                   # every unit padded to 3 shards
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
-    python 06_zero.py --memory-table                                        # the 8b preset's table
+    python 07_full_5d.py --zero-table --preset 8b         # this lesson's formula: 8b on 8 and 64 GPUs
 
 What to look for: the model-state table, measured equal to the stage's formula byte for byte;
 ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to its formula.
@@ -65,8 +65,6 @@ ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to 
 from __future__ import annotations
 
 import argparse
-import itertools
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -77,12 +75,12 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import MeteredRun, add_traffic, log0, log_compute_report, step_bookkeeping_traffic
-from picotron_like.model import GPT, count_parameters, get_config, is_expert_parameter
+from picotron_like.metrics import MeteredRun, SavedTensorMeters, log0, log_compute_report, log_traffic_rows
+from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, note_grad_norm, plan_run, train)
+                                 build_optimizer, clip_grad_norm_, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -156,13 +154,25 @@ class FlatUnit:
 
 def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
     """The units in forward order: the embedding, each block, the head (final norm and LM head).
-    A pipeline stage's missing parts are None and make no unit. A block with experts makes two
-    flat units (see ZeroDataParallel); they are gathered and freed together."""
+    A pipeline stage's missing parts (lesson 07) are None and make no unit."""
     units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
     units += [[block] for block in model.layers]
     if getattr(model, "lm_head", None) is not None:
         units.append([model.norm, model.lm_head])
     return units
+
+
+def flat_units(named_params: list, group_of, sharded: bool) -> list[FlatUnit]:
+    """One module unit's flat units, one per group of ranks that hold its parameters (`group_of`
+    a parameter's name): here the data-parallel group holds them all; lesson 07 holds experts on
+    fewer ranks. Sharded, a flat unit has a shard per rank of its group; unsharded (stage 0), one."""
+    groups = []
+    for name, _ in named_params:    # told apart by identity: two groups may look alike (GroupLayout)
+        if not any(group_of(name) is group for group in groups):
+            groups.append(group_of(name))
+    return [FlatUnit([(name, p) for name, p in named_params if group_of(name) is group],
+                     group_size(group) if sharded else 1, group_rank(group) if sharded else 0, group)
+            for group in groups]
 
 
 # ============================================================================ the technique: ZeRO-1, the optimizer states sharded
@@ -177,10 +187,12 @@ class ZeroDataParallel(nn.Module):
 
     It is lesson 01's data-parallel wrapper to its callers: `.module`, `.dp_group`,
     `.require_backward_grad_sync`, `.finish_gradient_synchronization()` and `.zero_grad()`; the
-    optimizer steps through `.step`. `replicate=True` is ZeRO stage 0: one shard, the buffers
+    step's tail (finish_step) hands the summed shard to the master (`.gradients_to_master()`),
+    clips it and steps through `.step`. `replicate=True` is ZeRO stage 0: one shard, the buffers
     all-reduced, nothing gathered; lesson 01 with a float32 master, kept instead of lesson 01's
     wrapper because checkpoints, bf16 weights and lesson 07's expert units read the units of every
-    stage the same way.
+    stage the same way. `group_of` (lesson 07) names the group holding each parameter, if not all
+    of them are held by `group` (flat_units).
 
     Gradients: every parameter has a post-accumulate hook; when all of a unit's parameters hold
     this micro-batch's gradient, they are added into the unit's flat buffer (in the reduce dtype)
@@ -195,16 +207,17 @@ class ZeroDataParallel(nn.Module):
 
     stage = 1
 
-    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), expert_group=None,
-                 replicate: bool = False):
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), replicate: bool = False,
+                 group_of=None):
         super().__init__()
         if replicate:
             self.stage = 0
-        self.module, self.dp_group, self.precision, self.expert_group = module, group, precision, expert_group
+        self.module, self.dp_group, self.precision = module, group, precision
         self.require_backward_grad_sync = True
         names = {param: name for name, param in module.named_parameters()}
-        self.unit_groups = [flat_units([(names[p], p) for m in modules for p in m.parameters()], self.stage > 0,
-                                       group, expert_group) for modules in unit_modules(module)]
+        self.unit_groups = [flat_units([(names[p], p) for m in modules for p in m.parameters()],
+                                       group_of or (lambda name: group), sharded=self.stage > 0)
+                            for modules in unit_modules(module)]
         self.units = [unit for units in self.unit_groups for unit in units]
         if sum(len(unit.params) for unit in self.units) != len(names):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
@@ -265,11 +278,15 @@ class ZeroDataParallel(nn.Module):
             work.wait()
         self._reductions.clear()
 
-    def step(self, optimizer) -> None:
-        """AdamW on this rank's shard of the float32 master, then every rank's weights updated."""
+    def gradients_to_master(self) -> None:
+        """This rank's summed gradient shard as the float32 gradients of its master pieces (in
+        float32 a view, no copy), which clipping scales and AdamW steps with."""
         for unit in self.units:
             for piece in unit.pieces:
                 piece.master.grad = unit.grad_shard[piece.lo: piece.hi].to(torch.float32)
+
+    def step(self, optimizer) -> None:
+        """AdamW on this rank's shard of the float32 master, then every rank's weights updated."""
         optimizer.step()
         for unit in self.units:
             for piece in unit.pieces:
@@ -301,19 +318,6 @@ def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.A
     return build_optimizer([(piece.name, piece.master) for unit in model.units for piece in unit.pieces], lr)
 
 
-def master_pieces(model: ZeroDataParallel):
-    """Each piece of a parameter in this rank's master shards, as (unit, name, shape, start,
-    master): the piece holds elements [start, start + master.numel()) of the (row-major) parameter
-    `name` of shape `shape`, as this rank holds that parameter. Padding is left out. A checkpoint
-    saves these (lesson 07)."""
-    for unit in model.units:
-        shapes = dict(zip(unit.names, unit.shapes))
-        offsets = dict(zip(unit.names, itertools.accumulate((shape.numel() for shape in unit.shapes), initial=0)))
-        for piece in unit.pieces:
-            if piece.param is not None:
-                yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
-
-
 # ============================================================================ the technique: ZeRO-2, the gradients sharded too
 
 
@@ -333,8 +337,8 @@ class ZeroStage2(ZeroDataParallel):
 
     stage = 2
 
-    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), expert_group=None):
-        super().__init__(module, group, precision, expert_group)
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), group_of=None):
+        super().__init__(module, group, precision, group_of=group_of)
         self._in_flight = None      # (work, unit, partial shard, flat gradient) of the reduction running
 
     def _hold_gradients(self, unit: FlatUnit, device) -> None:
@@ -348,10 +352,6 @@ class ZeroStage2(ZeroDataParallel):
         partial_shard = torch.empty_like(unit.grad_shard)
         work = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=unit.group, async_op=True)
         self._in_flight = (work, unit, partial_shard, flat)
-        self._after_backward(unit)
-
-    def _after_backward(self, unit: FlatUnit) -> None:
-        """ZeRO-3 frees the unit's gathered weights here."""
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -387,18 +387,17 @@ class ZeroStage3(ZeroStage2):
     stage = 3
 
     def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
-                 reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None):
-        super().__init__(module, group, precision, expert_group)
+                 reshard_after_forward: bool = True, prefetch: bool = True, group_of=None):
+        super().__init__(module, group, precision, group_of)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         for index, modules in enumerate(unit_modules(module)):
             modules[0].register_forward_pre_hook(partial(self._before_forward, index))
             modules[-1].register_forward_hook(partial(self._after_forward, index))
-        for unit in self.units:
-            unit.pending = None   # the all-gather in flight, if any
 
     def _hold_weights(self, unit: FlatUnit, values: torch.Tensor) -> torch.Tensor:
         """Only this rank's shard of the weights; the parameters point at nothing until a gather."""
         unit.param_shard = unit.shard(values).to(self.precision.param_dtype).clone()
+        unit.pending = None     # the all-gather in flight, if any
         unit.release_parameters()
         return unit.param_shard
 
@@ -439,7 +438,9 @@ class ZeroStage3(ZeroStage2):
         if self.prefetch:
             self._gather(index - 1)
 
-    def _after_backward(self, unit: FlatUnit) -> None:
+    def _reduce(self, unit: FlatUnit) -> None:
+        """The unit's gradient is on its way: its gathered weights are freed until the next forward."""
+        super()._reduce(unit)
         unit.release_parameters()
 
     def _publish(self, unit: FlatUnit) -> None:
@@ -467,63 +468,29 @@ def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
     return Precision(param_dtype, reduce)
 
 
-# ============================================================================ the technique: expert units
-
-
-def flat_units(named_params: list, sharded: bool, group, expert_group=None) -> list[FlatUnit]:
-    """One module unit's flat units: its parameters over `group`, cut into one shard per rank (or
-    one shard, unsharded); with an `expert_group`, the expert weights apart, over that group.
-
-    An expert weight is held by the ranks of its expert-data-parallel group (edp, lesson 07's
-    composition with lesson 05), not by every data-parallel rank, so a block with experts makes two
-    flat units: the dense one sharded over `group`, the expert one over edp, each reduced, stepped
-    and gathered over its own group (ZeRO-3 gathers and frees them together)."""
-    is_expert = [expert_group is not None and is_expert_parameter(name) for name, _ in named_params]
-    units = []
-    for params, unit_group in (([n for n, e in zip(named_params, is_expert) if not e], group),
-                               ([n for n, e in zip(named_params, is_expert) if e], expert_group)):
-        if params:
-            n_shards, rank = (group_size(unit_group), group_rank(unit_group)) if sharded else (1, 0)
-            units.append(FlatUnit(params, n_shards, rank, unit_group))
-    return units
-
-
 # ============================================================================ the technique: a ZeRO step
 
 
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
-              reshard_after_forward: bool = True, prefetch: bool = True, expert_group=None) -> ZeroDataParallel:
+              reshard_after_forward: bool = True, prefetch: bool = True, group_of=None) -> ZeroDataParallel:
     """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
     if stage == 3:
-        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, expert_group)
+        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, group_of)
     if stage == 2:
-        return ZeroStage2(module, group, precision, expert_group)
-    return ZeroDataParallel(module, group, precision, expert_group, replicate=stage == 0)
+        return ZeroStage2(module, group, precision, group_of)
+    return ZeroDataParallel(module, group, precision, replicate=stage == 0, group_of=group_of)
 
 
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
-    """Gradient clipping from the shards: each rank sums the squares of its own gradient shard,
-    an all-reduce over the shard group (and tp's, for tensor-parallel shards, and pp's, for
-    pipeline stages: settings.norm_groups) sums the ranks, and every rank scales its shard by the
-    same factor. Norm gains replicated over tp count once.
-    Expert shards need no group of their own: the dp x cp ranks hold every ep group's experts, and
-    each expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp,
-    every slice of it: the tp sum adds the slices) once."""
+    """The shared gradient clipping (train.clip_grad_norm_) on this rank's master pieces: each rank
+    sums the squares of its own gradient shard, an all-reduce over the shard group (and lesson
+    07's other axes: settings.norm_groups) sums the ranks, and every rank scales its pieces by the
+    same factor. Whether a piece counts is asked of its parameter; padding's gradient is zero."""
     counts = settings.counts_toward_norm or (lambda param: True)
-    norm_sq = torch.zeros((), dtype=torch.float32, device=settings.device)
-    for unit in model.units:
-        for piece in unit.pieces:
-            if piece.param is None or counts(piece.param):
-                norm_sq += unit.grad_shard[piece.lo: piece.hi].float().pow(2).sum()
+    param_of = {piece.master: piece.param for unit in model.units for piece in unit.pieces}
     groups = settings.norm_groups if model.stage == 0 else (model.dp_group, *settings.norm_groups)
-    for group in groups:
-        comm.call(dist.all_reduce, norm_sq, group=group)
-    total_norm = norm_sq.sqrt().item()
-    note_grad_norm(total_norm)      # a non-finite norm: the shared loop skips the optimizer step
-    if math.isfinite(total_norm) and total_norm > settings.max_grad_norm:
-        for unit in model.units:
-            unit.grad_shard.mul_(settings.max_grad_norm / (total_norm + 1e-6))
-    return total_norm
+    return clip_grad_norm_(param_of, settings.max_grad_norm, groups,
+                           lambda master: param_of[master] is None or counts(param_of[master]))
 
 
 def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -533,34 +500,29 @@ def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: S
     return finish_step(model, optimizer, loss, settings)
 
 
-def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings: StepSettings,
-                loss_groups=()) -> StepResult:
+def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings: StepSettings) -> StepResult:
     """The sharded tail of a step: the last reductions waited for, the norm from the shards, the
     step on the master shard, the weights published, and this rank's loss share summed over the
-    data-parallel group (and `loss_groups`: a pipeline's, whose last stage alone computes it)."""
+    data-parallel group."""
     model.finish_gradient_synchronization()
+    model.gradients_to_master()
     grad_norm = clip_sharded_grad_norm_(model, settings)
     model.step(optimizer)
     model.zero_grad()
-    for group in (*loss_groups, model.dp_group):
-        comm.call(dist.all_reduce, loss, group=group)
+    comm.call(dist.all_reduce, loss, group=model.dp_group)
     return StepResult(loss.item(), grad_norm)
 
 
 def evaluate(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> float:
-    """Lesson 01's forward-only loss, then release_gathered."""
+    """Lesson 01's forward-only loss. ZeRO-3's hooks gather each unit before its forward and free
+    it after, gradients or not; kept gathered (--no-reshard-after-forward), the units are freed
+    here instead, where backward would have freed them: a step starts from shards, and validation
+    leaves the run as it found it."""
     loss = data_parallel.evaluate(model, batch, settings)
-    release_gathered(model)
-    return loss
-
-
-def release_gathered(model: ZeroDataParallel) -> None:
-    """ZeRO-3's hooks gather each unit before its forward and free it after, gradients or not; kept
-    gathered (--no-reshard-after-forward), the units are freed here instead, where backward would
-    have freed them: a step starts from shards, and validation leaves the run as it found it."""
     if isinstance(model, ZeroStage3):
         for unit in model.units:
             unit.release_parameters()
+    return loss
 
 
 def step_settings(device, precision: Precision, max_grad_norm: float) -> StepSettings:
@@ -602,10 +564,6 @@ class ModelStates:
     def total(self) -> int:
         return self.parameters + self.gradients + self.master_weights + self.optimizer_states
 
-    def __add__(self, other: "ModelStates") -> "ModelStates":
-        return ModelStates(self.parameters + other.parameters, self.gradients + other.gradients,
-                           self.master_weights + other.master_weights, self.optimizer_states + other.optimizer_states)
-
 
 def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
     """The bytes of every storage this rank holds, each counted once, in the first role it has:
@@ -631,59 +589,54 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
                        storage_bytes(unit.master for unit in model.units), storage_bytes(states))
 
 
-def unit_parameter_counts(cfg) -> list[int]:
-    """Parameters of each unit of the dense reference GPT: the embedding, each block, the head
-    (final norm and LM head). Lesson 07's memory plan counts a composed layout's units (a pipeline
-    stage's, tp's slices, experts over ep)."""
-    h, hd = cfg.hidden, cfg.head_dim
-    block = 2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd + 3 * h * cfg.ffn_hidden + 2 * h
-    return [cfg.vocab_size * h] + [block] * cfg.n_layers + [h + h * cfg.vocab_size]
+def padded(count: int, n_shards: int) -> int:
+    """A unit's elements once padded to a multiple of its shard count."""
+    return -(-count // n_shards) * n_shards
 
 
 def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
-    """The stage's formula, each unit padded to a multiple of the shard count (1 at stage 0)."""
+    """The stage's formula (the module docstring's table) for units of `unit_counts` parameters,
+    each padded to a multiple of the shard count (1 at stage 0)."""
     shards = 1 if stage == 0 else n
-    padded = sum(-(-count // shards) * shards for count in unit_counts)
+    total = sum(padded(count, shards) for count in unit_counts)
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     master = 4 if precision.param_dtype != torch.float32 else 0
-    return ModelStates(parameters=p * (padded // shards if stage == 3 else padded),
-                       gradients=g * (padded // shards if stage >= 2 else padded),
-                       master_weights=master * padded // shards, optimizer_states=8 * padded // shards)
+    return ModelStates(parameters=p * (total // shards if stage == 3 else total),
+                       gradients=g * (total // shards if stage >= 2 else total),
+                       master_weights=master * total // shards, optimizer_states=8 * total // shards)
 
 
 def predicted_zero_traffic(unit_counts: list[int], n: int, stage: int, precision: Precision, n_micro: int,
-                           reshard_after_forward: bool = True, group_name: str = "dp_cp") -> dict:
-    """Payload bytes per step on the dp x cp group (or the experts' edp group; see the docstring's table)."""
+                           reshard_after_forward: bool, group: str) -> dict:
+    """Payload bytes per step of ZeRO's collectives on the group the meter calls `group` (the
+    module docstring's table)."""
     shards = 1 if stage == 0 else n
-    padded = sum(-(-count // shards) * shards for count in unit_counts)
+    total = sum(padded(count, shards) for count in unit_counts)
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     if stage == 0:
-        return {("all_reduce", group_name): g * padded}
+        return {("all_reduce", group): g * total}
     scatters = 1 if stage == 1 else n_micro
     gathers = 1 if stage < 3 else n_micro * (2 if reshard_after_forward else 1)
-    return {("reduce_scatter_single", group_name): scatters * g * padded,
-            ("all_gather_single", group_name): gathers * p * padded}
+    return {("reduce_scatter_single", group): scatters * g * total,
+            ("all_gather_single", group): gathers * p * total}
 
 
-def predicted_gathered_peak(unit_counts: list[int], n: int, param_bytes: int, reshard_after_forward: bool = True,
-                            prefetch: bool = True, expert_counts=(), edp: int = 1) -> int:
-    """ZeRO-3's most gathered weight bytes: two neighbouring units with prefetch, one without, all
-    of them when units stay gathered from forward to backward. A unit's experts (`expert_counts`,
-    one entry per unit) are padded to a multiple of edp, its dense parameters to one of n."""
-    expert_counts = expert_counts or [0] * len(unit_counts)
-    gathered = [(-(-count // n) * n + -(-experts // edp) * edp) * param_bytes
-                for count, experts in zip(unit_counts, expert_counts)]
+def predicted_gathered_peak(unit_bytes: list[int], reshard_after_forward: bool = True, prefetch: bool = True) -> int:
+    """ZeRO-3's most gathered weight bytes, from each module unit's bytes once gathered (padded):
+    two neighbouring units with prefetch, one without, all of them when units stay gathered from
+    forward to backward."""
     if not reshard_after_forward:
-        return sum(gathered)
+        return sum(unit_bytes)
     if not prefetch:
-        return max(gathered)
-    return max([*gathered, *(a + b for a, b in zip(gathered, gathered[1:]))])
+        return max(unit_bytes)
+    return max([*unit_bytes, *(a + b for a, b in zip(unit_bytes, unit_bytes[1:]))])
 
 
 class GatheredParameterMeter:
     """The bytes of the storages the model's parameters point into (a gathered unit's whole padded
     buffer), sampled at every tensor autograd saves (forward) and reads back (backward): from
-    outside, what ZeRO-3 has gathered while computing."""
+    outside, what ZeRO-3 has gathered while computing. A saved-tensor meter: entered through
+    metrics.SavedTensorMeters, alone or beside an ActivationMeter."""
 
     def __init__(self, module: nn.Module):
         self.params = list(module.parameters())
@@ -696,101 +649,38 @@ class GatheredParameterMeter:
 
     unpack = pack
 
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self._hooks.__enter__()
-        return self
 
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        return False
-
-
-def model_state_table(measured: ModelStates | None, predicted: ModelStates) -> str:
-    rows = [f"{'model states per rank':<22}{'measured MB':>13}{'predicted MB':>14}"]
+def log_model_states(model: ZeroDataParallel, optimizer, title: str, predicted: ModelStates,
+                     gathered: GatheredParameterMeter, predicted_peak: int) -> None:
+    """ZeRO's own memory rows: the model states this rank holds next to `predicted` and, at stage
+    3, the peak of gathered weights next to `predicted_peak`."""
+    measured = measured_model_states(model, optimizer)
+    log0(f"\n== memory (one rank; {title}) ==")
+    log0(f"{'model states per rank':<22}{'measured MB':>13}{'predicted MB':>14}")
     for field in ("parameters", "gradients", "master_weights", "optimizer_states", "total"):
-        seen = f"{getattr(measured, field) / 1e6:>13.3f}" if measured else f"{'-':>13}"
-        rows.append(f"{field:<22}{seen}{getattr(predicted, field) / 1e6:>14.3f}")
-    return "\n".join(rows)
-
-
-def zero_memory_table(preset: str = "8b", gpu_counts=(8, 64)) -> str:
-    """Model states per GPU in GB for a preset, every stage and precision policy (README table)."""
-    counts = unit_parameter_counts(get_config(preset))
-    policies = {"bf16 / bf16 grads": Precision(torch.bfloat16, torch.bfloat16),
-                "bf16 / fp32 grads": Precision(torch.bfloat16, torch.float32),
-                "fp32": Precision(torch.float32, torch.float32)}
-    header = f"{'policy':<20}{'stage':>6}" + "".join(f"{f'{n} GPUs GB':>12}" for n in gpu_counts)
-    rows = [f"{preset}: {sum(counts) / 1e9:.2f} B parameters, model states per GPU", header]
-    for name, precision in policies.items():
-        for stage in range(4):
-            sizes = [predicted_model_states(counts, n, stage, precision).total / 1e9 for n in gpu_counts]
-            rows.append(f"{name:<20}{stage:>6}" + "".join(f"{size:>12.1f}" for size in sizes))
-    return "\n".join(rows)
-
-
-def unit_counts(model: ZeroDataParallel) -> tuple[list[int], list[int]]:
-    """Per module unit: its dense parameters (sharded over dp x cp) and its experts (over edp)."""
-    dense = [sum(unit.numel for unit in units if unit.group is model.dp_group) for units in model.unit_groups]
-    experts = [sum(unit.numel for unit in units if unit.group is not model.dp_group) for units in model.unit_groups]
-    return dense, experts
-
-
-def predicted_states_of(model: ZeroDataParallel, n: int, edp: int, precision: Precision) -> ModelStates:
-    dense, experts = unit_counts(model)
-    return (predicted_model_states(dense, n, model.stage, precision)
-            + predicted_model_states(experts, edp, model.stage, precision))
-
-
-def predicted_traffic_of(model: ZeroDataParallel, n: int, edp: int, precision: Precision, n_micro: int,
-                         reshard_after_forward: bool, norm_groups) -> dict:
-    """ZeRO's collectives on the model's group (lesson 07: dp x cp) and on edp, and the step's loss
-    and norm all-reduces (`norm_groups` by name)."""
-    dense, experts = unit_counts(model)
-    name = comm.group_name(model.dp_group)
-    return add_traffic(predicted_zero_traffic(dense, n, model.stage, precision, n_micro, reshard_after_forward, name),
-                       predicted_zero_traffic(experts, edp, model.stage, precision, n_micro, reshard_after_forward,
-                                              "edp") if any(experts) else {},
-                       step_bookkeeping_traffic(loss_groups=(name,), norm_groups=norm_groups))
-
-
-def predicted_step_traffic(model: ZeroDataParallel, precision: Precision, n_micro: int) -> dict:
-    """Every row of the report's traffic table, per step: ZeRO's collectives on the data-parallel
-    group (experts': on edp), and the step's loss and (sharded) norm all-reduces."""
-    n, edp = group_size(model.dp_group), group_size(model.expert_group) if model.expert_group else 1
-    return predicted_traffic_of(model, n, edp, precision, n_micro, getattr(model, "reshard_after_forward", True),
-                                (comm.group_name(model.dp_group),) if model.stage else ())
-
-
-def report(model: ZeroDataParallel, optimizer, plan, precision: Precision, gathered: GatheredParameterMeter,
-           throughput, device) -> None:
-    """The model states and ZeRO-3's gathered peak (report_model_states), the traffic per step next
-    to its formula, and the compute report."""
-    report_model_states(model, optimizer, precision, gathered)
-    log0(f"\n== communication per step ({plan.shape.grad_accum} micro-batches) ==")
-    log0(comm.meter.table(predicted_step_traffic(model, precision, plan.shape.grad_accum), per=throughput.steps))
-    log_compute_report(MeteredRun(model.module, optimizer, None, throughput, plan.cfg, plan.shape.seq_len,
-                                  group_size(model.dp_group), device, throughput.steps))
-
-
-def report_model_states(model: ZeroDataParallel, optimizer, precision: Precision, gathered: GatheredParameterMeter,
-                        where: str = "") -> None:
-    """The model states measured next to their formula and, at stage 3, the peak of gathered
-    weights next to its prediction. `where` names a composed layout's place (lesson 07: a
-    pipeline stage) in the title."""
-    n = group_size(model.dp_group)
-    counts, experts = unit_counts(model)
-    edp = group_size(model.expert_group) if model.expert_group else 1
-    log0(f"\n== memory (one rank; {where}ZeRO-{model.stage} over {n} ranks"
-         + (f", experts over edp = {edp}" if any(experts) else "")
-         + f"; weights {precision.param_dtype}, gradients {precision.reduce_dtype}) ==")
-    log0(model_state_table(measured_model_states(model, optimizer), predicted_states_of(model, n, edp, precision)))
+        log0(f"{field:<22}{getattr(measured, field) / 1e6:>13.3f}{getattr(predicted, field) / 1e6:>14.3f}")
     if model.stage == 3:
-        predicted = predicted_gathered_peak(counts, n, precision.param_dtype.itemsize, model.reshard_after_forward,
-                                            model.prefetch, experts, edp)
-        largest = max(unit.numel for unit in model.units) * precision.param_dtype.itemsize
-        log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {predicted / 1e6:.3f} MB "
-             f"predicted (largest flat unit {largest / 1e6:.3f} MB)")
+        largest = max(unit.numel for unit in model.units) * model.precision.param_dtype.itemsize
+        log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, "
+             f"{predicted_peak / 1e6:.3f} MB predicted (largest flat unit {largest / 1e6:.3f} MB)")
+
+
+def report(model: ZeroDataParallel, run: MeteredRun, gathered: GatheredParameterMeter, n_micro: int) -> None:
+    """The model states (and ZeRO-3's gathered peak), the traffic per step and the compute report,
+    each next to its formula applied to the units' parameter counts."""
+    n, stage, precision = group_size(model.dp_group), model.stage, model.precision
+    counts, group = [unit.numel for unit in model.units], comm.group_name(model.dp_group)
+    reshard, prefetch = (model.reshard_after_forward, model.prefetch) if stage == 3 else (True, True)
+    peak = predicted_gathered_peak([padded(count, n) * precision.param_dtype.itemsize for count in counts],
+                                   reshard, prefetch)
+    log_model_states(model, run.optimizer, f"ZeRO-{stage} over {n} ranks; weights {precision.param_dtype}, "
+                     f"gradients {precision.reduce_dtype}", predicted_model_states(counts, n, stage, precision),
+                     gathered, peak)
+    # ZeRO's reduce-scatters and all-gathers take the place of lesson 01's gradient all-reduce
+    log_traffic_rows(run, f"{n_micro} micro-batches", technique={},
+                     gradients=predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard, group),
+                     loss_groups=(group,), norm_groups=(group,) if stage else ())
+    log_compute_report(run)
 
 
 # ============================================================================ main
@@ -802,9 +692,6 @@ def parse_args(argv=None):
     add_parallel_flags(parser, axes=("dp",), fill_axis="dp", bucket_flag=False)
     add_zero_flags(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
-    parser.add_argument("--memory-table", action="store_true",
-                        help="print the 8b preset's model states per GPU at every stage and policy, and exit "
-                             "(no torchrun needed)")
     return parser.parse_args(argv)
 
 
@@ -823,9 +710,6 @@ def add_zero_flags(parser) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.memory_table:
-        print(zero_memory_table("8b", (8, 64)))
-        return
     plan = plan_run(args, validate)
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
@@ -840,10 +724,11 @@ def main(argv=None):
 
     gathered = GatheredParameterMeter(model.module)
     throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(gathered,),
+                       grid.dp_rank, device, meters=(SavedTensorMeters(gathered),),
                        evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
                        cfg=plan.cfg)
-    report(model, optimizer, plan, precision, gathered, throughput, device)
+    report(model, MeteredRun(model.module, optimizer, None, throughput, plan.cfg, plan.shape.seq_len, grid.dp_size,
+                             device, throughput.steps), gathered, plan.shape.grad_accum)
     shutdown()
 
 

@@ -70,10 +70,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import math
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from functools import lru_cache, partial
 
 import torch
@@ -131,7 +132,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
                 count_choices_over_context_parallel(chunk, grid.cp_group)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
-                           args.reshard_after_forward, args.prefetch, grid.edp_group if cfg.n_experts else None)
+                           args.reshard_after_forward, args.prefetch,
+                           group_of=experts_over_edp(grid) if cfg.n_experts else None)
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
@@ -253,6 +255,18 @@ def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
     return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
 
 
+def experts_over_edp(grid: ProcessGrid):
+    """ZeRO x experts: lesson 06's `group_of`. An expert weight is held by the ranks of its
+    expert-data-parallel group (edp: the dp x cp ranks of the same ep rank, lesson 05), not by
+    every dp x cp rank, so a block with experts makes two flat units, the dense one sharded over
+    dp x cp and the experts' over edp, each reduced, stepped and gathered over its own group
+    (ZeRO-3 gathers and frees them together). Clipping needs no group of its own for them: the
+    dp x cp ranks hold every ep group's experts, and each expert's shards over edp, exactly once,
+    so the dp x cp sum counts every expert (under tp, every slice of it: the tp sum adds the
+    slices) once."""
+    return lambda name: grid.edp_group if expert_parallel.is_expert_parameter(name) else grid.dp_cp_group
+
+
 class StageChunks(torch.nn.Module):
     """This rank's pipeline chunks (lesson 03: one, or v for the interleaved schedule) as one
     module for ZeRO. The chunks are different layers of one model on one rank, sharded over the
@@ -349,16 +363,18 @@ def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float) ->
 def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
                balancing_log=None) -> StepResult:
     """The micro-batches through lesson 03's schedule on this rank's chunks, or lesson 01's loop;
-    then lesson 06's sharded tail (the loss share also summed over pp, where only the last stage
-    computes it); with experts lesson 05's: the router biases move unless the shared loop skipped
-    the step (a non-finite norm, the same on every rank), and the aux and z losses go to the log."""
+    then lesson 06's sharded tail; with experts lesson 05's: the router biases move unless the
+    shared loop skipped the step (a non-finite norm, the same on every rank), and the aux and z
+    losses go to the log."""
     if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        model, loss_groups = model_or_pipeline.chunks[0].sharded, (model_or_pipeline.pp_group,)
+        model = model_or_pipeline.chunks[0].sharded
         loss = model_or_pipeline.forward_backward(batch)
+        # only the last stage computes the loss: its share is summed over pp, then 06 sums it over dp x cp
+        comm.call(dist.all_reduce, loss, group=model_or_pipeline.pp_group)
     else:
-        model, loss_groups = model_or_pipeline, ()
+        model = model_or_pipeline
         loss = data_parallel.forward_backward(model, batch, settings)
-    result = zero.finish_step(model, optimizer, loss, settings, loss_groups)
+    result = zero.finish_step(model, optimizer, loss, settings)
     if bias_update_rate and math.isfinite(result.grad_norm):
         expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate)
     if balancing_log is None:
@@ -467,6 +483,18 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
 # ============================================================================ the technique: checkpoints
 
 
+def master_pieces(model):
+    """Each piece of a parameter in this rank's master shards (lesson 06), as (unit, name, shape,
+    start, master): the piece holds elements [start, start + master.numel()) of the (row-major)
+    parameter `name` of shape `shape`, as this rank holds that parameter. Padding is left out."""
+    for unit in model.units:
+        shapes = dict(zip(unit.names, unit.shapes))
+        offsets = dict(zip(unit.names, itertools.accumulate((shape.numel() for shape in unit.shapes), initial=0)))
+        for piece in unit.pieces:
+            if piece.param is not None:
+                yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
+
+
 def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
     """What this rank holds, each tensor as a slice of the reference GPT's tensor of the same
     name: the layout's description, from which picotron_like.checkpoint saves, and reshards into
@@ -479,7 +507,7 @@ def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
     once: a norm gain every tp rank holds (by tp rank 0), a unit ZeRO-0 keeps whole on each rank
     of its group (by the group's rank 0), the router biases (by dp, cp and tp rank 0)."""
     slices = []
-    for unit, name, shape, start, master in zero.master_pieces(model):
+    for unit, name, shape, start, master in master_pieces(model):
         param = unit.params[unit.names.index(name)]
         offsets = [0] * len(shape)
         if getattr(param, "tp_split_dim", None) is not None:
@@ -560,6 +588,10 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir)."""
     if args.save_dir is None:
         return None
+    try:
+        checkpoints.check_shared(args.save_dir)     # every node sees it; writable was checked in validate
+    except checkpoints.CheckpointError as error:
+        exit_with_error(error)
     slices = reference_slices(model, grid)
     info = {"model": asdict(cfg), "run": run_identity(args, shape),
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
@@ -852,7 +884,7 @@ def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
     result their mean. The formulas count a float32 residual stream; with bf16 weights the stream
     is bf16, and with experts but no meter the routing is unknown: None then, and the table shows
     '-' for those rows."""
-    has_experts = any(zero.unit_counts(model)[1])
+    has_experts = bool(cfg.n_experts)
     if precision.param_dtype != torch.float32 or (has_experts and routing is None):
         return None
     module, tp = model.module, grid.tp_size
@@ -909,16 +941,57 @@ def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: flo
                        {("all_reduce", "pp"): 4 * log_values} if pipelined and log_values else {})
 
 
+@dataclass(frozen=True)
+class ZeroUnits:
+    """ZeRO x experts in lesson 06's formulas: each module unit's dense parameters, sharded over
+    the n = dp x cp ranks, and its experts', sharded over edp (experts_over_edp). From a built
+    model (of), or in the memory plan from its unit counts; a dense model's experts are zeros."""
+
+    dense: list[int]
+    experts: list[int]
+    n: int
+    edp: int
+
+    @classmethod
+    def of(cls, model, grid: ProcessGrid) -> "ZeroUnits":
+        """A built model's units: a flat unit over the model's dp x cp group is dense, one over edp experts."""
+        def counts(dense: bool) -> list[int]:
+            return [sum(unit.numel for unit in units if (unit.group is model.dp_group) == dense)
+                    for units in model.unit_groups]
+
+        n = grid.dp_size * grid.cp_size
+        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size)
+
+    def model_states(self, stage: int, precision) -> "zero.ModelStates":
+        dense = zero.predicted_model_states(self.dense, self.n, stage, precision)
+        experts = zero.predicted_model_states(self.experts, self.edp, stage, precision)
+        return zero.ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
+
+    def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
+        """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
+        return add_traffic(*(zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard_after_forward,
+                                                         group)
+                             for counts, n, group in ((self.dense, self.n, "dp_cp"), (self.experts, self.edp, "edp"))
+                             if any(counts)))
+
+    def gathered_peak(self, precision, reshard_after_forward: bool, prefetch: bool) -> int:
+        """ZeRO-3 gathers a block's dense and expert units together, each padded over its own group."""
+        return zero.predicted_gathered_peak([(zero.padded(dense, self.n) + zero.padded(experts, self.edp))
+                                             * precision.param_dtype.itemsize
+                                             for dense, experts in zip(self.dense, self.experts)],
+                                            reshard_after_forward, prefetch)
+
+
 def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                            precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
     """Every row of the report's traffic table, per step, each lesson's formula added up once: ZeRO's
     (06), the pipeline's (03), the balancing's (05) and, where predicted_inner_traffic predicts
     them (`routing` and `steps` as there), tp's, cp's and ep's, with `inner_extra` added to those
     (the recomputed forward's); else none of them."""
-    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(zero.predicted_traffic_of(model, n, edp, precision, shape.grad_accum,
-                                                      getattr(model, "reshard_after_forward", True), norm_groups),
+    predicted = add_traffic(ZeroUnits.of(model, grid).traffic(model.stage, precision, shape.grad_accum,
+                                                              args.reshard_after_forward),
+                            step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups),
                             predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
                             balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
                                               args.bias_update_rate))
@@ -955,7 +1028,12 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         log0("the recomputed forward's collectives, in the traffic below, predicted per step"
              + (" (with experts: on every step's routing)" if every_step is not None else "") + ", MB: "
              + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
-    zero.report_model_states(model, optimizer, precision, gathered, where)
+    units = ZeroUnits.of(model, grid)
+    experts = f", experts over edp = {units.edp}" if any(units.experts) else ""
+    zero.log_model_states(model, optimizer, f"{where}ZeRO-{model.stage} over {units.n} ranks{experts}; weights "
+                          f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
+                          units.model_states(model.stage, precision), gathered,
+                          units.gathered_peak(precision, args.reshard_after_forward, args.prefetch))
     log0(f"\n== communication per step ({shape.grad_accum} micro-batches) ==")
     with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
         predicted = predicted_step_traffic(model, pipeline, plan.cfg, shape, args, grid, precision, forwards,
@@ -1095,12 +1173,18 @@ def add_plan_flags(parser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
+    parser.add_argument("--zero-table", action="store_true",
+                        help="no training, no torchrun: print --preset's model states per GPU on 8 and 64 GPUs at "
+                             "every ZeRO stage and precision policy (lesson 06's formula, data parallelism alone)")
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.plan:
         load_lesson("07_memory_plan").print_memory_plan(args)
+        return
+    if args.zero_table:
+        print(load_lesson("07_memory_plan").zero_memory_table(args.preset, (8, 64)))
         return
     plan = plan_run(args, validate, expert_parallel.moe_config)
     manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)

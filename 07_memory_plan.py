@@ -177,23 +177,28 @@ def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_unit
     return buffers
 
 
+def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
+    """Pipeline stage `pp_rank`'s units as lesson 07's ZeroUnits: their dense parameters over dp x
+    cp and their experts over edp = dp x cp / ep (unit_parameter_counts)."""
+    dense = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
+    experts = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
+    return full_5d.ZeroUnits(dense, experts, grid.dp * grid.cp, grid.dp * grid.cp // ep)
+
+
 def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[dict, int]:
     """Pipeline stage `pp_rank`'s bytes per rank by component (every rank of a stage holds the
     same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
     on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
-    n, tp = grid.dp * grid.cp, grid.tp
-    dense = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
-    experts = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
-    states = (zero.predicted_model_states(dense, n, args.zero_stage, precision)
-              + zero.predicted_model_states(experts, n // ep, args.zero_stage, precision))
-    gathered = (zero.predicted_gathered_peak(dense, n, precision.param_dtype.itemsize, args.reshard_after_forward,
-                                             args.prefetch, experts, n // ep) if args.zero_stage == 3 else 0)
+    units = zero_units(cfg, args, grid, ep, pp_rank)
+    states = units.model_states(args.zero_stage, precision)
+    gathered = (units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
+                if args.zero_stage == 3 else 0)
     activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
               "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
               "activations": activations, "gathered weights (ZeRO-3)": gathered,
               "communication buffers (estimated)": planned_buffer_bytes(
-                  cfg, args, grid, shape, precision, [count for count in dense + experts if count])}
+                  cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
     return memory, live
 
 
@@ -268,13 +273,8 @@ def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int,
                          bandwidth) -> float:
     """Lesson 06's traffic over dp x cp (experts: over edp) for stage `pp_rank`, less what the
     step hides: the gradient reduction behind backward, ZeRO-3's gathers behind compute."""
-    n, tp = grid.dp * grid.cp, grid.tp
-    dense = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
-    experts = unit_parameter_counts(cfg, tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
-    traffic = add_traffic(zero.predicted_zero_traffic(dense, n, args.zero_stage, precision, m,
-                                                      args.reshard_after_forward),
-                          zero.predicted_zero_traffic(experts, n // ep, args.zero_stage, precision, m,
-                                                      args.reshard_after_forward, "edp") if cfg.n_experts else {})
+    n = grid.dp * grid.cp
+    traffic = zero_units(cfg, args, grid, ep, pp_rank).traffic(args.zero_stage, precision, m, args.reshard_after_forward)
     groups = {"dp_cp": (n, grid.group_ranks(("dp", "cp"))), "edp": (n // ep, grid.edp_group_ranks(ep))}
     seconds = defaultdict(float)
     for (kind, group), payload in traffic.items():
@@ -480,3 +480,19 @@ def print_layout_table(layouts: list[PlannedLayout]) -> None:
         print(f"  {layout_name(layout):<24}{layout.args.zero_stage:>5}  {layout.args.recompute:<10}"
               f"{layout.peak_bytes / GIB:>7.1f}{sum(s.values()):>9.3f}{s['compute']:>9.3f}{s['recompute']:>8.3f}"
               f"{s['bubble']:>8.3f}{s['communication']:>8.3f}")
+
+
+def zero_memory_table(preset: str, gpu_counts=(8, 64)) -> str:
+    """--zero-table: lesson 06's model states per GPU in GB for a preset over data parallelism
+    alone, at every ZeRO stage and precision policy (padding included, activations not)."""
+    counts = unit_parameter_counts(get_config(preset))
+    policies = {"bf16 / bf16 grads": zero.Precision(torch.bfloat16, torch.bfloat16),
+                "bf16 / fp32 grads": zero.Precision(torch.bfloat16, torch.float32),
+                "fp32": zero.Precision(torch.float32, torch.float32)}
+    header = f"{'policy':<20}{'stage':>6}" + "".join(f"{f'{n} GPUs GB':>12}" for n in gpu_counts)
+    rows = [f"{preset}: {sum(counts) / 1e9:.2f} B parameters, model states per GPU", header]
+    for name, precision in policies.items():
+        for stage in range(4):
+            sizes = [zero.predicted_model_states(counts, n, stage, precision).total / 1e9 for n in gpu_counts]
+            rows.append(f"{name:<20}{stage:>6}" + "".join(f"{size:>12.1f}" for size in sizes))
+    return "\n".join(rows)

@@ -164,6 +164,43 @@ def check_flags(args) -> None:
         problems.append("--save-every / --keep-last need --save-dir")
     if problems:
         raise ConfigError("bad checkpoint flags:\n  - " + "\n  - ".join(problems))
+    if args.save_dir is not None:
+        check_writable(args.save_dir)
+
+
+def check_writable(save_dir) -> None:
+    """--save-dir exists (created here) and this rank can write a file in it: checked before the
+    first step, so that a wrong path costs one error line, not the run that trained up to its
+    first checkpoint. Every rank writes a probe of its own (each writes its own rank file later);
+    whether the ranks of every node see the same directory is checked once the process group
+    exists (check_shared)."""
+    probe = Path(save_dir) / f".probe_rank_{os.environ.get('RANK', '0')}"
+    try:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"picotron_like")
+        probe.unlink()
+    except OSError as error:
+        raise CheckpointError(f"--save-dir {save_dir}: not a directory this run can write checkpoints in "
+                              f"({error.strerror or error}); give a writable directory") from None
+
+
+def check_shared(save_dir) -> None:
+    """Every rank sees the file rank 0 writes in --save-dir: a directory local to each node would
+    split a checkpoint over the nodes, and no node could resume from it. One collective (after
+    the process group exists, before the first step); a CheckpointError on every rank otherwise."""
+    probe = Path(save_dir) / ".probe_shared"
+    token = f"{os.getpid()}-{time.time_ns()}"
+    if dist.get_rank() == 0:
+        probe.write_text(token)
+    token = [token]
+    dist.broadcast_object_list(token, src=0)
+    seen = probe.exists() and probe.read_text() == token[0]
+    everyone_sees_it = _agree(seen)
+    if dist.get_rank() == 0:
+        probe.unlink()
+    if not everyone_sees_it:
+        raise CheckpointError(f"--save-dir {save_dir}: some ranks do not see the files rank 0 writes there (a "
+                              f"directory local to each node?); give a directory every node shares")
 
 
 # ----------------------------------------------------------------------------- finding and checking
@@ -380,8 +417,11 @@ def save(save_dir, step: int, slices: list[HeldSlice], optimizer, info: dict, ke
         _write_atomically(path, lambda file: torch.save(payload, file))
         record[0], record[1] = 1, path.stat().st_size
         record[2:] = torch.frombuffer(bytearray(bytes.fromhex(_sha256(path))), dtype=torch.int64)
-    except OSError as error:
-        problem = f"{path}: could not be written ({error})"
+    except (OSError, RuntimeError) as error:
+        # torch.save's zip writer meets a failed write (a full disk) with an OSError, then its own
+        # RuntimeError while closing the archive: the OSError is the cause worth naming.
+        cause = error if isinstance(error, OSError) or not isinstance(error.__context__, OSError) else error.__context__
+        problem = f"{path}: could not be written ({cause})"
     records = torch.zeros(world_size * 6, dtype=torch.int64)
     comm.all_gather_single(records, record)
     records = records.view(world_size, 6)

@@ -462,7 +462,7 @@ class MeteredRun:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    activations: ActivationMeter
+    activations: ActivationMeter | None     # None where a lesson's memory rows are its own (06: model states)
     throughput: Throughput
     cfg: GPTConfig
     seq_len: int

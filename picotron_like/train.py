@@ -676,7 +676,10 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                 os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
             started = time.perf_counter()
             if after_step is not None:
-                after_step(step, stopping or step == args.steps - 1)
+                try:
+                    after_step(step, stopping or step == args.steps - 1)
+                except ConfigError as error:    # a checkpoint every rank agreed has failed (a full disk)
+                    exit_with_error(f"after step {step}: {error}; the checkpoints before it are intact")
             if stopping:
                 log0(f"stopped after step {step}: {stop.agreed_signal} ({args.steps - step - 1} steps left)"
                      + (f"; the checkpoint took {time.perf_counter() - started:.1f} s: continue with --resume"

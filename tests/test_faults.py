@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -88,3 +89,49 @@ def test_the_stop_agreement_reads_each_signal_and_restores_the_handlers():
         assert stop.after_step() is False           # noted during this step: agreed on at the next
         assert stop.after_step() is True and stop.agreed_signal == "SIGUSR1"
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+def test_a_save_dir_that_cannot_be_written_is_refused_before_the_first_step():
+    """A path under a file: one error line and exit 2 before anything trains (not 500 steps
+    trained and then a traceback at the first checkpoint)."""
+    run = subprocess.run(torchrun_07("--save-dir", "/etc/passwd/checkpoints", "--steps", "500"), cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert re.search(r"exitcode\s*:\s*2\b", run.stderr), run.stderr
+    assert run.stderr.count("error: --save-dir /etc/passwd/checkpoints: not a directory this run can write "
+                            "checkpoints in (Not a directory); give a writable directory") == 1, run.stderr
+    assert "step    0" not in run.stdout and not re.search(r'File "[^"]*(07_full_5d|picotron_like)', run.stderr)
+
+
+def test_a_save_that_fails_mid_run_stops_every_rank_with_one_line_and_keeps_the_earlier_checkpoints(tmp_path):
+    """The disk fills once the step-2 checkpoint is written (a file size limit put on the running
+    ranks: writes past it fail with EFBIG, as they would with ENOSPC). The next save fails on
+    every rank at once: one line naming the step and the cause, a non-zero exit, no traceback of
+    ours, and every checkpoint written before it complete and loadable."""
+    import picotron_like.checkpoint as checkpoints
+
+    save_dir = tmp_path / "checkpoints"
+    process = subprocess.Popen(torchrun_07("--save-dir", str(save_dir), "--save-every", "2", "--steps", "400"),
+                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 150
+        while not (save_dir / "step_00000002" / "manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for pid in torchrun_workers(process.pid):
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            for pid in [*torchrun_workers(process.pid), process.pid]:
+                os.kill(pid, signal.SIGKILL)
+    assert process.returncode != 0, stdout
+    failure = re.findall(r"^error: after step (\d+): .*rank_0000[01]\.pt: could not be written \(\[Errno 27\] File too "
+                         r"large\); the checkpoints before it are intact$", stderr, re.M)
+    assert len(failure) == 1, stderr[-3000:]
+    assert not re.search(r'File "[^"]*(07_full_5d|picotron_like)', stderr), stderr[-3000:]
+    done = [step for step, path in checkpoints.list_checkpoints(save_dir) if (path / "manifest.json").exists()]
+    failed_step = int(failure[0]) + 1          # "after step N": the checkpoint of N + 1 steps done
+    assert 2 in done and all(step < failed_step for step in done), (done, failed_step)
+    for step in done:
+        exported = checkpoints.export(checkpoints.step_directory(save_dir, step), tmp_path / f"{step}.pt")
+        assert exported, step

@@ -123,9 +123,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "aux": [r.extra.get("aux") for r in results], "biases": biases, "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
-            "predicted_gathered": zero.predicted_gathered_peak(zero.unit_counts(model)[0], grid.dp_size * grid.cp_size,
-                                                               e, model.reshard_after_forward, model.prefetch)
-            if stage == 3 else None,
+            "predicted_gathered": full_5d.ZeroUnits.of(model, grid).gathered_peak(
+                model.precision, model.reshard_after_forward, model.prefetch) if stage == 3 else None,
             "ring_kernels": {block.attn.attention_core.keywords["cp"].ring_kernel for block in model.module.layers}
             if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
             "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),

@@ -94,7 +94,6 @@ def composed_run(variant: ComposedVariant) -> dict:
     results, biases = metered_steps(model, pipeline, optimizer, batch_of_step, settings, args, log,
                                     lambda step: ([activations] if step == 0 else []) + [routings[step]], STEPS)
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}   # before the gathers below
-    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
     return {"grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
             "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
             "z": [r.extra.get("z", 0.0) for r in results], "biases": biases, "choices": choices,
@@ -108,7 +107,8 @@ def composed_run(variant: ComposedVariant) -> dict:
                                                                               args, grid, model.precision, routing)
                                                for routing in routings)),
             "states": asdict(zero.measured_model_states(model, optimizer)),
-            "predicted_states": asdict(zero.predicted_states_of(model, n, edp, model.precision)),
+            "predicted_states": asdict(full_5d.ZeroUnits.of(model, grid).model_states(model.stage,
+                                                                                      model.precision)),
             "params": gathered(model, lambda unit: unit.master)}
 
 

@@ -30,7 +30,7 @@ import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter
+from picotron_like.metrics import ActivationMeter, SavedTensorMeters
 from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
@@ -91,7 +91,7 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     step = first_steps.observe(partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer,
                                        settings=settings))
     for index in range(2):
-        with meter if index == 0 else nullcontext():
+        with SavedTensorMeters(meter) if index == 0 else nullcontext():
             step(cut(data.step_batch(index, grid.dp_rank)))
     states = zero.measured_model_states(model, optimizer)
     planned, live = memory_plan().planned_memory(cfg, args, shape, ep, data.shape, model.precision, grid.pp_rank)

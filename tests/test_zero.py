@@ -29,7 +29,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import add_traffic
+from picotron_like.metrics import SavedTensorMeters, add_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
@@ -125,17 +125,25 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         batch = data.step_batch(step_index, grid.dp_rank)
         if split is not None:
             batch = split(batch)
-        with meter if step_index == 0 else torch.enable_grad():
+        with SavedTensorMeters(meter) if step_index == 0 else torch.enable_grad():
             results.append(step(model if pipeline is None else pipeline, optimizer, batch, settings))
-    n, edp = grid.dp_size * grid.cp_size, grid.dp_size * grid.cp_size // grid.ep_size
-    counts, expert_counts = zero.unit_counts(model)
+    n, n_micro = grid.dp_size * grid.cp_size, data.shape.grad_accum
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = zero.predicted_traffic_of(model, n, edp, precision, data.shape.grad_accum, reshard, norm_groups)
+    if alone:       # lesson 06's formulas on its units' sizes, as its report applies them
+        counts = [unit.numel for unit in model.units]
+        zero_traffic = zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard, "dp_cp")
+        predicted_peak = zero.predicted_gathered_peak(
+            [zero.padded(count, n) * precision.param_dtype.itemsize for count in counts], reshard, prefetch)
+    else:           # lesson 07's sum of them: dense units over dp x cp, experts over edp
+        units = full_5d.ZeroUnits.of(model, grid)
+        zero_traffic = units.traffic(stage, precision, n_micro, reshard)
+        predicted_peak = units.gathered_peak(precision, reshard, prefetch)
+    predicted = add_traffic(zero_traffic, step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
     # tp's and cp's own traffic, from lessons 02 and 04's formulas (float32 dense runs; None otherwise)
     inner = None if alone else full_5d.predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
     predicted = add_traffic(predicted, inner or {})
     # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
-    predicted_states = zero.predicted_states_of(model, n, edp, precision) if cfg.n_experts else \
+    predicted_states = units.model_states(stage, precision) if cfg.n_experts else \
         zero.predicted_model_states(load_lesson("07_memory_plan").unit_parameter_counts(
             cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
                                     precision)
@@ -145,9 +153,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             "states": asdict(zero.measured_model_states(model, optimizer)),
             "predicted_states": asdict(predicted_states),
             "peak": meter.peak_bytes,
-            "predicted_peak": zero.predicted_gathered_peak(counts, n, precision.param_dtype.itemsize, reshard,
-                                                           prefetch, expert_counts, edp)
-            if stage == 3 else meter.peak_bytes,
+            "predicted_peak": predicted_peak if stage == 3 else meter.peak_bytes,
             "traffic": {key: value.payload_bytes for key, value in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()},
             "inner_predicted": inner is not None}
@@ -228,7 +234,8 @@ def test_every_stage_equals_one_device_and_its_formulas(dp, reference):
             assert_equal(result, reference, f"dp={dp} rank={rank} {variant}")
             assert_formulas(result, f"dp={dp} rank={rank} {variant}")
     if dp == 3:
-        assert any(count % 3 for count in lesson().unit_parameter_counts(CFG)), "padding must be exercised"
+        assert any(count % 3 for count in load_lesson("07_memory_plan").unit_parameter_counts(CFG)), \
+            "padding must be exercised"
         peaks = {v: r["peak"] for v, r in variants.items()}
         assert peaks["stage 3 reshard=True prefetch=False"] < peaks["stage 3 reshard=True prefetch=True"] \
             < peaks["stage 3 reshard=False prefetch=True"]
