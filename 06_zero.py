@@ -221,12 +221,11 @@ class ZeroDataParallel(nn.Module):
         self.units = [unit for units in self.unit_groups for unit in units]
         if sum(len(unit.params) for unit in self.units) != len(names):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
-        self._unit_of = {param: unit for unit in self.units for param in unit.params}
         self._reductions = []       # this step's reductions in flight
         for unit in self.units:
             self._shard_states(unit)
-        for param in self._unit_of:
-            param.register_post_accumulate_grad_hook(self._grad_ready)
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(partial(self._grad_ready, unit))
 
     def _shard_states(self, unit: FlatUnit) -> None:
         """The unit's weights, its float32 master shard and its gradient buffer."""
@@ -248,8 +247,7 @@ class ZeroDataParallel(nn.Module):
         unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=self.precision.reduce_dtype, device=device)
         unit.grad_shard = unit.shard(unit.grad_buffer)
 
-    def _grad_ready(self, param) -> None:
-        unit = self._unit_of[param]
+    def _grad_ready(self, unit: FlatUnit, param) -> None:
         unit.n_ready += 1
         if unit.n_ready == len(unit.params):
             unit.n_ready = 0
