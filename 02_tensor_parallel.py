@@ -706,7 +706,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
       two RMSNorms, each: input, 1/rms, normalised input (/tp with SP)    2 * (2h + 1)
       their outputs, the column layers' input for their weight gradients
       (/tp with SP saving the shard; plain SP keeps the gathered sequence) 2 * h
-      attention: q, k and v (repeated), output, log-sum-exp                (4h + n_heads) / tp
+      attention: q, k and v (kv heads only), output, log-sum-exp     (2h + 2 n_kv d + n_heads) / tp
       o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
     so with sequence parallelism saving the shard everything a block saves is divided by tp. Plus
     the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per token;
@@ -717,11 +717,11 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     tokens = micro_batch * seq_len
     h, f = cfg.hidden, cfg.ffn_hidden
     # Integers throughout, so that the prediction is exact: sequence parallelism needs s % tp == 0
-    # and the grid rules make h, f, n_heads and V multiples of tp.
+    # and the grid rules make h, f, n_heads, n_kv_heads and V multiples of tp.
     norm_tokens = tokens // tp if sequence_parallel else tokens      # the tokens a norm sees here
     kept_tokens = norm_tokens if save_sequence_shard else tokens     # ... and its output's, kept
     norm = (2 * h + 1) * norm_tokens + h * kept_tokens
-    split = 4 * h + cfg.n_heads + h + 4 * f
+    split = 2 * h + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.n_heads + h + 4 * f
     float_elements = layers * (2 * norm + tokens * split // tp) + with_head * (norm + tokens * cfg.vocab_size // tp)
     float_elements += seq_len * cfg.head_dim if layers else 0
     other_bytes = tokens * ((8 + 1) * with_embedding + 8 * with_head)     # int64 ids and a mask; int64 targets

@@ -588,29 +588,6 @@ def predicted_attention_work(cfg, micro_batch: int, seq_len: int, cp: int, zigza
     return per_head * (cp_rank + 1) * (seq_len // cp) ** 2
 
 
-def attention_kept_difference(cfg, micro_batch: int, tokens: int, mode: str, element_bytes: int = 4) -> int:
-    """What a context-parallel attention keeps for backward beyond the reference attention's, per
-    micro-batch of `tokens` tokens on one rank, over the model's layers (negative: less). Per token
-    and layer:
-      ring     saves K and V un-repeated: 2·n_kv·d instead of 2·n_heads·d;
-      Ulysses  saves the reference attention's tensors, and q is a view into the buffer the
-               all-to-all received q, k and v in, which stays alive with it: 2·n_kv·d more.
-    Lesson 07 adds it to the other lessons' formulas, with the layers and heads one rank holds."""
-    kv_elements = 2 * cfg.n_kv_heads * cfg.head_dim
-    per_token = kv_elements - 2 * cfg.n_heads * cfg.head_dim if mode == "ring" else kv_elements
-    return element_bytes * cfg.n_layers * micro_batch * tokens * per_token
-
-
-def predicted_cp_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, mode: str,
-                                  element_bytes: int = 4) -> int:
-    """Activations of one micro-batch on one rank: the reference formula for S/cp tokens
-    (metrics.predicted_activation_bytes) and what this mode's attention keeps differently. The
-    micro-batches of a step run one after another, so this is also the step's peak."""
-    tokens = seq_len // cp
-    return (predicted_activation_bytes(cfg, micro_batch, tokens, element_bytes=element_bytes)
-            + attention_kept_difference(cfg, micro_batch, tokens, mode, element_bytes))
-
-
 def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
     """Every cp rank's count, on every rank. A CPU tensor: report bookkeeping, which the default
     group hands to gloo on a GPU node."""
@@ -622,8 +599,11 @@ def gather_attention_work(scores: int, cp: ContextParallel) -> list[int]:
 
 def log_memory(run: MeteredRun, shape, cp_size: int, mode: str) -> None:
     seq, micro, tokens = shape.seq_len, shape.micro_batch_size, shape.seq_len // cp_size
+    # Either mode keeps what the reference attention keeps for its S/cp tokens: the ring its own
+    # q, k, v, output and lse (the other ranks' K/V are fetched again in backward), Ulysses q, k and
+    # v as views of the one buffer the all-to-all delivered them in, as large as the three.
     log_memory_rows(run, f"one rank; a micro-batch here is {micro} x {tokens} tokens",
-                    predicted_cp_activation_bytes(run.cfg, micro, seq, cp_size, mode))
+                    predicted_activation_bytes(run.cfg, micro, tokens))
     log0(f"the same micro-batch on one device (seq {seq}): "
          f"{predicted_activation_bytes(run.cfg, micro, seq) / 1e6:.3f} MB predicted; per cp rank, that of "
          f"seq/cp = {tokens} tokens")

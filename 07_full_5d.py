@@ -35,8 +35,8 @@ that would save far less here.)
 
 The price, per micro-batch (dense, float32, per token and layer; /cp tokens, attention's and the
 MLP's tensors /tp, the norms' only under sequence parallelism):
-    kept         none 11h + 4f + n_heads + 2 elements; selective 2(h + 1) + f fewer; full h
-                 (8b, 4096 tokens, bf16: none 33.4 GB, selective 23.2 GB, full 3.4 GB)
+    kept         none 9h + 2 n_kv d + 4f + n_heads + 2 elements; selective 2(h + 1) + f fewer; full h
+                 (8b, 4096 tokens, bf16: none 31.8 GB, selective 21.6 GB, full 3.3 GB)
     compute      selective: the norms' and silu's elementwise work again; full: one more forward
                  of every block, about 4/3 of the blocks' FLOPs
     traffic      selective: none; full: the blocks' forward collectives once more (but each
@@ -688,14 +688,14 @@ def expert_degree(ep: int | None, cfg, grid) -> int:
 
 
 def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompute: str, tp: int = 1,
-                                    sequence_parallel: bool = False, cp: int = 1, cp_mode: str = "ring", stage=None,
+                                    sequence_parallel: bool = False, cp: int = 1, stage=None,
                                     compute_dtype: torch.dtype = torch.float32) -> int:
     """One micro-batch of this rank's model, or of its pipeline stage `stage`, with dense MLPs (a
     model with experts: lesson 05 then swaps each MoE layer's SwiGLU for its routed bytes).
 
     --recompute none is the earlier lessons' float32 formula (dense_activation_bytes: 03's for a
-    stage, 02's, or the reference's, with 04's attention difference under cp). Its difference between two layers and one is one
-    block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
+    stage, 02's, or the reference's, over the S/cp tokens of a cp rank). Its difference between two
+    layers and one is one block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
     elements, with T_n the tokens a norm sees (/tp under sequence parallelism):
       none       the earlier formula's block
       selective  that, less each norm's 1/rms and normalised copy (2 (h + 1) per T_n) and
@@ -712,7 +712,7 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     layers = cfg.n_layers if stage is None else len(stage.layer_ids)
 
     def none(cfg, stage=None):
-        return dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, cp_mode, sequence_parallel)
+        return dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, sequence_parallel)
 
     block = none(replace(cfg, n_layers=2)) - none(replace(cfg, n_layers=1))
     outside = none(cfg, stage) - layers * block
@@ -726,29 +726,22 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     return outside + layers * (e * elements + (4 - e) * in_float32)
 
 
-def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None, cp_mode: str = "ring",
+def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None,
                            sequence_parallel: bool = False) -> int:
     """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32, over
     its seq_len / cp tokens: with tp > 1 lesson 02's formula (which knows stages), else lesson 03's
-    for a stage or the reference's for the whole model;
-    with context-parallel attention, plus what lesson 04's attention keeps differently, for the
-    layers and heads this rank holds."""
+    for a stage or the reference's for the whole model. Context-parallel attention, ring or
+    Ulysses, keeps what the reference keeps for those tokens (lesson 04)."""
     tokens = seq_len // cp
     if tp > 1:
         where = {} if stage is None else dict(n_layers=len(stage.layer_ids),
                                               with_embedding=stage.tok_embeddings is not None,
                                               with_head=stage.lm_head is not None)
-        local = tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel,
-                                                              save_sequence_shard=True, **where)
-    elif stage is not None:
-        local = pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
-    else:
-        local = predicted_activation_bytes(cfg, micro_batch, tokens)
-    if cp == 1:
-        return local
-    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-    return local + context_parallel.attention_kept_difference(attention_of_one_rank(cfg, tp, layers), micro_batch,
-                                                              tokens, cp_mode)
+        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel,
+                                                             save_sequence_shard=True, **where)
+    if stage is not None:
+        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
+    return predicted_activation_bytes(cfg, micro_batch, tokens)
 
 
 def routing_at(routing, pipeline, n_micro: int, kind: str):
@@ -785,7 +778,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
 
     def dense(stage):
         return predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
-                                               args.sequence_parallel, grid.cp_size, args.cp_mode, stage,
+                                               args.sequence_parallel, grid.cp_size, stage,
                                                model.precision.param_dtype)
 
     parts = model_parts(model, pipeline)

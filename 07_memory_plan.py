@@ -142,7 +142,7 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
 
     def one_micro_batch(stage) -> int:
         kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
-                                                       args.sequence_parallel, grid.cp, args.cp_mode, stage,
+                                                       args.sequence_parallel, grid.cp, stage,
                                                        precision.param_dtype)
         if cfg.n_experts and args.recompute != "full":
             tokens = micro * shape.seq_len // grid.cp

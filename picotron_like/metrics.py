@@ -152,7 +152,7 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
 
     Per token and layer, in elements:
       two RMSNorms, each: input, 1/rms, normalised input, output        2 * (3h + 1)
-      attention: q, k and v (repeated to every head), output, log-sum-exp  4h + n_heads
+      attention: q, k and v (kv heads only), output, log-sum-exp         2h + 2 n_kv d + n_heads
       o_proj input (the heads re-laid out as one row)                     h
       SwiGLU: gate, silu(gate), up, their product                         4f
     plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm and the
@@ -164,7 +164,8 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len
     h, f = cfg.hidden, cfg.ffn_hidden
-    elements = layers * tokens * (11 * h + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
+    kv = 2 * cfg.n_kv_heads * cfg.head_dim
+    elements = layers * tokens * (9 * h + kv + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
     if with_head:
         elements += tokens * (3 * h + 1 + cfg.vocab_size) + 1
     return element_bytes * elements + 8 * tokens * 2

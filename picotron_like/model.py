@@ -177,12 +177,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v. q: [b, heads, s, d]; k, v: [b, kv_heads, s, d].
 
-    K and V arrive un-repeated; each group of heads // kv_heads query heads shares one K/V head.
+    K and V stay un-repeated: each group of heads // kv_heads query heads shares one K/V head, and
+    the kernel pairs them itself (enable_gqa). Repeating them first, as Llama's reference code
+    does, would keep heads // kv_heads copies of K and V for backward (4x for the 8b preset).
     """
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
 class Attention(nn.Module):

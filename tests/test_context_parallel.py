@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, data_parallel_traffic, step_traffic
+from picotron_like.metrics import ActivationMeter, data_parallel_traffic, predicted_activation_bytes, step_traffic
 from picotron_like.model import IGNORE_INDEX, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
@@ -296,8 +296,8 @@ def context_parallel_run(variant: Variant):
                                                          data.shape.grad_accum),
                              data_parallel_traffic(n_params, group="dp_cp"), loss_groups=("dp_cp",))
     return {"grads": seen["before"], "clipped_grads": seen["after"], "activations": activations.peak_bytes,
-            "predicted_activations": lesson.predicted_cp_activation_bytes(CFG, MICRO, variant.seq_len, grid.cp_size,
-                                                                          variant.mode),
+            # either mode keeps what the reference keeps for S/cp tokens
+            "predicted_activations": predicted_activation_bytes(CFG, MICRO, variant.seq_len // grid.cp_size),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "traffic": {key: t.payload_bytes for key, t in comm.meter.traffic.items()},
             "predicted": {key: STEPS * value for key, value in predicted.items()},

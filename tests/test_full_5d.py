@@ -294,10 +294,10 @@ def test_selective_recomputes_what_saves_most_for_no_matmul():
     """On one process, in float32 and bf16: each mode keeps what the formula says, and the
     measured saving of 07's selective choice (the norms' 1/rms and normalised copies and SwiGLU's
     silu(gate), per token and layer 2 (4 (2h + 1) - e h) + e f bytes) against Megatron's
-    (checkpointing the attention core, which here drops the GQA-repeated K and V, the output and
-    the log-sum-exp but must keep the un-repeated K and V: e (3h - 2 n_kv d) + 4 n_heads bytes).
-    07's docstring quotes these two numbers."""
-    h, f, d = CFG.hidden, CFG.ffn_hidden, CFG.head_dim
+    (checkpointing the attention core, which here drops only its output and log-sum-exp, e h +
+    4 n_heads bytes: SDPA keeps K and V un-repeated and no scores, and the core's inputs stay kept
+    as its checkpoint). docs/07_full_5d.md quotes these two numbers."""
+    h, f = CFG.hidden, CFG.ffn_hidden
     token_layers = MICRO * SEQ * CFG.n_layers
     for dtype in (torch.float32, torch.bfloat16):
         e = dtype.itemsize
@@ -307,7 +307,7 @@ def test_selective_recomputes_what_saves_most_for_no_matmul():
                                                                           compute_dtype=dtype), (dtype, mode)
         selective, core = kept["none"] - kept["selective"], kept["none"] - kept["attention core"]
         assert selective == token_layers * (2 * (4 * (2 * h + 1) - e * h) + e * f), dtype
-        assert core == token_layers * (e * (3 * h - 2 * CFG.n_kv_heads * d) + 4 * CFG.n_heads), dtype
+        assert core == token_layers * (e * h + 4 * CFG.n_heads), dtype
         assert selective > core, dtype
 
 

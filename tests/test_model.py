@@ -33,7 +33,9 @@ def explicit_attention(q, k, v):
 
 def test_shapes_and_loss():
     model = GPT(TINY, seed=0)
-    tokens = torch.randint(0, TINY.vocab_size, (3, 16))
+    # Tokens of a fixed draw: the loss of random tokens scatters by ~0.05 around log V, and the
+    # global generator's state depends on which tests ran before this one.
+    tokens = torch.randint(0, TINY.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
     assert model(tokens).shape == (3, 16, TINY.vocab_size)
     loss = model(tokens, tokens)
     assert loss.shape == () and math.isfinite(loss.item())
