@@ -83,3 +83,14 @@ def test_snippets_from_fences_spans_and_docstrings():
     ]
     lessons = check.planned_commands(sorted(REPO_ROOT.glob("0*.py")))
     assert {f"0{n}" for n in range(1, 8)} <= lessons_of([command for command in lessons if not command.skip])
+
+
+def test_readme_section_counts_are_the_tools_output():
+    """README's table of code lines per section is what tools/lesson_sections.py prints for the
+    lessons as they are: a changed lesson with a stale table fails here."""
+    import subprocess
+    printed = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "lesson_sections.py")], capture_output=True,
+                             text=True, check=True).stdout
+    readme = (REPO_ROOT / "README.md").read_text()
+    table = readme[readme.index("```\nlesson  ") + 4:]
+    assert table[:table.index("```")] == printed
