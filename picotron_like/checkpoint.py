@@ -174,7 +174,7 @@ def check_writable(save_dir) -> None:
     first checkpoint. Every rank writes a probe of its own (each writes its own rank file later);
     whether the ranks of every node see the same directory is checked once the process group
     exists (check_shared)."""
-    probe = Path(save_dir) / f".probe_rank_{os.environ.get('RANK', '0')}"
+    probe = Path(save_dir) / f".probe_{os.getpid()}"       # one per process: ranks probe at the same time
     try:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"picotron_like")
