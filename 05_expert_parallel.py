@@ -385,7 +385,7 @@ def add_moe_flags(parser) -> None:
     balancing loss, dropless), so a preset stays what it says."""
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel degree, drawn from the ranks holding other tokens (lesson 05: dp; "
-                             "lesson 07: dp x cp); default: all of them")
+                             "lesson 07: dp x cp); default: as many of them as divide the experts too (their gcd)")
     unset = argparse.SUPPRESS
     parser.add_argument("--router", choices=("softmax", "sigmoid"), default=unset,
                         help="softmax top-k (Mixtral) or sigmoid scores (DeepSeek-V3); default: the preset's")
@@ -428,14 +428,15 @@ def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: f
         raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(problems))
 
 
-def expert_degree(args, grid: GridShape) -> int:
-    """--ep, by default every dp rank its own experts (ep = dp)."""
-    return args.ep if args.ep is not None else grid.dp
+def expert_degree(args, cfg, grid: GridShape) -> int:
+    """--ep, by default as many ep ranks as the experts and the dp ranks allow: their greatest common
+    divisor (dp itself when it divides n_experts), so that every layout of the rules runs."""
+    return args.ep if args.ep is not None else math.gcd(grid.dp, cfg.n_experts)
 
 
 def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
     validate_parallel_config(grid, world_size)
-    validate_expert_parallel(cfg, expert_degree(args, grid), grid.dp, args.bias_update_rate)
+    validate_expert_parallel(cfg, expert_degree(args, cfg, grid), grid.dp, args.bias_update_rate)
 
 
 # ============================================================================ measuring the three challenges
@@ -615,7 +616,7 @@ def main(argv=None):
     plan = plan_run(args, validate, moe_config)
     cfg, shape = plan.cfg, plan.shape
     device = init_distributed()
-    grid = ProcessGrid(plan.grid, ep=expert_degree(args, plan.grid))
+    grid = ProcessGrid(plan.grid, ep=expert_degree(args, plan.cfg, plan.grid))
     compute_dtype = autocast_dtype(args.dtype, device)
     grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, device)
     model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,

@@ -696,8 +696,11 @@ def parse_args(argv=None):
 def add_zero_flags(parser) -> None:
     """This lesson's flags (lesson 07 takes them too)."""
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
-                        help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights")
-    parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                        help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights (lesson 07: "
+                             "3, or 1 under a pipeline, unless given)")
+    # float32 by default, as torchtitan does: summing micro-batches' and ranks' gradients in bf16 keeps
+    # 8 bits of mantissa, so small contributions vanish into large ones; bf16 halves the bytes reduced.
+    parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="float32",
                         help="gradient accumulation and reduction dtype; auto: that of --dtype, which here "
                              "is also the dtype the weights are held and gathered in (fp32 master kept)")
     parser.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,

@@ -680,8 +680,9 @@ def composition_problems(cfg, grid, args) -> list[str]:
 
 
 def expert_degree(ep: int | None, cfg, grid) -> int:
-    """--ep's default: lesson 05's (every dp x cp rank its own experts) with experts, else 1."""
-    return ep if ep is not None else (grid.dp * grid.cp if cfg.n_experts else 1)
+    """--ep's default: lesson 05's over the dp x cp ranks that hold other tokens (as many ep ranks
+    as those ranks and the experts allow: their greatest common divisor) with experts, else 1."""
+    return ep if ep is not None else (math.gcd(grid.dp * grid.cp, cfg.n_experts) if cfg.n_experts else 1)
 
 
 # ============================================================================ measuring the three challenges
@@ -1150,7 +1151,17 @@ def parse_args(argv=None):
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
     checkpoints.add_checkpoint_flags(parser)
     add_plan_flags(parser)
-    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+    parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
+    return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
+
+
+def layout_defaults(args):
+    """The defaults that follow the layout, so that every layout the rules accept runs with the
+    other flags at their defaults: ZeRO-3, or under a pipeline ZeRO-1 (composition_problems says
+    why not 2 or 3). The expert degree follows it too (expert_degree)."""
+    if args.zero_stage is None:
+        args.zero_stage = 1 if args.pp > 1 else 3
+    return args
 
 
 def add_plan_flags(parser) -> None:
@@ -1191,6 +1202,9 @@ def main(argv=None):
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
+    if args.resume is not None and manifest is None:    # a restarted job's first start, say
+        where = args.save_dir if args.resume == "latest" else args.resume
+        log0(f"--resume: no checkpoint in {where} yet: starting from step 0")
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
     parts = model_parts(model, pipeline)

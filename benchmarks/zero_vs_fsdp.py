@@ -65,8 +65,8 @@ zero = load_lesson("06_zero")
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_flags(parser, seq_len=128, micro_batch_size=4, grad_accum=2, steps=3)
-    parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                        help="gradient reduction dtype of ZeRO and FSDP2 (auto: that of --dtype)")
+    parser.add_argument("--reduce-dtype", choices=("auto", "float32", "bfloat16"), default="float32",
+                        help="gradient reduction dtype of ZeRO and FSDP2 (auto: that of --dtype); lesson 06's default")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant and round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported")
     parser.add_argument("--only", nargs="*", default=None, help="run only the variants whose name contains one of these")

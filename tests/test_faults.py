@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -135,3 +136,37 @@ def test_a_save_that_fails_mid_run_stops_every_rank_with_one_line_and_keeps_the_
     for step in done:
         exported = checkpoints.export(checkpoints.step_directory(save_dir, step), tmp_path / f"{step}.pt")
         assert exported, step
+
+
+def test_every_layout_the_rules_accept_runs_with_the_other_flags_at_their_defaults():
+    """Lesson 07 on 1 to 8 ranks, every grid of degrees, dense and MoE: a grid that runs with some
+    ZeRO stage and expert degree also runs with the defaults (they follow the layout: ZeRO-1
+    under a pipeline, the expert degree dividing both the experts and the token ranks). Before,
+    --pp 2 (default ZeRO-3) and tiny-moe --dp 3 (default ep 3 of 4 experts) were refused."""
+    from picotron_like.lessons import load_lesson
+    from picotron_like.topology import ConfigError
+    from picotron_like.train import checked_plan
+
+    full_5d = load_lesson("07_full_5d")
+
+    def runs(flags: list[str], world_size: int) -> bool:
+        try:
+            checked_plan(full_5d.parse_args(flags), full_5d.validate, full_5d.expert_parallel.moe_config, world_size)
+            return True
+        except ConfigError:
+            return False
+
+    checked = 0
+    for world_size in range(1, 9):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        grids = [(dp, pp, cp, world_size // (dp * pp * cp)) for dp in divisors for pp in divisors for cp in divisors
+                 if world_size % (dp * pp * cp) == 0]
+        for (dp, pp, cp, tp), preset in itertools.product(grids, ("tiny", "tiny-moe")):
+            degrees = ["--preset", preset, "--dp", str(dp), "--pp", str(pp), "--cp", str(cp), "--tp", str(tp)]
+            eps = [e for e in divisors if (dp * cp) % e == 0] if preset == "tiny-moe" else [None]
+            choices = [["--zero-stage", str(stage), *(["--ep", str(ep)] if ep else [])]
+                       for stage in range(4) for ep in eps]
+            if any(runs(degrees + choice, world_size) for choice in choices):
+                assert runs(degrees, world_size), degrees
+                checked += 1
+    assert checked > 60

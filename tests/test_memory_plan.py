@@ -181,9 +181,9 @@ def test_plan_prints_the_8b_preset_on_one_b300_node_and_refuses_a_bad_layout(cap
              "--micro-batch-size", "1", "--grad-accum", "8", "--zero-stage", "1", "--plan-top", "3"]
     full_5d.main(flags)
     out = capsys.readouterr().out
-    bf16 = full_5d.zero.Precision(torch.bfloat16, torch.bfloat16)
+    bf16_float32_grads = full_5d.zero.Precision(torch.bfloat16, torch.float32)     # --dtype's and --reduce-dtype's
     planned = memory_plan().plan_layout(get_config("8b"), full_5d.parse_args(flags), GridShape(dp=8), 1,
-                                        BatchShape(1, 8192, 8, 8), bf16, "B300", 8)
+                                        BatchShape(1, 8192, 8, 8), bf16_float32_grads, "B300", 8)
     assert f"  {'total':<40}{planned.peak_bytes / 2**30:>8.2f}" in out
     assert "fits:" in out and "assumptions:" in out
     listed = out.split("fastest first")[1].splitlines()[2:5]
