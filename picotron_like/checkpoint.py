@@ -37,7 +37,8 @@ format of our own is a few hundred lines and *is* the lesson: resharding is inte
     DIR/step_00000020/                  one checkpoint: 20 optimizer steps done
         rank_00000.pt ... rank_0000N.pt     torch.save of {format, step, rank, entries, tensors, rng}
         manifest.json                       format, step, model config, layout, run, settings, files
-                                            (bytes, sha256, entries): written last, by rank 0
+                                            (bytes, sha256, entries), its own checksum: written
+                                            last, by rank 0
     DIR/step_00000030.partial/          a checkpoint being written (or deleted): never read
 
 Atomic. Each rank writes rank_N.pt.partial, fsyncs and renames it; rank 0 then writes the manifest
@@ -255,6 +256,8 @@ def read_manifest(directory, cfg: GPTConfig | None = None, expect: dict | None =
         raise CheckpointError(f"{path}: foreign: not a {FORMAT} manifest")
     if manifest.get("version") != VERSION:
         raise CheckpointError(f"{path}: format version {manifest.get('version')}, this code reads {VERSION}")
+    if manifest.get("checksum") != _manifest_checksum(manifest):
+        raise CheckpointError(f"{path}: contents differ from its checksum: the manifest is damaged")
     try:
         written_cfg = GPTConfig(**manifest["model"])
         files = [(record["file"], int(record["bytes"]), record["sha256"], record["entries"])
@@ -450,11 +453,19 @@ def _finish(partial: Path, final: Path, step: int, records: torch.Tensor, info: 
               "sha256": records[r, 2:].numpy().tobytes().hex(), "entries": entries[r]} for r in range(world_size)]
     manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world_size,
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **info, "files": files}
+    manifest["checksum"] = _manifest_checksum(manifest)
     _write_atomically(partial / MANIFEST, lambda file: file.write(json.dumps(manifest, indent=1).encode()))
     _fsync_directory(partial)
     os.rename(partial, final)
     _fsync_directory(final.parent)
     prune(final.parent, keep_last)
+
+
+def _manifest_checksum(manifest: dict) -> str:
+    """sha256 of the manifest's contents but its own checksum: a flipped byte in a number (a
+    setting, a file's size or sha256) would still parse, and must not pass."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _gather_entries(partial: Path, world_size: int) -> list[list]:

@@ -289,3 +289,46 @@ def test_killed_run_resumes_to_the_same_parameters_and_four_ranks_resume_on_two(
     assert results["killed, resumed"]["losses"] == results["never killed"]["losses"][max(done):]
     torch.testing.assert_close(torch.tensor(results["world size 4 -> 2"]["losses"]),
                                torch.tensor(runs["base"]["losses"][2:]), **CROSS_LAYOUT)
+
+
+def test_a_flipped_byte_in_any_file_is_refused_naming_the_file(saved, tmp_path):
+    """One bit flipped in the middle of the manifest or of any rank file: the checkpoint is refused
+    with a line that starts with that file's path, by the manifest check before any collective
+    (the manifest carries its own checksum: a flipped digit still parses) or, for a rank file,
+    by its sha256 when it is read (here: by export, which reads every file)."""
+    directory, _ = saved
+    good = directory / "base" / "step_00000002"
+    for victim in sorted(path.name for path in good.iterdir()):
+        copy = tmp_path / victim
+        shutil.copytree(good, copy)
+        with open(copy / victim, "r+b") as file:
+            size = file.seek(0, os.SEEK_END)
+            file.seek(size // 2)
+            byte = file.read(1)
+            file.seek(size // 2)
+            file.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(checkpoints.CheckpointError) as refused:
+            checkpoints.export(copy, tmp_path / f"{victim}.pt")
+        assert str(refused.value).startswith(f"{copy / victim}: "), (victim, str(refused.value))
+        assert not (tmp_path / f"{victim}.pt").exists()
+
+
+def test_a_writer_killed_before_the_rename_leaves_the_previous_checkpoint_the_newest(saved, tmp_path):
+    """What a writer killed after its last rank file and manifest, before the rename, leaves on
+    disk: a complete step_N.partial. It is never a candidate: --resume takes the newest complete
+    checkpoint (save() clears such leftovers when it next starts). --keep-last counts complete
+    checkpoints only, and keeps the newest, so it never leaves none to load."""
+    directory, _ = saved
+    save_dir = tmp_path / "run"
+    shutil.copytree(directory / "base" / "step_00000002", save_dir / "step_00000002")
+    shutil.copytree(directory / "base" / "step_00000004", save_dir / "step_00000006.partial")
+    assert [step for step, _ in checkpoints.list_checkpoints(save_dir)] == [2]
+    assert checkpoints.resolve("latest", save_dir) == save_dir / "step_00000002"
+    checkpoints.read_manifest(checkpoints.resolve("latest", save_dir))
+    for keep_last in (1, 2):
+        checkpoints.prune(save_dir, keep_last)
+        assert [step for step, _ in checkpoints.list_checkpoints(save_dir)] == [2], keep_last
+    shutil.copytree(directory / "base" / "step_00000004", save_dir / "step_00000004")
+    checkpoints.prune(save_dir, 1)
+    assert [step for step, _ in checkpoints.list_checkpoints(save_dir)] == [4]
+    checkpoints.export(save_dir / "step_00000004", tmp_path / "newest.pt")
