@@ -25,6 +25,9 @@ def rank_one_raises():
 
 
 def rank_zero_hangs():
+    # Both ranks connected first: rank 1 leaving while rank 0 still sets up its gloo connections
+    # would fail rank 0's start-up (seen on a loaded machine) instead of letting it hang.
+    dist.barrier()
     if dist.get_rank() == 0:
         time.sleep(600)
     return "done"
