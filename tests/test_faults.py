@@ -170,3 +170,62 @@ def test_every_layout_the_rules_accept_runs_with_the_other_flags_at_their_defaul
                 assert runs(degrees, world_size), degrees
                 checked += 1
     assert checked > 60
+
+
+def test_a_killed_rank_restarts_under_torchrun_and_the_job_ends_with_the_uninterrupted_losses(tmp_path):
+    """torchrun --max-restarts 1, --resume from the first start on: rank 1 is killed with SIGKILL
+    once a checkpoint exists. torchrun stops rank 0 and starts both again; they continue from the
+    newest complete checkpoint by themselves, and every step's loss (the last one logged for a
+    step that ran twice) equals a run that was never killed."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    save_dir, metrics = tmp_path / "checkpoints", tmp_path / "restarted.jsonl"
+    command = torchrun_07("--save-dir", str(save_dir), "--save-every", "2", "--resume", "--metrics", str(metrics))
+    command.insert(command.index("--standalone"), "--max-restarts=1")
+    job = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=env)
+    try:
+        deadline = time.monotonic() + 150
+        while not (save_dir / "step_00000004" / "manifest.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(rank_pids(job.pid)[1], signal.SIGKILL)
+        output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            for pid in [*torchrun_workers(job.pid), job.pid]:
+                os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 0, output[-4000:]
+    assert "--resume: no checkpoint in" in output and re.search(r"^resumed from .*step_000000(0[4-9]|1[0-3]) at step",
+                                                               output, re.M), output[-4000:]
+    subprocess.run(torchrun_07("--metrics", str(tmp_path / "whole.jsonl")), cwd=REPO_ROOT, env=env, check=True,
+                   capture_output=True, timeout=180)
+    assert losses(metrics) == losses(tmp_path / "whole.jsonl")
+
+
+def test_two_torchrun_agents_rendezvous_like_two_nodes_and_train_equal_to_one_device(tmp_path):
+    """Two torchrun agents on this machine, --nnodes 2 with a c10d rendezvous (what two nodes run),
+    one rank each: lesson 07 at dp 2 gives the losses of lesson 07 on one rank, to float32 rounding."""
+    import socket
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
+                                str(REPO_ROOT / "07_full_5d.py"), *RUN, "--steps", "6", "--metrics",
+                                str(tmp_path / f"agent{node}.jsonl")],
+                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for node in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    two_nodes = {}
+    for node in range(2):                       # rank 0, on whichever agent the rendezvous made it, writes
+        path = tmp_path / f"agent{node}.jsonl"
+        two_nodes.update(losses(path) if path.exists() else {})
+    one_rank = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                str(REPO_ROOT / "07_full_5d.py"), *RUN, "--dp", "1", "--steps", "6",
+                "--metrics", str(tmp_path / "one.jsonl")]
+    subprocess.run(one_rank, cwd=REPO_ROOT, env=env, check=True, capture_output=True, timeout=180)
+    one = losses(tmp_path / "one.jsonl")
+    assert sorted(two_nodes) == sorted(one) == list(range(6))
+    assert all(abs(two_nodes[step] - one[step]) <= 1e-5 * abs(one[step]) for step in one), (two_nodes, one)
