@@ -340,11 +340,9 @@ def missing_inputs(args: list[str], root: Path, written: dict[str, Command]) -> 
         if pattern and not glob.glob(pattern, root_dir=root) and os.path.normpath(pattern) not in written:
             return f"needs {flag} {pattern}, which the repository does not hold"
     resume = resume_target(args)
-    if resume == "latest":
-        save_dir = os.path.normpath(option(args, "--save-dir") or ".")
-        if save_dir not in written:
-            return f"--resume needs a checkpoint in {save_dir}/, which no earlier command of this file writes"
-    elif resume is not None and not (root / resume).exists() and Path(resume).parts[0] not in written:
+    # --resume with --save-dir runs with or without a checkpoint there (07 starts at step 0 and
+    # says so), so only a checkpoint named outright must exist
+    if resume not in (None, "latest") and not (root / resume).exists() and Path(resume).parts[0] not in written:
         return f"--resume {resume}: no such checkpoint, and no earlier command of this file writes it"
     for name in file_arguments(args):
         if not (root / name).exists() and os.path.normpath(name) not in written:
