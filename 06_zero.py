@@ -75,7 +75,8 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import MeteredRun, SavedTensorMeters, log0, log_compute_report, log_traffic_rows
+from picotron_like.metrics import (MeteredRun, SavedTensorMeters, log0, log_compute_report, log_traffic_rows, memory_table,
+                                   storage_bytes)
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
@@ -565,26 +566,14 @@ class ModelStates:
 
 def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
     """The bytes of every storage this rank holds, each counted once, in the first role it has:
-    weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments.
-    A storage is told apart by its identity (_cdata), not its address: on the meta device, where
-    the memory plan builds full-size models, every storage has address 0."""
+    weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments."""
     seen: set[int] = set()
-
-    def storage_bytes(tensors) -> int:
-        total = 0
-        for tensor in tensors:
-            storage = tensor.untyped_storage()
-            if storage.nbytes() and storage._cdata not in seen:
-                seen.add(storage._cdata)
-                total += storage.nbytes()
-        return total
-
     params = list(model.module.parameters())
     shards = [unit.param_shard for unit in model.units if model.stage == 3]
     grads = [p.grad for p in params if p.grad is not None] + [unit.grad_shard for unit in model.units]
     states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
-    return ModelStates(storage_bytes(params + shards), storage_bytes(grads),
-                       storage_bytes(unit.master for unit in model.units), storage_bytes(states))
+    return ModelStates(storage_bytes(params + shards, seen), storage_bytes(grads, seen),
+                       storage_bytes((unit.master for unit in model.units), seen), storage_bytes(states, seen))
 
 
 def padded(count: int, n_shards: int) -> int:
@@ -652,11 +641,8 @@ def log_model_states(model: ZeroDataParallel, optimizer, title: str, predicted: 
                      gathered: GatheredParameterMeter, predicted_peak: int) -> None:
     """ZeRO's own memory rows: the model states this rank holds next to `predicted` and, at stage
     3, the peak of gathered weights next to `predicted_peak`."""
-    measured = measured_model_states(model, optimizer)
     log0(f"\n== memory (one rank; {title}) ==")
-    log0(f"{'model states per rank':<22}{'measured MB':>13}{'predicted MB':>14}")
-    for field in ("parameters", "gradients", "master_weights", "optimizer_states", "total"):
-        log0(f"{field:<22}{getattr(measured, field) / 1e6:>13.3f}{getattr(predicted, field) / 1e6:>14.3f}")
+    log0(memory_table(measured_model_states(model, optimizer), predicted, "model states per rank"))
     if model.stage == 3:
         largest = max(unit.numel for unit in model.units) * model.precision.param_dtype.itemsize
         log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, "

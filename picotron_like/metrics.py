@@ -30,7 +30,7 @@ import sys
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -207,11 +207,26 @@ def predicted_memory(n_params: int, activations: int, param_bytes: int = 4) -> M
                         optimizer_states=2 * n_params * 4, activations=activations)
 
 
-def memory_table(measured: MemoryReport, predicted: MemoryReport) -> str:
-    rows = [f"{'memory per rank':<22}{'measured MB':>13}{'predicted MB':>14}"]
-    for field in ("weights", "gradients", "optimizer_states", "activations", "total"):
+def memory_table(measured, predicted, title: str = "memory per rank") -> str:
+    """A row per field of a memory dataclass (MemoryReport, lesson 06's ModelStates) and its total,
+    measured next to predicted, in MB."""
+    rows = [f"{title:<22}{'measured MB':>13}{'predicted MB':>14}"]
+    for field in [*(f.name for f in fields(predicted)), "total"]:
         rows.append(f"{field:<22}{getattr(measured, field) / 1e6:>13.3f}{getattr(predicted, field) / 1e6:>14.3f}")
     return "\n".join(rows)
+
+
+def storage_bytes(tensors, seen: set[int]) -> int:
+    """The bytes of the storages behind `tensors`, each storage counted once over every call with
+    the same `seen` (a flat buffer and the views into it are one allocation). A storage is told
+    apart by its identity, not its address: on the meta device every storage has address 0."""
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes() and storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total
 
 
 # ----------------------------------------------------------------------------- communication
