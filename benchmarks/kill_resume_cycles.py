@@ -44,8 +44,11 @@ def torchrun(save_dir: Path, resume: bool) -> list[str]:
 def run_to_the_end(save_dir: Path) -> None:
     if (checkpoints.step_directory(save_dir, 12) / "manifest.json").exists():
         return                                  # the kill came after the run had finished
-    subprocess.run(torchrun(save_dir, resume=True), cwd=ROOT, check=True, capture_output=True,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = subprocess.run(torchrun(save_dir, resume=True), cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if run.returncode != 0:
+        errors = [line for line in run.stderr.splitlines() if "error" in line.lower() and not line.startswith("W")]
+        raise SystemExit(f"resuming {save_dir} failed (exit {run.returncode}):\n" + "\n".join(errors[:20]))
 
 
 def kill_at_random(save_dir: Path, rng: random.Random) -> int:
