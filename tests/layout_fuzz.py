@@ -35,6 +35,7 @@ A failing draw prints its seed and its command line, so `python tools/fuzz_layou
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -194,7 +195,8 @@ def features(layout: Draw) -> set[str]:
 
     dp, pp, cp, tp = (int(flag(axis)) for axis in ("--dp", "--pp", "--cp", "--tp"))
     moe, virtual = flag("--preset") == "tiny-moe", int(flag("--virtual-stages") or 1)
-    ep = int(flag("--ep")) if flag("--ep") else (dp * cp if moe else 1)
+    # without --ep, 07's default (expert_degree): the gcd of the experts and the dp x cp ranks
+    ep = int(flag("--ep")) if flag("--ep") else (math.gcd(dp * cp, model_module.get_config("tiny-moe").n_experts) if moe else 1)
     words = {f"dp{dp}" if dp % 2 else "", f"pp{pp}", f"cp{cp}", f"tp{tp}", f"ZeRO-{flag('--zero-stage')}",
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
              f"recompute {flag('--recompute')}", "masked" if layout.masked else ""}
