@@ -10,7 +10,8 @@ The shard format is the one llm.c and the nanoGPT speedrun use, so their FineWeb
 as they are:
 
     bytes 0 .. 1023     256 little-endian int32: [0] magic 20240520, [1] version 1, [2] n_tokens
-    bytes 1024 ..       n_tokens little-endian uint16 token ids
+    bytes 1024 ..       n_tokens little-endian uint16 token ids (GPT-2 and smaller vocabularies),
+                        or with magic 20240801, version 7: uint32 ids (llm.c's Llama 3 layout)
 
 A shard is read through np.memmap: the operating system pages tokens in as windows are sliced, so
 a 100 GB dataset costs no RAM beyond the windows of the current step.
@@ -67,9 +68,13 @@ SHARD_MAGIC = 20240520
 SHARD_VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
-# llm.c's layout for Llama 3 tokenizers: the same header with uint32 tokens. Recognised only to
-# say so in the error message, since a uint16 reader would silently read garbage from it.
+# llm.c's layout for Llama 3 tokenizers (128,256 ids do not fit uint16): the same header with
+# another magic and version, then uint32 tokens.
 LLAMA3_SHARD_MAGIC = 20240801
+LLAMA3_SHARD_VERSION = 7
+# (magic, version) -> the token body's little-endian dtype, and the tokenizers each is for
+SHARD_LAYOUTS = {(SHARD_MAGIC, SHARD_VERSION): ("<u2", "GPT-2 sized vocabularies, ids < 65536"),
+                 (LLAMA3_SHARD_MAGIC, LLAMA3_SHARD_VERSION): ("<u4", "Llama 3 sized vocabularies")}
 
 PREPARE_HINT = "make one with: python -m picotron_like.data prepare INPUT.txt OUT.bin"
 IDS_CHECKED_AT_START = 2**20    # tokens at the start of each shard checked before training (2 MB)
@@ -83,21 +88,21 @@ class DataError(ValueError):
 
 
 def write_token_shard(path, tokens) -> None:
-    """Write token ids as an llm.c shard. Atomic: other ranks see no file or the whole file."""
+    """Write token ids as an llm.c shard: uint16 when every id fits (llm.c's GPT-2 layout), else
+    uint32 (its Llama 3 layout). Atomic: other ranks see no file or the whole file."""
     path = Path(path)
     tokens = np.asarray(tokens)
     if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
         raise DataError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**16):
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
         bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise DataError(
-            f"{path}: token id {bad} does not fit the shard's uint16 body (0 <= id < 65536); "
-            f"a vocabulary this large needs a different shard format"
-        )
+        raise DataError(f"{path}: token id {bad} does not fit a shard's uint32 body (0 <= id < 2**32)")
     if tokens.size >= 2**31:
         raise DataError(f"{path}: {tokens.size} tokens overflow the int32 count; split them into shards")
+    wide = bool(tokens.size) and tokens.max() >= 2**16
+    magic, version = (LLAMA3_SHARD_MAGIC, LLAMA3_SHARD_VERSION) if wide else (SHARD_MAGIC, SHARD_VERSION)
     header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, SHARD_VERSION, tokens.size
+    header[:3] = magic, version, tokens.size
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write beside the target and rename: os.replace is atomic within one file system, so a rank
     # that opens the path while another writes it never sees a half-written shard.
@@ -105,7 +110,7 @@ def write_token_shard(path, tokens) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(header.tobytes())
-            f.write(tokens.astype("<u2").tobytes())
+            f.write(tokens.astype(SHARD_LAYOUTS[magic, version][0]).tobytes())
         os.replace(temp_name, path)
     except BaseException:
         os.unlink(temp_name)
@@ -113,7 +118,8 @@ def write_token_shard(path, tokens) -> None:
 
 
 def read_token_shard(path) -> np.memmap:
-    """The token body of an llm.c shard as a read-only uint16 memmap, after checking the header."""
+    """The token body of an llm.c shard, uint16 or uint32 as its header says, as a read-only
+    memmap, after checking the header against the file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such token shard; {PREPARE_HINT}")
@@ -123,26 +129,23 @@ def read_token_shard(path) -> np.memmap:
             f"{path}: {size} bytes is shorter than the {HEADER_BYTES}-byte shard header; "
             f"the file is empty or cut off, {PREPARE_HINT}"
         )
-    magic, version, n_tokens = np.fromfile(path, dtype="<i4", count=3)
-    if magic != SHARD_MAGIC:
-        what = (
-            "an llm.c Llama 3 shard with uint32 tokens, which this uint16 reader does not support"
-            if magic == LLAMA3_SHARD_MAGIC
-            else "not an llm.c token shard"
-        )
-        raise DataError(f"{path}: header magic is {magic}, expected {SHARD_MAGIC}: {what}; {PREPARE_HINT}")
-    if version != SHARD_VERSION:
-        raise DataError(
-            f"{path}: shard version {version} is not supported (only version {SHARD_VERSION}, "
-            f"uint16 tokens); {PREPARE_HINT}"
-        )
-    expected = HEADER_BYTES + 2 * int(n_tokens)
+    magic, version, n_tokens = (int(value) for value in np.fromfile(path, dtype="<i4", count=3))
+    version_of = {magic: version for magic, version in SHARD_LAYOUTS}     # each magic has one version
+    if magic not in version_of:
+        raise DataError(f"{path}: header magic is {magic}, expected {SHARD_MAGIC} (uint16 tokens) or "
+                        f"{LLAMA3_SHARD_MAGIC} (uint32, Llama 3): not an llm.c token shard; {PREPARE_HINT}")
+    if version != version_of[magic]:
+        raise DataError(f"{path}: shard version {version} with magic {magic} is not supported: that magic's "
+                        f"layout is version {version_of[magic]} ({SHARD_LAYOUTS[magic, version_of[magic]][1]}); "
+                        f"{PREPARE_HINT}")
+    dtype = np.dtype(SHARD_LAYOUTS[magic, version][0])
+    expected = HEADER_BYTES + dtype.itemsize * n_tokens
     if size != expected:
         raise DataError(
             f"{path}: header promises {n_tokens} tokens = {expected} bytes, the file has {size} bytes; "
             f"the shard is truncated or corrupt, write it again"
         )
-    return np.memmap(path, dtype="<u2", mode="r", offset=HEADER_BYTES, shape=(int(n_tokens),))
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n_tokens,))
 
 
 # ----------------------------------------------------------------------------- tokenizer and corpus
@@ -347,7 +350,7 @@ class TokenBatches:
     def step_batch(self, step: int, dp_rank: int) -> "StepBatch":
         """This rank's micro-batches of a step, with the number of targets of the whole global batch.
 
-        A shard holds uint16 token ids, never IGNORE_INDEX, so every target of these batches counts:
+        A shard holds unsigned token ids, never IGNORE_INDEX, so every target of these batches counts:
         the global count is known from the batch shape alone, without reading the other ranks' rows.
         (Masked batches, as fine-tuning brings, carry their own count: see testing.masked_step_batch.)
         """

@@ -57,8 +57,28 @@ def test_shard_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"], "the temporary file must be gone"
 
 
-@pytest.mark.parametrize("bad_id", [70000, -1])
-def test_write_rejects_ids_outside_uint16(tmp_path, bad_id):
+def test_ids_beyond_uint16_make_a_llama3_shard_read_through_memmap(tmp_path):
+    """Llama 3's 128,256 ids do not fit uint16: the shard takes llm.c's uint32 layout (magic
+    20240801, version 7), and batches read it as they read the uint16 one."""
+    tokens = 2**16 + np.arange(1000) * 131 % (128256 - 2**16)      # every id beyond uint16
+    path = tmp_path / "llama3.bin"
+    write_token_shard(path, tokens)
+    body = read_token_shard(path)
+    assert isinstance(body, np.memmap) and body.dtype == np.uint32
+    np.testing.assert_array_equal(body, tokens)
+    assert list(np.fromfile(path, dtype="<i4", count=3)) == [20240801, 7, len(tokens)]
+    assert path.stat().st_size == 4 * HEADER_INTS + 4 * len(tokens)
+    shape = BatchShape(micro_batch_size=2, seq_len=16, grad_accum=1, dp=1)
+    inputs, targets = TokenBatches(path, shape, seed=0, vocab_size=128256).micro_batches(0, 0)[0]
+    for window in torch.cat([inputs, targets[:, -1:]], dim=1).numpy():      # each a slice of the shard
+        start = int(np.flatnonzero(tokens == window[0])[0])                 # (the ids are distinct)
+        np.testing.assert_array_equal(window, tokens[start: start + 17])
+    with pytest.raises(DataError, match=f"token id {tokens.max()} >= the model's vocab_size 50304"):
+        TokenBatches(path, shape, seed=0, vocab_size=50304)
+
+
+@pytest.mark.parametrize("bad_id", [2**32, -1])
+def test_write_rejects_ids_outside_uint32(tmp_path, bad_id):
     with pytest.raises(DataError, match=str(bad_id)):
         write_token_shard(tmp_path / "shard.bin", [1, 2, bad_id])
 
@@ -75,11 +95,13 @@ def header_bytes(magic=SHARD_MAGIC, version=SHARD_VERSION, n_tokens=0):
         (None, "prepare"),  # missing file: the message says how to make one
         (b"\0" * 100, "100 bytes is shorter than the 1024-byte"),
         (header_bytes(magic=1234, n_tokens=1) + b"\0\0", "magic is 1234.*not an llm.c token shard"),
-        (header_bytes(magic=20240801, n_tokens=1) + b"\0" * 4, "Llama 3"),
+        (header_bytes(magic=20240801, n_tokens=1) + b"\0" * 4, "version 1 with magic 20240801.*version 7 .Llama 3"),
+        (header_bytes(magic=20240801, version=7, n_tokens=2) + b"\0" * 4, "1032 bytes, the file has 1028 bytes"),
         (header_bytes(version=2, n_tokens=1) + b"\0\0", "version 2"),
         (header_bytes(n_tokens=10) + b"\0" * 18, "1044 bytes, the file has 1042 bytes"),
     ],
-    ids=["missing", "shorter-than-header", "wrong-magic", "llama3-magic", "wrong-version", "truncated"],
+    ids=["missing", "shorter-than-header", "wrong-magic", "llama3-magic", "llama3-truncated", "wrong-version",
+         "truncated"],
 )
 def test_bad_shards_fail_clearly(tmp_path, content, message):
     path = tmp_path / "bad.bin"
