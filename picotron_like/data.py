@@ -53,7 +53,9 @@ Larger runs use `python -m picotron_like.data prepare` on a text file, or llm.c 
 """
 
 import argparse
+import contextlib
 import glob
+import json
 import os
 import sys
 import tempfile
@@ -87,34 +89,63 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------- the shard format
 
 
+class ShardWriter:
+    """An llm.c shard written as tokens come (a corpus need not fit in memory): the body is
+    appended, and the header, which holds the token count, is written when the writer closes.
+    Atomic: the file is written beside its path and renamed there at the end (os.replace, atomic
+    within one file system), so a rank that opens the path never sees a half-written shard.
+    `wide`: uint32 tokens (llm.c's Llama 3 layout) instead of uint16."""
+
+    def __init__(self, path, wide: bool = False):
+        self.path, self.n_tokens = Path(path), 0
+        self.magic, self.version = (LLAMA3_SHARD_MAGIC, LLAMA3_SHARD_VERSION) if wide else (SHARD_MAGIC, SHARD_VERSION)
+        self.dtype = np.dtype(SHARD_LAYOUTS[self.magic, self.version][0])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.temp_name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        self.file = os.fdopen(fd, "wb")
+        self.file.write(bytes(HEADER_BYTES))
+
+    def write(self, tokens) -> None:
+        tokens = np.asarray(tokens)
+        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+            raise DataError(f"{self.path}: token ids must be integers, got dtype {tokens.dtype}")
+        limit = np.iinfo(self.dtype).max + 1
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= limit):
+            bad = tokens.min() if tokens.min() < 0 else tokens.max()
+            raise DataError(f"{self.path}: token id {bad} does not fit the shard's {self.dtype.name} body "
+                            f"(0 <= id < {limit})")
+        if self.n_tokens + tokens.size >= 2**31:
+            raise DataError(f"{self.path}: more than 2**31 - 1 tokens overflow the int32 count; split them into "
+                            f"shards")
+        self.file.write(tokens.astype(self.dtype.str).tobytes())
+        self.n_tokens += tokens.size
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, error_type, *exc):
+        try:
+            if error_type is None:
+                header = np.zeros(HEADER_INTS, dtype="<i4")
+                header[:3] = self.magic, self.version, self.n_tokens
+                self.file.seek(0)
+                self.file.write(header.tobytes())
+            self.file.close()
+            if error_type is None:
+                os.replace(self.temp_name, self.path)
+        finally:
+            if os.path.exists(self.temp_name):
+                os.unlink(self.temp_name)
+        return False
+
+
 def write_token_shard(path, tokens) -> None:
     """Write token ids as an llm.c shard: uint16 when every id fits (llm.c's GPT-2 layout), else
-    uint32 (its Llama 3 layout). Atomic: other ranks see no file or the whole file."""
-    path = Path(path)
+    uint32 (its Llama 3 layout)."""
     tokens = np.asarray(tokens)
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise DataError(f"{path}: token ids must be integers, got dtype {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= 2**32):
-        bad = tokens.min() if tokens.min() < 0 else tokens.max()
-        raise DataError(f"{path}: token id {bad} does not fit a shard's uint32 body (0 <= id < 2**32)")
-    if tokens.size >= 2**31:
-        raise DataError(f"{path}: {tokens.size} tokens overflow the int32 count; split them into shards")
-    wide = bool(tokens.size) and tokens.max() >= 2**16
-    magic, version = (LLAMA3_SHARD_MAGIC, LLAMA3_SHARD_VERSION) if wide else (SHARD_MAGIC, SHARD_VERSION)
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = magic, version, tokens.size
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename: os.replace is atomic within one file system, so a rank
-    # that opens the path while another writes it never sees a half-written shard.
-    fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header.tobytes())
-            f.write(tokens.astype(SHARD_LAYOUTS[magic, version][0]).tobytes())
-        os.replace(temp_name, path)
-    except BaseException:
-        os.unlink(temp_name)
-        raise
+    wide = bool(tokens.size) and np.issubdtype(tokens.dtype, np.integer) and tokens.max() >= 2**16
+    with ShardWriter(path, wide) as writer:
+        writer.write(tokens)
 
 
 def read_token_shard(path) -> np.memmap:
@@ -162,6 +193,102 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         # A sampled sequence can end in the middle of a multi-byte character; replace, don't fail.
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True)
+class TextTokenizer:
+    """What `prepare` needs of a tokenizer: text to ids, the vocabulary size (which decides the
+    shard's layout), and the id that starts every document (None: documents just follow each
+    other). `name` is what --tokenizer said, recorded beside the shards."""
+
+    name: str
+    encode: object          # str -> list[int]
+    vocab_size: int
+    delimiter: int | None
+
+
+# The special tokens that start a document, in the order they are looked for in a tokenizer.json:
+# Llama 3's begin-of-text, GPT-2's end-of-text (llm.c puts it before every document), SentencePiece's.
+DOCUMENT_DELIMITERS = ("<|begin_of_text|>", "<|endoftext|>", "<s>")
+
+
+def load_tokenizer(name: str) -> TextTokenizer:
+    """--tokenizer: "byte" (no file, 256 ids), "gpt2" (tiktoken's GPT-2 BPE, 50,257 ids; tiktoken
+    fetches its table once and caches it), or the path of a Hugging Face tokenizer.json, read by
+    the `tokenizers` package (Llama 3's ships as one: 128,256 ids, uint32 shards). The packages are
+    optional: only this command needs them."""
+    if name == "byte":
+        return TextTokenizer("byte", ByteTokenizer().encode, ByteTokenizer.vocab_size, None)
+    try:
+        if name == "gpt2":
+            import tiktoken
+            encoding = tiktoken.get_encoding("gpt2")
+            return TextTokenizer("gpt2", encoding.encode_ordinary, encoding.n_vocab, encoding.eot_token)
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(name)
+    except ImportError as error:
+        raise DataError(f"--tokenizer {name} needs the {error.name} package: pip install {error.name} "
+                        f"(or the test extra: pip install -e '.[test]')") from None
+    except Exception as error:      # a file that is not a tokenizer, or tiktoken without its table
+        raise DataError(f"--tokenizer {name}: cannot load it ({error}); give byte, gpt2 or the path of a "
+                        f"Hugging Face tokenizer.json") from None
+    delimiter = next((tokenizer.token_to_id(token) for token in DOCUMENT_DELIMITERS
+                      if tokenizer.token_to_id(token) is not None), None)
+    return TextTokenizer(name, lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+                         tokenizer.get_vocab_size(with_added_tokens=True), delimiter)
+
+
+def documents(paths, text_field: str = "text", piece_chars: int = 1 << 20):
+    """(starts a document, text) pieces of the inputs, never a whole file in memory: a JSONL file
+    is one document per line (its `text_field`), any other file one document, read in pieces of
+    about `piece_chars` characters cut after a newline (so no word is cut)."""
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            if str(path).endswith(".jsonl"):
+                for number, line in enumerate(file, start=1):
+                    if line.strip():
+                        try:
+                            yield True, json.loads(line)[text_field]
+                        except (json.JSONDecodeError, KeyError, TypeError) as error:
+                            raise DataError(f"{path}:{number}: not a JSON object with a {text_field!r} "
+                                            f"field ({error!r})") from None
+                continue
+            first = True
+            while piece := file.read(piece_chars):
+                piece += file.readline()
+                yield first, piece
+                first = False
+
+
+def prepare(paths, output, tokenizer: TextTokenizer, val_output=None, val_tokens: int = 0,
+            text_field: str = "text") -> dict[str, int]:
+    """Tokenize the input files into a train shard at `output` and, with `val_output`, a
+    validation shard of the first whole documents holding at least `val_tokens` tokens (so the two
+    share no document). Every document starts with the tokenizer's delimiter, if it has one. The
+    tokenizer is recorded beside the train shard (OUTPUT.tokenizer.json). Returns the token counts."""
+    wide = tokenizer.vocab_size > 2**16
+    sizes = sum(os.path.getsize(path) for path in paths)
+    try:
+        from tqdm import tqdm
+        progress = tqdm(total=sizes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
+    except ImportError:
+        progress = None
+    counts = {"train": 0, "val": 0}
+    with ShardWriter(output, wide) as train, \
+            (ShardWriter(val_output, wide) if val_output else contextlib.nullcontext()) as val, \
+            (progress if progress is not None else contextlib.nullcontext()):
+        writer = val if val_output and val_tokens > 0 else train
+        for starts, text in documents(paths, text_field):
+            if starts and writer is val and val.n_tokens >= val_tokens:
+                writer = train          # the validation shard is full: from this document on, train
+            ids = ([tokenizer.delimiter] if starts and tokenizer.delimiter is not None else []) + tokenizer.encode(text)
+            writer.write(np.asarray(ids, dtype=np.int64))
+            if progress is not None:
+                progress.update(len(text.encode("utf-8")))
+        counts["train"], counts["val"] = train.n_tokens, val.n_tokens if val_output else 0
+    record = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "delimiter": tokenizer.delimiter}
+    Path(f"{output}.tokenizer.json").write_text(json.dumps(record, indent=1) + "\n")
+    return counts
 
 
 def builtin_corpus_paths(cache_dir=None) -> tuple[Path, Path]:
@@ -376,24 +503,35 @@ class TokenBatches:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m picotron_like.data",
-        description="Make token shards in the llm.c layout (256 int32 header, then uint16 tokens).",
+        description="Make token shards in llm.c's layouts (a 256-int32 header, then uint16 tokens, or "
+                    "uint32 for vocabularies beyond 65,536 ids).",
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    prepare = commands.add_parser("prepare", help="tokenize a UTF-8 text file with the byte tokenizer")
-    prepare.add_argument("input", help="UTF-8 text file to tokenize")
-    prepare.add_argument("output", help="shard to write, e.g. data/mytext_train.bin")
+    prepare_parser = commands.add_parser("prepare", help="tokenize UTF-8 text or JSONL files into token shards")
+    prepare_parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                                help="UTF-8 text files (one document each) or .jsonl files (one document per line)")
+    prepare_parser.add_argument("output", help="train shard to write, e.g. data/mytext_train.bin")
+    prepare_parser.add_argument("--tokenizer", default="byte",
+                                help="byte (256 ids), gpt2 (tiktoken) or the path of a Hugging Face tokenizer.json")
+    prepare_parser.add_argument("--val", dest="val_output", metavar="PATH",
+                                help="also write a validation shard here, of the first documents")
+    prepare_parser.add_argument("--val-tokens", type=int, default=100_000,
+                                help="with --val: whole documents until the validation shard holds this many tokens")
+    prepare_parser.add_argument("--text-field", default="text", help="the JSONL field holding a document's text")
     builtin = commands.add_parser("builtin", help="write (or reuse) the built-in corpus, print its paths")
     builtin.add_argument("--data-dir", help="default: $PICOTRON_DATA_DIR, else data/ in the repository")
     args = parser.parse_args(argv)
 
     if args.command == "prepare":
         try:
-            text = Path(args.input).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
-            parser.error(f"cannot read {args.input} as UTF-8 text: {error}")
-        tokens = ByteTokenizer().encode(text)
-        write_token_shard(args.output, tokens)
-        print(f"wrote {len(tokens)} tokens to {args.output}")
+            counts = prepare(args.inputs, args.output, load_tokenizer(args.tokenizer), args.val_output,
+                             args.val_tokens, args.text_field)
+        except (OSError, UnicodeDecodeError, DataError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
+        print(f"wrote {counts['train']} tokens to {args.output}"
+              + (f" and {counts['val']} to {args.val_output}" if args.val_output else "")
+              + f" ({args.tokenizer} tokenizer, recorded in {args.output}.tokenizer.json)")
     else:
         for split, path in zip(("train", "val"), builtin_corpus_paths(args.data_dir)):
             print(f"{split}: {path} ({read_token_shard(path).size} tokens)")

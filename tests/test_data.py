@@ -4,6 +4,7 @@ Most shards here hold the tokens 0, 1, 2, ...: a window is then identified by it
 which makes "every window exactly once" and "these rows came from that rank" easy to check.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from picotron_like.data import (
     DataError,
     TokenBatches,
     builtin_corpus_paths,
+    main,
     read_token_shard,
     write_token_shard,
 )
@@ -306,3 +308,71 @@ def test_prepare_command_writes_a_valid_shard(tmp_path):
     n_tokens = len(text.encode("utf-8"))
     assert f"wrote {n_tokens} tokens" in result.stdout
     assert ByteTokenizer().decode(read_token_shard(shard)) == text
+
+
+DOCUMENTS = ["Pipeline parallelism cuts the layers.", "Tensor parallelism cuts the matrices; ça marche.",
+             "Context parallelism cuts the sequence.", "Experts are spread over the ranks."]
+
+
+def jsonl_of(path, texts):
+    path.write_text("".join(json.dumps({"text": text, "id": n}) + "\n" for n, text in enumerate(texts)),
+                    encoding="utf-8")
+    return path
+
+
+def split_documents(ids, delimiter):
+    """Token ids cut at each delimiter (every document starts with one)."""
+    starts = [i for i, token in enumerate(ids) if token == delimiter] + [len(ids)]
+    assert starts[0] == 0
+    return [list(ids[a + 1: b]) for a, b in zip(starts, starts[1:])]
+
+
+def test_prepare_with_a_hugging_face_tokenizer_json(tmp_path):
+    """A BPE trained here on the built-in corpus (offline) and saved as tokenizer.json, as Llama 3's
+    ships: JSONL documents, each starting with the delimiter, the first ones in the validation
+    shard, the rest in the train shard, the tokenizer recorded beside them; every document decodes
+    back to its text."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from pydoc_data.topics import topics
+
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|begin_of_text|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([topics[key] for key in sorted(topics)[:50]], trainer)
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    train, val = tmp_path / "train.bin", tmp_path / "val.bin"
+    main(["prepare", str(jsonl_of(tmp_path / "docs.jsonl", DOCUMENTS)), str(train), "--tokenizer",
+          str(tmp_path / "tokenizer.json"), "--val", str(val), "--val-tokens", "5"])
+    delimiter = bpe.token_to_id("<|begin_of_text|>")
+    decoded = [bpe.decode(ids) for shard in (val, train) for ids in split_documents(read_token_shard(shard), delimiter)]
+    assert decoded == DOCUMENTS
+    assert len(split_documents(read_token_shard(val), delimiter)) == 1      # the first whole document holds >= 5
+    assert json.loads((tmp_path / "train.bin.tokenizer.json").read_text()) == {
+        "tokenizer": str(tmp_path / "tokenizer.json"), "vocab_size": bpe.get_vocab_size(), "delimiter": delimiter}
+
+
+def test_prepare_with_gpt2_through_tiktoken_and_bad_inputs(tmp_path, monkeypatch, capsys):
+    """--tokenizer gpt2 through tiktoken, with an Encoding built here (byte-level, its end-of-text
+    token after the bytes) in place of the GPT-2 table tiktoken would download; a text file is one
+    document. A JSONL line without the field, and an unknown tokenizer file, are one error line."""
+    tiktoken = pytest.importorskip("tiktoken")
+    encoding = tiktoken.Encoding("gpt2-like", pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\w+| ?\d+| ?[^\s\w\d]+|\s+""",
+                                 mergeable_ranks={bytes([b]): b for b in range(256)},
+                                 special_tokens={"<|endoftext|>": 256})
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: encoding)
+    text = "\n".join(DOCUMENTS) + "\n"
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8")
+    main(["prepare", str(tmp_path / "a.txt"), str(tmp_path / "a.bin"), "--tokenizer", "gpt2"])
+    ids = read_token_shard(tmp_path / "a.bin")
+    assert list(ids) == [256, *text.encode("utf-8")] and ids.dtype == np.uint16
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    for argv, message in [(["prepare", str(tmp_path / "bad.jsonl"), str(tmp_path / "b.bin")],
+                           f"error: {tmp_path / 'bad.jsonl'}:2: not a JSON object with a 'text' field"),
+                          (["prepare", str(tmp_path / "a.txt"), str(tmp_path / "c.bin"), "--tokenizer",
+                            str(tmp_path / "a.txt")], f"error: --tokenizer {tmp_path / 'a.txt'}: cannot load it")]:
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].startswith(message)
+    assert not (tmp_path / "b.bin").exists() and not (tmp_path / "c.bin").exists()
