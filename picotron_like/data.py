@@ -467,6 +467,11 @@ class TokenBatches:
                 f"(GPT-2 token shards need 50257, or 50304 padded) or shards of a smaller tokenizer"
             )
 
+    def epoch_at(self, step: int) -> int:
+        """The pass over the data that step `step` starts in (0: the first). The stream wraps: a run
+        longer than the data sees it again, in a new order, and the loop says so when it does."""
+        return step * self.shape.sequences_per_step // self.n_windows
+
     def global_batch(self, step: int) -> torch.Tensor:
         """All windows of a step, [sequences_per_step, seq_len+1]: what one device would train on."""
         if step < 0:

@@ -641,6 +641,9 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
         for step in range(start_step, args.steps):
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)
+            if batches.epoch_at(step) > batches.epoch_at(max(step - 1, 0)) or (step == start_step and batches.epoch_at(step)):
+                log0(f"note: step {step} starts pass {batches.epoch_at(step) + 1} over the data ({batches.n_tokens:,} "
+                     f"tokens): every window again, in a new order")
             batch = batches.step_batch(step, dp_rank)
             if prepare_batch is not None:
                 batch = prepare_batch(batch)

@@ -376,3 +376,20 @@ def test_prepare_with_gpt2_through_tiktoken_and_bad_inputs(tmp_path, monkeypatch
             main(argv)
         assert stopped.value.code == 2 and capsys.readouterr().err.splitlines()[-1].startswith(message)
     assert not (tmp_path / "b.bin").exists() and not (tmp_path / "c.bin").exists()
+
+
+def test_a_run_longer_than_its_data_says_when_it_starts_the_next_pass(tmp_path):
+    """31 windows, 2 per step: step 16 starts the second pass over the data, in a new order. The
+    shared loop says so in one line, once per pass (decided: wrap, with a note, as llm.c's and
+    nanoGPT's loaders do; never silently)."""
+    path = tmp_path / "small.bin"
+    write_token_shard(path, np.arange(1000) % 256)
+    batches = TokenBatches(path, BatchShape(micro_batch_size=2, seq_len=32, grad_accum=1, dp=1), seed=0)
+    assert [batches.epoch_at(step) for step in (0, 15, 16, 31, 32)] == [0, 0, 1, 2, 2]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                          str(REPO_ROOT / "01_data_parallel.py"), "--data", str(path), "--val-data", str(path),
+                          "--steps", "18", "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note: step")]
+    assert notes == ["note: step 16 starts pass 2 over the data (1,000 tokens): every window again, in a new order"]
