@@ -456,6 +456,21 @@ def log_step(step: int, result: StepResult, tokens: int, seconds: float, lr: flo
          f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms{mfu_part}{memory_part}")
 
 
+def seconds_since_process_start() -> float:
+    """Wall-clock seconds since this process started, from the kernel's record of it (Linux), else
+    since this module was imported. In a time-boxed run the minutes before the first step count."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/stat") as system:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
+        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - _IMPORTED_AT
+
+
+_IMPORTED_AT = time.time()
+
+
 def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
     """--profile DIR: a torch.profiler trace of a few steps, one file per rank in DIR
     (rank<N>.<time>.pt.trace.json), which Perfetto and TensorBoard's profiler plugin open.
@@ -660,6 +675,9 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                    if model_flops is not None and throughput.peak_flops else None)
             step_memory = memory.read()
             log_step(step, result, tokens, seconds, lr, skipped, mfu, step_memory)
+            if step == start_step:
+                log0(f"time to the first step: {seconds_since_process_start():.1f} s since this process started "
+                     f"(imports, start-up, building and sharding the model, this step)")
             record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
                       "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
                       **({"mfu": mfu} if mfu is not None else {}), **step_memory, **result.extra}

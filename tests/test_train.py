@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import subprocess
 import sys
 from dataclasses import replace
 from functools import partial
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 from picotron_like import train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.lessons import load_lesson
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
                                    predicted_activation_bytes, predicted_memory)
 from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
@@ -445,3 +446,14 @@ def test_throughput_leaves_out_the_warm_up_and_the_metered_step():
     for seconds, metered in ((9.0, False), (4.0, True)):
         only_metered.record(100, seconds, metered)
     assert only_metered.tokens_per_second == 25.0
+
+
+def test_the_first_step_says_how_long_the_start_took(loop_run):
+    """One line after the first step: the seconds since the process started, counted from the
+    kernel's start time (a process that waits before importing anything counts the wait)."""
+    lines = [line for line in loop_run[0][0]["printed"].splitlines() if line.startswith("time to the first step")]
+    assert len(lines) == 1 and 0 < float(lines[0].split(": ")[1].split()[0]) < 600, lines
+    waited = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5); "
+                             "from picotron_like.train import seconds_since_process_start as s; print(s())"],
+                            capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert 1.5 <= float(waited.stdout) < 60, waited.stdout
