@@ -904,8 +904,11 @@ def routed_traffic(routing, grid: ProcessGrid, hidden: int, element_bytes: int, 
     `forward_only`: the forward's share (the recomputed forward): of the all-to-all, the counts and
     the m rows out and r back, (m + r) h e + 8 E, lesson 05's bytes less the backward's rows."""
     ep = expert_parallel.ExpertParallel.from_grid(grid)
-    sent, received = expert_parallel.rows_sent_and_received(routing, ep)
     predicted = [expert_parallel.predicted_routed_traffic(routing, ep, hidden, element_bytes)]
+    if not ((forward_only and ep.size > 1) or grid.tp_size > 1):
+        return predicted[0]
+    # the same condition on every rank: the counts' gather over ep runs on all of them or none
+    sent, received = expert_parallel.rows_sent_and_received(routing, ep)
     if forward_only and ep.size > 1:
         predicted.append({("all_to_all_single", "ep"): -(sum(sent) + sum(received)) * hidden * element_bytes})
     if grid.tp_size > 1:

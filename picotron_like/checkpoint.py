@@ -423,7 +423,7 @@ def save(save_dir, step: int, slices: list[HeldSlice], optimizer, info: dict, ke
     except (OSError, RuntimeError) as error:
         # torch.save's zip writer meets a failed write (a full disk) with an OSError, then its own
         # RuntimeError while closing the archive: the OSError is the cause worth naming.
-        cause = error if isinstance(error, OSError) or not isinstance(error.__context__, OSError) else error.__context__
+        cause = error.__context__ if isinstance(error.__context__, OSError) else error
         problem = f"{path}: could not be written ({cause})"
     records = torch.zeros(world_size * 6, dtype=torch.int64)
     comm.all_gather_single(records, record)

@@ -273,7 +273,6 @@ def prepare(paths, output, tokenizer: TextTokenizer, val_output=None, val_tokens
         progress = tqdm(total=sizes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
     except ImportError:
         progress = None
-    counts = {"train": 0, "val": 0}
     with ShardWriter(output, wide) as train, \
             (ShardWriter(val_output, wide) if val_output else contextlib.nullcontext()) as val, \
             (progress if progress is not None else contextlib.nullcontext()):
@@ -285,7 +284,7 @@ def prepare(paths, output, tokenizer: TextTokenizer, val_output=None, val_tokens
             writer.write(np.asarray(ids, dtype=np.int64))
             if progress is not None:
                 progress.update(len(text.encode("utf-8")))
-        counts["train"], counts["val"] = train.n_tokens, val.n_tokens if val_output else 0
+        counts = {"train": train.n_tokens, "val": val.n_tokens if val_output else 0}
     record = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "delimiter": tokenizer.delimiter}
     Path(f"{output}.tokenizer.json").write_text(json.dumps(record, indent=1) + "\n")
     return counts

@@ -230,3 +230,14 @@ def torchrun_workers(parent: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return children
+
+
+def torchrun_workers_by_rank(parent: int) -> dict[int, int]:
+    """torchrun_workers keyed by the RANK torchrun gave each (read from its environment), so that a
+    test can signal one chosen rank."""
+    ranks = {}
+    for pid in torchrun_workers(parent):
+        with open(f"/proc/{pid}/environ") as file:
+            environment = dict(entry.split("=", 1) for entry in file.read().split("\0") if "=" in entry)
+        ranks[int(environment["RANK"])] = pid
+    return ranks

@@ -196,9 +196,10 @@ def init_distributed(init_method: str | None = None, rank: int | None = None,
     device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), cuda_devices, requested)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = restart_store(timedelta(seconds=timeout_s)) if init_method is None else None
-    if store is not None:
+    store = None
+    if init_method is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:    # started by torchrun
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = restart_store(rank, world_size, timedelta(seconds=timeout_s))
     dist.init_process_group(backend_for(device), init_method=init_method, store=store,
                             rank=-1 if rank is None else rank,
                             world_size=-1 if world_size is None else world_size,
@@ -207,18 +208,15 @@ def init_distributed(init_method: str | None = None, rank: int | None = None,
     return device
 
 
-def restart_store(timeout: timedelta):
-    """Under torchrun, the rendezvous store with this start's own key space, or None elsewhere.
+def restart_store(rank: int, world_size: int, timeout: timedelta):
+    """torchrun's rendezvous store with this start's own key space.
 
     torchrun --max-restarts starts every rank again with the same store (its agent's), and
     torch's env:// start-up (2.13) writes the ranks' gloo addresses under the same keys in every
     start: a restarted rank can read an address of the start before, of a process that is gone,
     and fail to connect. Prefixing the keys with the restart count (TORCHELASTIC_RESTART_COUNT)
     gives each start its own."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
-        return None
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    restart = os.environ["TORCHELASTIC_RESTART_COUNT"]
     # The agent hosts the store when it says so; otherwise rank 0 does, as env:// would.
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,

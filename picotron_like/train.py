@@ -456,6 +456,9 @@ def log_step(step: int, result: StepResult, tokens: int, seconds: float, lr: flo
          f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms{mfu_part}{memory_part}")
 
 
+_IMPORTED_AT = time.time()
+
+
 def seconds_since_process_start() -> float:
     """Wall-clock seconds since this process started, from the kernel's record of it (Linux), else
     since this module was imported. In a time-boxed run the minutes before the first step count."""
@@ -466,9 +469,6 @@ def seconds_since_process_start() -> float:
         return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time() - _IMPORTED_AT
-
-
-_IMPORTED_AT = time.time()
 
 
 def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
@@ -653,12 +653,14 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, device)
     with NonFiniteStepGuard(optimizer) as guard, AgreedStop() as stop, \
             profiler if profiler is not None else nullcontext():
+        data_pass = batches.epoch_at(start_step)
         for step in range(start_step, args.steps):
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)
-            if batches.epoch_at(step) > batches.epoch_at(max(step - 1, 0)) or (step == start_step and batches.epoch_at(step)):
-                log0(f"note: step {step} starts pass {batches.epoch_at(step) + 1} over the data ({batches.n_tokens:,} "
-                     f"tokens): every window again, in a new order")
+            if batches.epoch_at(step) > data_pass:
+                data_pass = batches.epoch_at(step)
+                log0(f"note: step {step} starts pass {data_pass + 1} over the data ({batches.n_tokens:,} tokens): "
+                     f"every window again, in a new order")
             batch = batches.step_batch(step, dp_rank)
             if prepare_batch is not None:
                 batch = prepare_batch(batch)

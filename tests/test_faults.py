@@ -13,7 +13,7 @@ import sys
 import time
 
 from picotron_like.lessons import REPO_ROOT
-from picotron_like.testing import torchrun_workers
+from picotron_like.testing import torchrun_workers, torchrun_workers_by_rank
 
 RUN = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256", "--seed", "3",
        "--lr", "3e-3", "--warmup-steps", "2", "--dp", "2", "--zero-stage", "1", "--steps", "14"]
@@ -27,16 +27,6 @@ def torchrun_07(*flags: str) -> list[str]:
 def losses(path) -> dict[int, float]:
     records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return {record["step"]: record["loss"] for record in records if "grad_norm" in record}
-
-
-def rank_pids(parent: int) -> dict[int, int]:
-    """torchrun's workers by their RANK."""
-    ranks = {}
-    for pid in torchrun_workers(parent):
-        with open(f"/proc/{pid}/environ") as file:
-            environment = dict(entry.split("=", 1) for entry in file.read().split("\0") if "=" in entry)
-        ranks[int(environment["RANK"])] = pid
-    return ranks
 
 
 def test_a_stop_signal_to_one_rank_stops_every_rank_after_one_step_with_a_checkpoint_that_resumes_exactly(tmp_path):
@@ -53,7 +43,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_one_step_with_a_checkp
             deadline = time.monotonic() + 150
             while "step    3 |" not in log.read_text() and stopped.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.02)
-            os.kill(rank_pids(stopped.pid)[1], signal.SIGTERM)
+            os.kill(torchrun_workers_by_rank(stopped.pid)[1], signal.SIGTERM)
             stopped.wait(timeout=120)
         finally:
             if stopped.poll() is None:
@@ -187,7 +177,7 @@ def test_a_killed_rank_restarts_under_torchrun_and_the_job_ends_with_the_uninter
         deadline = time.monotonic() + 150
         while not (save_dir / "step_00000004" / "manifest.json").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.kill(rank_pids(job.pid)[1], signal.SIGKILL)
+        os.kill(torchrun_workers_by_rank(job.pid)[1], signal.SIGKILL)
         output, _ = job.communicate(timeout=240)
     finally:
         if job.poll() is None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.lessons import REPO_ROOT
-from picotron_like.testing import run_ranks, torchrun_workers
+from picotron_like.testing import run_ranks, torchrun_workers, torchrun_workers_by_rank
 from picotron_like.topology import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ConfigError, GridShape, ProcessGrid, backend_for,
                                     collective_timeout_s, rank_device,
                                     validate_parallel_config)
@@ -205,9 +205,7 @@ def test_a_killed_rank_ends_the_run_in_seconds_despite_the_long_timeout(tmp_path
             while "step    3 |" not in log.read_text() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert process.poll() is None, log.read_text()
-            rank_of = {int(open(f"/proc/{pid}/environ").read().split("RANK=")[1].split("\0")[0]): pid
-                       for pid in torchrun_workers(process.pid)}
-            os.kill(rank_of[1], signal.SIGKILL)
+            os.kill(torchrun_workers_by_rank(process.pid)[1], signal.SIGKILL)
             killed_at = time.monotonic()
             _, stderr = process.communicate(timeout=60)
             gone_after = time.monotonic() - killed_at
