@@ -76,11 +76,13 @@ from __future__ import annotations
 import argparse
 import copy
 from collections import OrderedDict
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
@@ -89,12 +91,13 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, init_reference_parameters
-from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
-                                          peak_live_micro_batches, render_timeline, simulate_pipeline)
+from picotron_like.pipeline_tools import (PipelineDeadlock, SendsInFlight, TimelineRecorder, bubble_fraction,
+                                          gather_timelines, peak_live_micro_batches, render_timeline,
+                                          simulate_pipeline)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, plan_run, train)
+                                 build_optimizer, clip_grad_norm_, plan_run, step_to_meter, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -184,7 +187,7 @@ def build_stage_chunks(cfg, seed: int, pp: int, pp_rank: int, virtual_stages: in
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" forward or "B" backward
+    kind: str          # "F" forward, "B" backward (zero-bubble: its input gradient), "W" weight gradients
     chunk: int         # which of this rank's model chunks (0 .. v-1)
     micro_batch: int
 
@@ -247,7 +250,153 @@ def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
     return units + [(backward(k),) for k in range(total - warmup, total)]              # cool-down
 
 
-SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule}
+# ============================================================================ the technique: zero-bubble (ZB-H1)
+#
+# 1F1B's bubble is (p-1) x (forward + backward) per stage. But a backward is two computations with
+# different customers: B, the gradient of the stage's input, which the previous stage waits for,
+# and W, the gradients of the stage's weights, which nobody waits for until the optimizer step.
+# Zero-bubble pipelining (Qi et al. 2023) runs B at once and W later, in the time a stage would
+# otherwise sit idle. In a transformer almost all of W is the linear layers' dW = dy^T x (as
+# many FLOPs as the layer's forward), so that is what is split off:
+#
+#     linear forward:   y  = x W^T                  keeps x
+#     B (now):          dx = dy W                   keeps x and dy for W, sends dx upstream
+#     W (when told):    dW = dy^T x                 accumulates into W.grad, frees x and dy
+#
+# How, and why this way: each linear layer's backward computes dx and hands (x, dy) to the chunk's
+# PendingWeightGradients; W turns them into dW later. The alternative, splitting the autograd graph
+# (autograd.grad for the input, then again for the weights), runs the part of backward that both
+# need twice unless the graph is cut at every weight's consumer; the explicit layer does every
+# backward operation exactly once (a test counts the FLOPs against 1F1B's). Everything else (norm
+# gains, the embedding, the attention core) keeps its ordinary backward inside B. A layer with a
+# custom backward of its own (lesson 02's sequence-parallel linears, lesson 05's experts, a fully
+# recomputed block) is not split; lesson 07 refuses those with zero-bubble.
+
+
+class LinearDeferringWeightGradient(torch.autograd.Function):
+    """y = x W^T + b whose backward is B alone: dx now, (x, dy) left in `pending` for W.
+
+    Under autocast the matmul runs in the autocast dtype as F.linear's would, and x and W are kept
+    in that dtype, so W computes dW from the very tensors the undivided backward would have used."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, pending: "PendingWeightGradients"):
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight_used = x.to(dtype), weight.to(dtype)
+        else:
+            weight_used = weight
+        ctx.save_for_backward(x, weight_used)
+        ctx.weight, ctx.bias, ctx.pending = weight, bias, pending
+        return F.linear(x, weight_used, None if bias is None else bias.to(weight_used.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight_used = ctx.saved_tensors
+        ctx.pending.keep(WeightGradient(ctx.weight, ctx.bias, x, grad_output))
+        return grad_output @ weight_used if ctx.needs_input_grad[0] else None, None, None, None
+
+
+@dataclass(frozen=True)
+class WeightGradient:
+    """One linear layer's W for one micro-batch: what B left behind."""
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    input: torch.Tensor
+    grad_output: torch.Tensor
+
+    def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        grad_output = self.grad_output.flatten(0, -2)
+        grads = [(self.weight, (grad_output.t() @ self.input.flatten(0, -2)).to(self.weight.dtype))]
+        if self.bias is not None:
+            grads.append((self.bias, grad_output.sum(0).to(self.bias.dtype)))
+        return grads
+
+
+class PendingWeightGradients:
+    """A chunk's W queue: the micro-batches whose B has run and whose W has not."""
+
+    def __init__(self):
+        self.pending: dict[int, list[WeightGradient]] = {}
+        self.collecting = None          # the micro-batch whose B is running
+
+    @contextmanager
+    def input_gradient(self, micro_batch: int):
+        """B: while autograd runs the chunk's backward, its linears leave their W here."""
+        self.pending[micro_batch], self.collecting = [], micro_batch
+        try:
+            yield
+        finally:
+            self.collecting = None
+
+    def keep(self, weight_gradient: WeightGradient) -> None:
+        if self.collecting is None:
+            # A backward outside a zero-bubble B would drop these weights' gradients silently.
+            raise RuntimeError("a linear layer deferring its weight gradient ran backward outside a zero-bubble B")
+        self.pending[self.collecting].append(weight_gradient)
+
+    def weight_gradients(self, micro_batch: int) -> None:
+        """W: every deferred dW of the micro-batch, accumulated into .grad through autograd (one call),
+        so that the data-parallel wrappers' post-accumulate hooks fire exactly as in a backward."""
+        params, grads = zip(*(pair for wg in self.pending.pop(micro_batch) for pair in wg.compute()))
+        torch.autograd.backward(params, grads)
+
+
+class DeferredWeightGradientLinear(nn.Linear):
+    """nn.Linear whose weight gradient waits for W (defer_weight_gradients converts a stage's linears)."""
+
+    def forward(self, x):
+        return LinearDeferringWeightGradient.apply(x, self.weight, self.bias, self.pending_weight_gradients)
+
+
+DEFERRED_LINEARS = {nn.Linear: DeferredWeightGradientLinear}
+
+
+def defer_weight_gradients(stage: nn.Module, deferred_classes=None) -> PendingWeightGradients:
+    """Make a stage's linear layers defer their weight gradients to one W queue, stage.pending_weight_gradients.
+
+    deferred_classes maps a layer class to its deferring subclass (DEFERRED_LINEARS here; lesson 07
+    adds lesson 02's tensor-parallel linears). Only the class changes: the parameters, their names
+    and the hooks on them stay."""
+    pending = stage.pending_weight_gradients = PendingWeightGradients()
+    deferred_classes = deferred_classes or DEFERRED_LINEARS
+    for module in stage.modules():
+        if type(module) in deferred_classes:
+            module.__class__ = deferred_classes[type(module)]
+            module.pending_weight_gradients = pending
+    return pending
+
+
+def zero_bubble_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[Action, ...]]:
+    """ZB-H1: 1F1B's order with each backward split into B and W, and W moved into the bubble.
+
+    Stage r warms up as in 1F1B; in the steady state each B is followed by the W of the micro-batch
+    r places back (stage r holds back r W's: the last stage, which starts the backward chain, runs
+    its B's p-1 W's ahead and so sends gradients upstream sooner); in the cool-down, where 1F1B's
+    stages wait for gradients, each B is followed by one pending W and the rest close the step.
+    A micro-batch stays alive from its F to its W, and stage r never has more than p alive:
+    1F1B's first stage's peak. With m >= p and W no longer than F, the bubble is (p-1)(T_F + T_B - T_W)
+    per stage, where 1F1B's is (p-1)(T_F + T_B + T_W).
+    """
+    warmup = min(pp - pp_rank - 1, n_micro)
+    forwards = [Action("F", 0, i) for i in range(n_micro)]
+    input_grads = [Action("B", 0, i) for i in range(n_micro)]
+    weight_grads = iter([Action("W", 0, i) for i in range(n_micro)])
+    # warm-up: 1F1B's, p-1-r forwards
+    units = [(forward,) for forward in forwards[:warmup]]
+    # steady state: F, B, and from the (r+1)-th pair on, the W of the micro-batch r places back
+    for i, (forward, input_grad) in enumerate(zip(forwards[warmup:], input_grads)):
+        units += [(forward,), (input_grad,)]
+        if i >= pp_rank:
+            units.append((next(weight_grads),))
+    # cool-down: each B, then one pending W while the next gradient travels; the rest at the end
+    for input_grad in input_grads[n_micro - warmup:]:
+        units += [(input_grad,), (next(weight_grads),)]
+    return units + [(weight_grad,) for weight_grad in weight_grads]
+
+
+SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule,
+             "zero-bubble": zero_bubble_schedule}
 
 
 def forward_units(units) -> list[tuple[Action, ...]]:
@@ -284,6 +433,8 @@ def action_transfers(action: Action, pp: int, pp_rank: int, n_stages: int) -> tu
     """
     stage, micro_batch = action.chunk * pp + pp_rank, action.micro_batch
     before, after = (stage - 1) % pp, (stage + 1) % pp
+    if action.kind == "W":             # weight gradients (zero-bubble): nobody waits for them
+        return (), ()
     if action.kind == "F":
         needs = (Transfer("recv", before, Message("activation", stage, micro_batch)),) if stage > 0 else ()
         makes = (Transfer("send", after, Message("activation", stage + 1, micro_batch)),) if stage < n_stages - 1 else ()
@@ -308,15 +459,21 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     simulate every rank's program, with the strictest semantics, before training.
     """
     n_stages = pp * virtual_stages
-    program, sends = [], ()
+    program, sends, sends_in_flight = [], (), False
     for unit in units:
         transfers = [action_transfers(action, pp, pp_rank, n_stages) for action in unit]
         receives = tuple(transfer for needs, _ in transfers for transfer in needs)
-        if sends or receives:
+        if sends and unit[0].kind == "W":
+            # Zero-bubble: post B's input gradient and compute W while it travels (waiting for it
+            # first would put W back on the critical path); the next batch waits for it too.
+            program.append(SendsInFlight(sends))
+            sends_in_flight = True
+        elif sends or receives:
             program.append(sends + receives)
+            sends_in_flight = False
         program.extend(unit)
         sends = tuple(transfer for _, makes in transfers for transfer in makes)
-    if sends:
+    if sends or sends_in_flight:
         program.append(sends)
     return program
 
@@ -352,8 +509,18 @@ class Pipeline:
         units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
         self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
-        self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
-                              if isinstance(step, Action) and step.kind == "B"}
+        # (kind, chunk) -> the program index of the chunk's last B (and last W): where the data-parallel
+        # reduction of the gradients that action produces is switched on
+        self.last_of_kind = {(step.kind, step.chunk): index for index, step in enumerate(self.program)
+                             if isinstance(step, Action) and step.kind != "F"}
+        # zero-bubble: each chunk's W queue, which its linears fill during B (defer_weight_gradients)
+        self.pending_weight_gradients = None
+        if schedule == "zero-bubble":
+            if not all(hasattr(chunk.module, "pending_weight_gradients") for chunk in chunks):
+                raise ValueError("--schedule zero-bubble needs chunks whose linears defer their weight gradients: "
+                                 "call defer_weight_gradients(chunk) on each")
+            self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
+        self.sends_in_flight = []           # posted by a SendsInFlight batch, waited for by the next one
 
     def forward_backward(self, batch: StepBatch) -> torch.Tensor:
         """Forward and backward of every micro-batch, in the schedule's order.
@@ -417,8 +584,10 @@ class Pipeline:
                 self.exchange(step, inputs, outputs, grads)
             elif step.kind == "F":
                 loss += self.forward_step(step, batch, inputs, outputs)
+            elif step.kind == "B":
+                self.backward_step(step, self.last_of_kind[("B", step.chunk)] == index, inputs, outputs, grads)
             else:
-                self.backward_step(step, self.last_backward[step.chunk] == index, inputs, outputs, grads)
+                self.weight_step(step, self.last_of_kind[("W", step.chunk)] == index)
         return loss
 
     def forward_only(self, batch: StepBatch) -> torch.Tensor:
@@ -453,8 +622,18 @@ class Pipeline:
         # Gradients of a chunk are all-reduced over data parallelism only once, during its last
         # backward of the step; the earlier ones just accumulate into .grad.
         self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
-        # The last stage starts from its loss, every other stage from the gradient its successor sent.
-        torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
+        # Zero-bubble: the chunk's linears leave their weight gradients for W (its last one is the
+        # data-parallel reduction's turn for them; the norms' and embedding's come here, in B).
+        pending = self.pending_weight_gradients
+        with pending[action.chunk].input_gradient(action.micro_batch) if pending else nullcontext():
+            # The last stage starts from its loss, every other stage from the gradient its successor sent.
+            torch.autograd.backward(outputs.pop(key),
+                                    grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
+
+    def weight_step(self, action: Action, is_chunks_last: bool) -> None:
+        """Zero-bubble's W: the weight gradients the micro-batch's B left in its chunk's queue."""
+        self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
+        self.pending_weight_gradients[action.chunk].weight_gradients(action.micro_batch)
 
     def exchange(self, transfers, inputs, outputs, grads) -> None:
         operations = []
@@ -479,8 +658,13 @@ class Pipeline:
                                    f"{self.boundary_dtype}: "
                                    f"pass the boundary shape the chunks produce")
             operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
-        for work in comm.call(dist.batch_isend_irecv, operations):
+        works = comm.call(dist.batch_isend_irecv, operations) if operations else []
+        if isinstance(transfers, SendsInFlight):
+            self.sends_in_flight += works
+            return
+        for work in self.sends_in_flight + works:
             work.wait()
+        self.sends_in_flight = []
 
 
 def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -523,10 +707,14 @@ def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> fl
 
 
 def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1,
-                       bucket_bytes: int = 2**20) -> list[nn.Module]:
+                       bucket_bytes: int = 2**20, schedule: str = "1f1b") -> list[nn.Module]:
     """This rank's chunks with the reference's weights, each wrapped for data parallelism (lesson 01):
-    the rank's dp peers hold the same stage of the other pipelines."""
+    the rank's dp peers hold the same stage of the other pipelines. Under zero-bubble the chunks'
+    linears defer their weight gradients to W."""
     chunks = build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
+    for chunk in chunks:
+        if schedule == "zero-bubble":
+            defer_weight_gradients(chunk)
     return [data_parallel.BucketedDataParallel(chunk.to(device), grid.dp_group, bucket_bytes) for chunk in chunks]
 
 
@@ -649,13 +837,14 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     over pp and dp, the squared norm over pp)."""
     cfg, shape, pp, m, v = plan.cfg, plan.shape, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages
     training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
-    row = stage_report_row(pipeline, cfg, shape, run.activations, args.steps)
+    row = stage_report_row(pipeline, cfg, shape, run.activations, run.steps)
     stages = [torch.empty_like(row) for _ in range(pp)]
     # CPU rows on purpose, after training: on CUDA the group's gloo backend carries them, not NCCL.
     comm.call(dist.all_gather, stages, row, group=grid.pp_group)
     timelines = gather_timelines(timeline.events, grid.pp_group)
 
-    log0(f"\n== timeline of the last step ({args.schedule}, pp={pp}, m={m}" + (f", v={v}" if v > 1 else "") + ") ==")
+    log0(f"\n== timeline of step {step_to_meter(args)} ({args.schedule}, pp={pp}, m={m}"
+         + (f", v={v}" if v > 1 else "") + ") ==")
     log0(render_timeline(timelines))
     busy_ms = [sum(end - start for _, start, end in events) * 1e3 for events in timelines]
     log0(f"busy ms per stage: {', '.join(f'{ms:.1f}' for ms in busy_ms)}")
@@ -717,7 +906,8 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
-    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
+    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20),
+                                args.schedule)
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     optimizer = build_optimizer(modules, args.lr)
     compute_dtype = autocast_dtype(args.dtype, device)
@@ -728,15 +918,15 @@ def main(argv=None):
          f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
          f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} dp)")
 
-    # Both observe the last step from outside: the saved-tensor hooks and a wrapper around the
+    # Both observe a late step from outside: the saved-tensor hooks and a wrapper around the
     # pipeline's forward_step / backward_step.
     activations, timeline = ActivationMeter(*chunks), TimelineRecorder(pipeline, grid.pp_group, device)
     throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(activations, timeline), meter_step=args.steps - 1,
+                       grid.dp_rank, device, meters=(activations, timeline), meter_step=step_to_meter(args),
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
                        cfg=cfg)
     report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
-                      device, args.steps), pipeline, plan, args, grid, timeline)
+                      device, throughput.steps), pipeline, plan, args, grid, timeline)
     shutdown()
 
 

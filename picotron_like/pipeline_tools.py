@@ -5,8 +5,9 @@ micro-batches and the bubble of a schedule, and the timeline of a real run, reco
 None of this is the technique (lesson 03 is), and the package imports no lesson, so the tools are
 duck-typed on what lesson 03 builds:
 
-- an *action* has ``.kind`` ("F" forward or "B" backward), ``.chunk`` (which of the rank's model
-  chunks runs it) and ``.micro_batch``;
+- an *action* has ``.kind`` ("F" forward, "B" backward, or with the backward split in two "B" the
+  input gradient and "W" the weight gradients), ``.chunk`` (which of the rank's model chunks runs
+  it) and ``.micro_batch``;
 - a rank's *program* is a list of actions and *transfer batches*; a transfer batch is a tuple
   (an action never is) of transfers, each with ``.direction`` ("send" or "recv"), ``.peer`` (the
   other rank's index in the pipeline group) and ``.message`` (what is sent, compared with ==);
@@ -30,6 +31,12 @@ def is_transfer_batch(step) -> bool:
     return isinstance(step, tuple)
 
 
+class SendsInFlight(tuple):
+    """A transfer batch of sends that is posted but not waited for: the rank computes on (the
+    zero-bubble schedule's W, which needs nothing from anyone) and the next batch waits for these
+    sends together with its own transfers."""
+
+
 # ----------------------------------------------------------------------------- the simulator
 
 
@@ -38,7 +45,7 @@ class PipelineDeadlock(RuntimeError):
 
 
 def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float = 2.0,
-                      virtual_stages: int = 1) -> list[list[tuple[object, float, float]]]:
+                      virtual_stages: int = 1, weight_time: float = 1.0) -> list[list[tuple[object, float, float]]]:
     """Run every rank's program on a model clock; return each rank's (action, start, end) events.
 
     A batch of transfers completes only when each of its transfers has met its partner on the
@@ -46,13 +53,17 @@ def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float 
     backend can have (NCCL may make a large send wait for its receive; gloo is more forgiving).
     Two failures are caught: no rank can move (a deadlock), and the k-th message from a to b is
     not the one b expects as its k-th (it would silently receive the wrong tensor: NCCL has no
-    tags to tell them apart). A chunk's action takes 1/v of a whole stage's time.
+    tags to tell them apart). A chunk's action takes 1/v of a whole stage's time. A "W" action
+    takes weight_time; a program that splits its backwards passes the B part as backward_time. A
+    SendsInFlight batch is posted without waiting; the rank's next batch waits for it as well.
     """
+    durations = {"F": forward_time, "B": backward_time, "W": weight_time}
     n = len(programs)
     position, clock = [0] * n, [0.0] * n
     events = [[] for _ in range(n)]
     posted = defaultdict(list)   # (src, dst, "send" or "recv") -> [(message, time posted)], in posting order
     waiting = {}                 # rank -> (program position, [(partner's queue, index in it, message)])
+    in_flight = defaultdict(list)  # rank -> what its SendsInFlight posted, waited for by its next batch
 
     def post(rank, transfers):
         mine = []
@@ -83,12 +94,14 @@ def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float 
             while position[rank] < len(programs[rank]):
                 step = programs[rank][position[rank]]
                 if not is_transfer_batch(step):
-                    duration = (forward_time if step.kind == "F" else backward_time) / virtual_stages
+                    duration = durations[step.kind] / virtual_stages
                     events[rank].append((step, clock[rank], clock[rank] + duration))
                     clock[rank] += duration
+                elif isinstance(step, SendsInFlight):
+                    in_flight[rank] += post(rank, step)
                 else:
                     if waiting.get(rank, (None,))[0] != position[rank]:
-                        waiting[rank] = (position[rank], post(rank, step))
+                        waiting[rank] = (position[rank], post(rank, step) + in_flight.pop(rank, []))
                         moved = True
                     done_at = completion_time(rank)
                     if done_at is None:
@@ -103,15 +116,18 @@ def simulate_pipeline(programs, forward_time: float = 1.0, backward_time: float 
 
 
 def peak_live_micro_batches(program, chunk_sizes=None, micro_batch_sizes=None) -> int:
-    """The most (chunk, micro-batch) pairs whose activations a program keeps between their F and B.
+    """The most (chunk, micro-batch) pairs whose activations a program keeps between their F and B
+    (in a program that splits its backwards: between F and W, whose inputs B leaves behind).
 
     With chunk_sizes (e.g. each chunk's activation bytes for one micro-batch), the peak of their
     sum instead of their count; with micro_batch_sizes, {(chunk, micro_batch): bytes}, the same
     for micro-batches of different sizes (experts: each micro-batch's own routing).
     """
     live = peak = 0
-    for step in program:
-        if not is_transfer_batch(step):
+    actions = [step for step in program if not is_transfer_batch(step)]
+    frees = "W" if any(action.kind == "W" for action in actions) else "B"
+    for step in actions:
+        if step.kind in ("F", frees):
             if micro_batch_sizes is not None:
                 size = micro_batch_sizes[(step.chunk, step.micro_batch)]
             else:
@@ -139,13 +155,15 @@ def bubble_fraction(timelines) -> float:
 
 
 def render_timeline(timelines, width: int = 96) -> str:
-    """One row per stage; forward: the micro-batch's digit, backward: its letter (a = 0), '.': idle."""
+    """One row per stage; forward: the micro-batch's digit, backward (B): its letter (a = 0), weight
+    gradients (W): its capital letter, '.': idle."""
     span = max(end for events in timelines for _, _, end in events)
     rows = []
     for stage, events in enumerate(timelines):
         cells = ["."] * width
         for action, start, end in events:
-            symbol = str(action.micro_batch % 10) if action.kind == "F" else chr(ord("a") + action.micro_batch % 26)
+            letter = chr(ord("a") + action.micro_batch % 26)
+            symbol = {"F": str(action.micro_batch % 10), "B": letter, "W": letter.upper()}[action.kind]
             first = round(start / span * width)
             for column in range(first, min(max(round(end / span * width), first + 1), width)):
                 cells[column] = symbol
@@ -166,14 +184,14 @@ class TimelineRecorder:
     """Times a pipeline's compute actions from outside: (action, start, end) in seconds.
 
     While entered, it wraps the pipeline instance's per-action methods (by default
-    ``forward_step`` and ``backward_step``, whose first argument is the action): the pipeline
+    ``forward_step``, ``backward_step`` and ``weight_step``, whose first argument is the action): the pipeline
     itself keeps no clock. Entering waits on a barrier of the pipeline group, so every stage starts
     its clock as the barrier releases it and the rows line up across processes and machines
     without sharing a clock. On CUDA each action is synchronised, or the clock would time the
     kernel launches instead of the kernels.
     """
 
-    methods = ("forward_step", "backward_step")
+    methods = ("forward_step", "backward_step", "weight_step")
 
     def __init__(self, pipeline, group, device: torch.device):
         self.pipeline, self.group, self.device = pipeline, group, device
@@ -213,9 +231,9 @@ def gather_timelines(events, group) -> list[list[tuple[RecordedAction, float, fl
     # CPU tensors on purpose: this is report bookkeeping after training. On CUDA the default group
     # is "cpu:gloo,cuda:nccl", so gloo carries it and NCCL (which refuses CPU tensors) is kept for
     # the training step's tensors, which all live on the rank's device.
-    rows = torch.tensor([[action.kind == "F", action.chunk, action.micro_batch, start, end]
+    rows = torch.tensor([["FBW".index(action.kind), action.chunk, action.micro_batch, start, end]
                          for action, start, end in events], dtype=torch.float64)
     gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
     comm.call(dist.all_gather, gathered, rows, group=group)
-    return [[(RecordedAction("F" if forward else "B", int(chunk), int(micro)), start, end)
-             for forward, chunk, micro, start, end in stage_rows.tolist()] for stage_rows in gathered]
+    return [[(RecordedAction("FBW"[int(kind)], int(chunk), int(micro)), start, end)
+             for kind, chunk, micro, start, end in stage_rows.tolist()] for stage_rows in gathered]

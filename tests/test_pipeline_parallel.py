@@ -214,7 +214,7 @@ class RecordedSteps(TimelineRecorder):
     the per-step methods, extended to each exchange, so that its events read as a communication
     program (each exchange's transfers, each action)."""
 
-    methods = ("exchange", "forward_step", "backward_step")
+    methods = ("exchange", "forward_step", "backward_step", "weight_step")
 
     @property
     def steps(self) -> list:
@@ -233,7 +233,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
     """Step-0 gradients (before and after clipping), per-step losses and gradient norms, final parameters,
     and the schedule's measurements, every one observed from outside the pipeline."""
     grid = ProcessGrid(grid_shape)
-    chunks = lesson.build_model_chunks(cfg, SEED, grid, CPU, v, bucket_bytes=64 * 1024)
+    chunks = lesson.build_model_chunks(cfg, SEED, grid, CPU, v, bucket_bytes=64 * 1024, schedule=schedule)
     optimizer = optimizer_for(nn.ModuleList(chunk.module for chunk in chunks))
     data = batches(micro, n_micro, grid_shape.dp)
 
@@ -529,7 +529,7 @@ def test_script_trains_under_torchrun():
     assert run.returncode == 0, run.stdout + run.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", run.stdout)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, run.stdout
-    for line in ("timeline of the last step", "bubble (idle / busy): measured", "p2p sent per step", "tokens/s"):
+    for line in ("timeline of step ", "bubble (idle / busy): measured", "p2p sent per step", "tokens/s"):
         assert line in run.stdout, run.stdout
     # the per-stage table: stage, layers, micro-batches kept, activations and sends measured / predicted
     stages = re.findall(r"^(\d) +\d+ +\d+ +(\S+) +(\S+) +(\S+) +(\S+)$", run.stdout, re.M)
