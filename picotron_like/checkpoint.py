@@ -611,16 +611,27 @@ def _load_optimizer_states(optimizer, states: dict[int, dict]) -> None:
 # ----------------------------------------------------------------------------- export and inspect
 
 
-def export(checkpoint, out) -> dict[str, torch.Tensor]:
-    """The checkpoint as one state dict of the reference GPT (float32 master weights, buffers),
-    written atomically to `out`. `checkpoint`: a step directory, or a save directory (its newest)."""
-    directory = resolve(str(checkpoint), None)
-    manifest = read_manifest(directory)
+def assemble(checkpoint) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, state dict of the reference GPT: float32 master weights, buffers) of a checkpoint,
+    whatever layout wrote it. `checkpoint`: a step directory, or a save directory (its newest)."""
+    manifest = read_manifest(resolve(str(checkpoint), None))
     reader = _Reader(manifest)
     state = {}
     for name, shape in reference_shapes(manifest["cfg"]).items():
         state[name] = reader.box(name, (0,) * len(shape), shape)[0]["value"]
-    _write_atomically(Path(out), lambda file: torch.save(state, file))
+    return manifest, state
+
+
+def export(checkpoint, out, out_format: str = "pt") -> dict[str, torch.Tensor]:
+    """The checkpoint as one state dict of the reference GPT, written atomically to the file `out`
+    (out_format "pt"), or as a Hugging Face model folder `out` ("hf": picotron_like.hf)."""
+    manifest, state = assemble(checkpoint)
+    if out_format == "hf":
+        from picotron_like import hf        # the hf extra: only this format needs safetensors
+
+        hf.save(state, manifest["cfg"], out)
+    else:
+        _write_atomically(Path(out), lambda file: torch.save(state, file))
     return state
 
 

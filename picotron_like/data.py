@@ -199,12 +199,14 @@ class ByteTokenizer:
 class TextTokenizer:
     """What `prepare` needs of a tokenizer: text to ids, the vocabulary size (which decides the
     shard's layout), and the id that starts every document (None: documents just follow each
-    other). `name` is what --tokenizer said, recorded beside the shards."""
+    other); and ids back to text, for the samples (picotron_like.sample). `name` is what
+    --tokenizer said, recorded beside the shards."""
 
     name: str
     encode: object          # str -> list[int]
     vocab_size: int
     delimiter: int | None
+    decode: object          # list[int] -> str
 
 
 # The special tokens that start a document, in the order they are looked for in a tokenizer.json:
@@ -218,12 +220,13 @@ def load_tokenizer(name: str) -> TextTokenizer:
     the `tokenizers` package (Llama 3's ships as one: 128,256 ids, uint32 shards). The packages are
     optional: only this command needs them."""
     if name == "byte":
-        return TextTokenizer("byte", ByteTokenizer().encode, ByteTokenizer.vocab_size, None)
+        return TextTokenizer("byte", ByteTokenizer().encode, ByteTokenizer.vocab_size, None, ByteTokenizer().decode)
     try:
         if name == "gpt2":
             import tiktoken
             encoding = tiktoken.get_encoding("gpt2")
-            return TextTokenizer("gpt2", encoding.encode_ordinary, encoding.n_vocab, encoding.eot_token)
+            return TextTokenizer("gpt2", encoding.encode_ordinary, encoding.n_vocab, encoding.eot_token,
+                                 encoding.decode)
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(name)
     except ImportError as error:
@@ -235,7 +238,7 @@ def load_tokenizer(name: str) -> TextTokenizer:
     delimiter = next((tokenizer.token_to_id(token) for token in DOCUMENT_DELIMITERS
                       if tokenizer.token_to_id(token) is not None), None)
     return TextTokenizer(name, lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-                         tokenizer.get_vocab_size(with_added_tokens=True), delimiter)
+                         tokenizer.get_vocab_size(with_added_tokens=True), delimiter, tokenizer.decode)
 
 
 def documents(paths, text_field: str = "text", piece_chars: int = 1 << 20):

@@ -184,6 +184,41 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+class KVCache:
+    """One layer's keys and values of the positions a sequence has so far, for generating text: the
+    next token then runs through the model alone, its query attending to the keys kept here,
+    instead of the whole sequence running again for every token (n tokens cost n positions of
+    work, not n^2 / 2). Memory: 2 * n_kv_heads * head_dim * max_len elements per layer and
+    sequence, allocated at the first append in the keys' own dtype, device and head count (a
+    tensor-parallel rank's share of the heads too)."""
+
+    def __init__(self, max_len: int):
+        self.max_len, self.length = max_len, 0
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the new positions' k, v [b, kv_heads, s, d]; return those of every position so far."""
+        if self.keys is None:
+            self.keys = k.new_zeros(*k.shape[:2], self.max_len, k.shape[3])
+            self.values = torch.zeros_like(self.keys)
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KVCache holds {self.max_len} positions; {end} were given")
+        self.keys[:, :, self.length:end], self.values[:, :, self.length:end] = k, v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """causal_attention for the last s = q.shape[2] of the P positions in k, v: query i sits at
+    position P - s + i and sees the positions up to its own. SDPA's is_causal aligns the mask to
+    the top left (query i sees keys 0..i), right only when s = P, so the mask is spelled out."""
+    new, total = q.shape[2], k.shape[2]
+    visible = torch.arange(total, device=q.device) <= torch.arange(total - new, total, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -194,7 +229,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden, bias=False)
         self.attention_core = causal_attention
 
-    def forward(self, x, rope):
+    def forward(self, x, rope, kv_cache: KVCache | None = None):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # Head counts and sequence length are read off the projections, not the config: under
         # tensor parallelism a rank holds only some heads, and under sequence parallelism the
@@ -203,7 +238,7 @@ class Attention(nn.Module):
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attention_core(q, k, v)
+        out = self.attention_core(q, k, v) if kv_cache is None else cached_attention(q, *kv_cache.append(k, v))
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -577,8 +612,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.mlp = MixtureOfExperts(cfg) if cfg.n_experts else SwiGLU(cfg.hidden, cfg.ffn_hidden)
 
-    def forward(self, x, rope):
-        x = x + self.attn(self.attn_norm(x), rope)
+    def forward(self, x, rope, kv_cache: KVCache | None = None):
+        x = x + self.attn(self.attn_norm(x), rope, kv_cache)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -626,6 +661,17 @@ class GPT(nn.Module):
         for layer in self.layers:
             h = layer(h, rope)
         return self.head_loss(h, targets, reduction)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens, kv_caches: list[KVCache]):
+        """The logits [b, s, vocab] of tokens [b, s] at the s positions after those the caches (one
+        per layer) hold, which keep these too: a prompt once, then each new token alone. Equal to
+        forward() over the whole sequence at these positions (tests/test_sample.py)."""
+        start = kv_caches[0].length
+        h, rope = self.embed(tokens), self.rope(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+        for layer, cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, rope, cache)
+        return self.head_loss(h)
 
 
 # ----------------------------------------------------------------------------- initialisation
