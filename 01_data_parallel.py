@@ -307,7 +307,7 @@ def main(argv=None):
                        evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
                        cfg=plan.cfg)
     report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len, grid.dp_size,
-                      device, args.steps), plan)
+                      device, throughput.steps), plan)
     shutdown()
 
 

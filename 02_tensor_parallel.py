@@ -787,7 +787,7 @@ def main(argv=None):
                        evaluate=partial(data_parallel.evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
     report(MeteredRun(module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len, grid.shape.world_size,
-                      device, args.steps), plan, form, settings.compute_dtype)
+                      device, throughput.steps), plan, form, settings.compute_dtype)
     shutdown()
 
 

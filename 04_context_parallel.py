@@ -699,7 +699,7 @@ def main(argv=None):
                        evaluate=functools.partial(data_parallel.evaluate, model, settings=settings),
                        val_batches=plan.val_batches, cfg=plan.cfg)
     run = MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
-                     grid.shape.world_size, device, args.steps)
+                     grid.shape.world_size, device, throughput.steps)
     report(run, plan, args, grid, cp, attention_work, compute_dtype)
     shutdown()
 

@@ -639,7 +639,7 @@ def main(argv=None):
                            evaluate=functools.partial(evaluate, model, settings=settings),
                            val_batches=plan.val_batches, cfg=cfg)
     run = MeteredRun(model.module, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
-                     device, args.steps)
+                     device, throughput.steps)
     report(run, plan, args, grid, step_routing, every_step, grouped)
     shutdown()
 

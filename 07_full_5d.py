@@ -92,7 +92,8 @@ from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_laye
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
 from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 batch_shape, exit_with_error, plan_run, traffic_not_counted, train)
+                                 batch_shape, exit_with_error, follow_time_budget, plan_run, traffic_not_counted,
+                                 train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -536,12 +537,14 @@ def run_identity(args, shape) -> dict:
 
 def run_settings(args, precision) -> dict:
     """What a resuming run may change, but is told about when it does (resume's notes): the
-    learning-rate schedule, clipping, the dtypes the weights and gradients are held in, the data."""
+    learning-rate schedule (with a time budget's planned steps: follow_time_budget), clipping, the
+    dtypes the weights and gradients are held in, the data."""
     return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
             "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
             "data": args.data or "the built-in corpus",
             "dtype": str(precision.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
+            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
 
 
 def checkpoint_to_resume(args, cfg, shape) -> dict | None:
@@ -557,6 +560,7 @@ def checkpoint_to_resume(args, cfg, shape) -> dict | None:
     if manifest and start >= args.steps:
         raise checkpoints.CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
                                           f"nothing left to train; raise --steps")
+            follow_time_budget(args, manifest.get("settings", {}))
     saved = checkpoints.list_checkpoints(args.save_dir) if args.save_dir else []
     later = [path for step, path in saved if step > start]
     if later:
@@ -595,8 +599,7 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     slices = reference_slices(model, grid)
     info = {"model": asdict(cfg), "run": run_identity(args, shape),
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                       "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages},
-            "settings": run_settings(args, model.precision)}
+                       "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages}}
 
     def after_step(step: int, last: bool) -> None:
         done = step + 1
@@ -605,6 +608,7 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
     return after_step
 
+            info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
 
 # ============================================================================ configuration rules
 

@@ -56,7 +56,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, get_config
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
-from picotron_like.train import StepSettings, add_training_flags, autocast_dtype, batch_shape, build_optimizer
+from picotron_like.train import (StepSettings, add_training_flags, autocast_dtype, batch_shape, build_optimizer,
+                                 resolve_steps)
 
 data_parallel = load_lesson("01_data_parallel")
 zero = load_lesson("06_zero")
@@ -70,7 +71,9 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per variant and round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported")
     parser.add_argument("--only", nargs="*", default=None, help="run only the variants whose name contains one of these")
-    return parser.parse_args()
+    args = parser.parse_args()
+    resolve_steps(args)
+    return args
 
 
 # ----------------------------------------------------------------------------- storages, counted once

@@ -249,7 +249,12 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                         help="micro-batches per optimizer step (ignored if --global-batch-tokens is given)")
     parser.add_argument("--global-batch-tokens", type=int, default=None,
                         help="tokens per optimizer step over all ranks; sets --grad-accum from it")
-    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps")
+    parser.add_argument("--steps", type=int, default=argparse.SUPPRESS,
+                        help=f"optimizer steps (default: {steps}; with --max-minutes: no limit but the budget's)")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="a time budget: stop at the last step that fits in M minutes from the process's "
+                             "start, the final validation and checkpoint included; the learning rate decays to it")
+    parser.set_defaults(default_steps=steps)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
@@ -324,6 +329,7 @@ _FLAG_RULES = [
     ("val_every", lambda v: v >= 0, "0 (off) or more"),
     ("val_batches", lambda v: v >= 1, "at least 1"),
     ("peak_tflops", lambda v: v > 0 and math.isfinite(v), "a positive number"),
+    ("max_minutes", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     *((axis, lambda v: v >= 1, "at least 1") for axis in AXES),
 ]
 
@@ -345,6 +351,16 @@ def check_flag_ranges(args) -> None:
                         "replicated; add --tp 2 (or more) or drop --sequence-parallel")
     if problems:
         raise ConfigError("bad flags:\n  - " + "\n  - ".join(problems))
+
+
+# --max-minutes without --steps: the budget decides where the run ends, so nothing else limits it.
+NO_STEP_LIMIT = 10**9
+
+
+def resolve_steps(args) -> None:
+    """--steps as given; else the lesson's default, or with --max-minutes no limit but the budget."""
+    if getattr(args, "steps", None) is None:
+        args.steps = args.default_steps if getattr(args, "max_minutes", None) is None else NO_STEP_LIMIT
 
 
 def grid_from_args(args, world_size: int) -> GridShape:
@@ -405,6 +421,7 @@ def checked_plan(args, validate: Callable[[GPTConfig, GridShape, BatchShape, obj
     derived from --global-batch-tokens), so what is validated is what trains.
     """
     check_flag_ranges(args)
+    resolve_steps(args)
     collective_timeout_s()      # a bad PICOTRON_LIKE_TIMEOUT_S is one line too, not a failed init
     grid = grid_from_args(args, world_size)
     cfg = get_config(args.preset, n_layers=args.n_layers)
@@ -572,13 +589,18 @@ class AgreedStop:
     A dead peer is not waited for either: torchrun sends SIGTERM to the ranks left when one dies,
     and their agreeing all-reduce then fails at once (gloo sees the peer's connection closed), which
     raises PeerLost instead of a checkpoint that could never complete.
+
+    A rank's TimeBudget asks for a stop the same way (request_stop), with a code below every
+    signal's number: the MAX of the notes names a signal when there was one, and a signal's stop
+    skips the final validation that a budget's stop runs (a grace period is short).
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    TIME_BUDGET = 0.5                           # a note below every signal number (they start at 1)
 
     def __init__(self):
-        self.signal_number = 0                  # the first signal this rank got (0: none)
-        self.agreed_signal = ""                 # once agreed: the name of the signal the ranks stop on
+        self.note = 0.0                         # a signal's number, TIME_BUDGET, or 0: nothing noted
+        self.agreed_signal = ""                 # once agreed: the signal's name, or "the time budget"
         self._agreeing = None                   # (flag tensor, work) started after the previous step
 
     def __enter__(self):
@@ -593,7 +615,11 @@ class AgreedStop:
         return False
 
     def _note(self, number, frame) -> None:
-        self.signal_number = self.signal_number or number
+        self.note = max(self.note, number)
+
+    def request_stop(self) -> None:
+        """This rank's time budget is spent: stop every rank after the same step (a signal outranks it)."""
+        self.note = max(self.note, self.TIME_BUDGET)
 
     def _wait(self) -> bool:
         flag, work = self._agreeing
@@ -604,26 +630,116 @@ class AgreedStop:
             except RuntimeError as error:
                 raise PeerLost(f"a peer is gone ({str(error).splitlines()[0]}): stopping without a checkpoint; "
                                f"resume from the last one") from None
-        if flag.item():
-            self.agreed_signal = signal.Signals(int(flag.item())).name
-        return bool(flag.item())
+        agreed = flag.item()
+        if agreed:
+            self.agreed_signal = "the time budget" if agreed == self.TIME_BUDGET else signal.Signals(int(agreed)).name
+        return bool(agreed)
 
     def after_step(self) -> bool:
         """Whether every rank stops after this step: some rank was signalled before the previous
         step ended. Starts the agreement that the next step's call reads."""
         stop = self._wait() if self._agreeing is not None else False
-        flag = torch.tensor([self.signal_number], dtype=torch.int32)
+        flag = torch.tensor([self.note], dtype=torch.float32)
         # Not through comm.call: the communication meter reports the technique, not bookkeeping.
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
         self._agreeing = (flag, work)
         return stop
 
 
+class TimeBudget:
+    """--max-minutes M: the run ends inside M minutes from its process's start, with its final
+    validation and checkpoint written, and the learning rate decays to the step where it ends.
+
+    The schedule needs that step before the decay starts, so it is estimated once, early: after
+    this process's first ESTIMATE_AFTER steps, rank 0 takes the slowest of them but the first
+    (which carries one-off costs: allocations, compiling, the first collective of each group), and
+    fits as many such steps as the time left allows after what the end costs: the final
+    validation (as long as --val-batches steps until one has been timed: a validation batch is one
+    global batch's forward, a fraction of a step), a checkpoint (as long as the slowest written so
+    far) and two steps of margin (a stop agreed now takes effect one step later: AgreedStop).
+    Rank 0's number is broadcast, so every rank sets the same args.steps, and a checkpoint stores
+    it: a resumed run follows the same schedule (follow_time_budget) instead of estimating anew.
+
+    An estimate can be wrong: steps slow down, the first checkpoint takes longer than nothing. So
+    after it every rank checks each step whether two more steps and the end still fit, and if not
+    asks AgreedStop to stop every rank after the same step: the budget holds, and the run ends
+    before the schedule's last step (its final learning rate not yet at the minimum; it says so).
+    `clock()` gives the seconds since the process started; tests pass their own.
+    """
+
+    ESTIMATE_AFTER = 3
+
+    def __init__(self, minutes: float, clock: Callable[[], float], val_batches: int = 0, planned: bool = False):
+        self.budget_s, self.clock = 60.0 * minutes, clock
+        self.validation_s = None        # the slowest final validation's measured seconds (None: not yet run)
+        self.val_batches = val_batches  # 0: the run does not validate
+        self.save_s = 0.0               # the slowest checkpoint's measured seconds
+        self.step_s: list[float] = []   # this process's step times, by the clock
+        self.planned = planned          # the estimate is made (or a resumed run follows its checkpoint's)
+        self.last_mark = clock()
+
+    def note_step(self) -> None:
+        now = self.clock()
+        self.step_s.append(now - self.last_mark)
+        self.last_mark = now
+
+    @contextmanager
+    def timing(self, work: str):
+        """Time a validation or a checkpoint, for the cost of the end; the next step's time starts after it."""
+        started = self.clock()
+        yield
+        self.last_mark = self.clock()
+        if work == "validation":
+            self.validation_s = max(self.validation_s or 0.0, self.last_mark - started)
+        else:
+            self.save_s = max(self.save_s, self.last_mark - started)
+
+    def slowest_step_s(self) -> float:
+        return max(self.step_s[1:] or self.step_s)
+
+    def end_s(self) -> float:
+        """What must still fit after the last step: the final validation and checkpoint, two steps."""
+        validation = self.validation_s if self.validation_s is not None else self.val_batches * self.slowest_step_s()
+        return validation + self.save_s + 2 * self.slowest_step_s()
+
+    def estimate_due(self) -> bool:
+        return not self.planned and len(self.step_s) == self.ESTIMATE_AFTER
+
+    def planned_steps(self, steps_done: int, max_steps: int) -> int:
+        """The run's number of steps, rank 0's estimate, the same on every rank; at least the steps
+        already done, at most `max_steps` (--steps)."""
+        left_s = self.budget_s - self.clock() - self.end_s()
+        estimate = torch.tensor([min(max_steps, steps_done + max(0, math.floor(left_s / self.slowest_step_s())))])
+        if dist.is_initialized():
+            dist.broadcast(estimate, src=0)     # not metered: bookkeeping, not the technique
+        self.planned = True
+        return int(estimate.item())
+
+    def spent(self) -> bool:
+        """Whether the next two steps and the end no longer fit (this rank's view)."""
+        return self.planned and self.clock() + self.end_s() > self.budget_s
+
+
+def step_to_meter(args) -> int:
+    """A late step, for a lesson that meters one well after the warm-up: the last, or under a time
+    budget, whose last step is not known before it runs, the first after its estimate."""
+    return args.steps - 1 if getattr(args, "max_minutes", None) is None else TimeBudget.ESTIMATE_AFTER
+
+
+def follow_time_budget(args, written_settings: dict) -> None:
+    """A run resumed with --max-minutes ends where its first run's estimate said, with the same
+    learning-rate schedule (TimeBudget), when the checkpoint was written after that estimate."""
+    planned = written_settings.get("planned_steps")
+    if getattr(args, "max_minutes", None) is not None and planned is not None:
+        args.steps, args.planned_steps = planned, planned
+
+
 def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
           prepare_batch: Callable | None = None, meters=(), meter_step: int = 0,
           evaluate: Callable | None = None, val_batches: TokenBatches | None = None,
           cfg: GPTConfig | None = None, start_step: int = 0,
-          after_step: Callable[[int], None] | None = None) -> Throughput:
+          after_step: Callable[[int, bool], None] | None = None,
+          clock: Callable[[], float] = seconds_since_process_start) -> Throughput:
     """The loop every lesson shares: learning rate, one step, one log line; returns the throughput
     (with `.skipped_steps`, the steps whose gradient norm was not finite).
 
@@ -641,6 +757,8 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     at `start_step` (the learning rate and the data follow from the step alone) and appends to the
     metrics file; `after_step(step, last)` runs after each step, once it is logged (checkpoints:
     `last` is true for the run's final step, also when the ranks agreed to stop early: AgreedStop).
+    With --max-minutes the run ends inside its time budget (TimeBudget; `clock` reads the seconds
+    since the process started).
     """
     throughput = Throughput()
     tokens = batches.shape.tokens_per_step
@@ -651,10 +769,15 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     n_ranks = dist.get_world_size() if dist.is_initialized() else 1
     model_flops = flops_per_token(cfg, batches.shape.seq_len) if cfg is not None else None
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, device)
+    budget = (TimeBudget(args.max_minutes, clock, args.val_batches if val_every else 0,
+                         planned=getattr(args, "planned_steps", None) is not None)
+              if getattr(args, "max_minutes", None) is not None else None)
+    final_val_loss = None
     with NonFiniteStepGuard(optimizer) as guard, AgreedStop() as stop, \
             profiler if profiler is not None else nullcontext():
         data_pass = batches.epoch_at(start_step)
-        for step in range(start_step, args.steps):
+        step = start_step
+        while step < args.steps:
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)
             if batches.epoch_at(step) > data_pass:
@@ -680,34 +803,52 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             if step == start_step:
                 log0(f"time to the first step: {seconds_since_process_start():.1f} s since this process started "
                      f"(imports, start-up, building and sharding the model, this step)")
-            record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
-                      **({"mfu": mfu} if mfu is not None else {}), **step_memory, **result.extra}
-            if val_every and ((step + 1) % val_every == 0 or step == args.steps - 1):
-                with traffic_not_counted():
-                    record["val_loss"] = validation_loss(evaluate, val_batches, args.val_batches, dp_rank,
-                                                         prepare_batch)
-                log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
-            metrics.write(record)
-            if profiler is not None:
-                profiler.step()
+            if budget is not None:
+                budget.note_step()
+                if budget.estimate_due():
+                    args.steps = args.planned_steps = budget.planned_steps(step + 1, args.steps)
+                    log0(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
+                         f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
+                         f"the learning rate decays to step {args.steps - 1}")
+                elif budget.spent():
+                    stop.request_stop()
             try:
                 stopping = stop.after_step()
             except PeerLost as error:
                 print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
+            last = stopping or step == args.steps - 1
+            record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
+                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
+                      **({"mfu": mfu} if mfu is not None else {}), **step_memory, **result.extra}
+            # The final validation is skipped only on a scheduler's signal: its grace period is short.
+            if val_every and ((step + 1) % val_every == 0 or (last and not stop.agreed_signal.startswith("SIG"))):
+                with traffic_not_counted(), budget.timing("validation") if budget else nullcontext():
+                    record["val_loss"] = final_val_loss = validation_loss(evaluate, val_batches, args.val_batches,
+                                                                          dp_rank, prepare_batch)
+                log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
+            metrics.write(record)
+            if profiler is not None:
+                profiler.step()
             started = time.perf_counter()
             if after_step is not None:
                 try:
-                    after_step(step, stopping or step == args.steps - 1)
+                    with budget.timing("checkpoint") if budget else nullcontext():
+                        after_step(step, last)
                 except ConfigError as error:    # a checkpoint every rank agreed has failed (a full disk)
                     exit_with_error(f"after step {step}: {error}; the checkpoints before it are intact")
             if stopping:
                 log0(f"stopped after step {step}: {stop.agreed_signal} ({args.steps - step - 1} steps left)"
                      + (f"; the checkpoint took {time.perf_counter() - started:.1f} s: continue with --resume"
                         if after_step is not None else ""))
+            step += 1
+            if stopping:
                 break
+    if budget is not None:
+        log0(f"time budget: {step - start_step} steps, {(step - start_step) * tokens:,} tokens in "
+             f"{budget.clock():.1f} s of {budget.budget_s:.0f} s"
+             + (f"; final val loss {final_val_loss:.4f}" if final_val_loss is not None else ""))
     metrics.close()
     throughput.skipped_steps = guard.skipped_steps
     return throughput
