@@ -83,6 +83,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import picotron_like.checkpoint as checkpoints
+import picotron_like.hf as hub
+import picotron_like.sample as sampling
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
@@ -608,7 +610,44 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
 
     return after_step
 
-            info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
+
+# ============================================================================ starting from Hugging Face weights
+
+
+def add_init_flag(parser) -> None:
+    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
+                        help="continued pretraining: start from a Hugging Face Llama or Mixtral folder (config.json "
+                             "and safetensors), each rank reading only its slices; the model is the one config.json "
+                             "describes (no --preset, --n-layers); a checkpoint that --resume finds comes first")
+
+
+def model_config(cfg, args):
+    """The model this run trains: the preset with lesson 05's MoE flags applied, or with
+    --init-from the model its config.json describes (picotron_like.hf refuses what the reference
+    GPT cannot express), refused where the flags ask for another model. The balancing and
+    capacity flags stay free: they change how the model trains, not what its weights mean."""
+    if args.init_from is None:
+        return expert_parallel.moe_config(cfg, args)
+    written = hub.read_config(args.init_from)
+    configured = expert_parallel.moe_config(written, args)
+    asked = [flag for flag, given in (("--preset", args.preset != "tiny"), ("--n-layers", args.n_layers is not None))
+             if given]
+    asked += [f"{field} {getattr(configured, field)!r} where the folder has {getattr(written, field)!r}"
+              for field in ("router", "n_shared_experts") if getattr(configured, field) != getattr(written, field)]
+    if asked:
+        raise ConfigError(f"--init-from {args.init_from} with {', '.join(asked)}: the model is the one its config.json "
+                          f"describes; drop those flags")
+    return configured
+
+
+def init_from_hub(directory, model, grid: ProcessGrid) -> None:
+    """The starting weights from a Hub folder: each rank reads the slices it holds (reference_slices,
+    the description a checkpoint reshards by), then every weight from the master (ZeRO's all-gathers).
+    The optimizer starts afresh: continued pretraining, at step 0 of this run's schedule."""
+    hub.load_slices(directory, reference_slices(model, grid))
+    model.publish_master()
+    log0(f"initial weights from {directory}")
+
 
 # ============================================================================ configuration rules
 
@@ -1197,7 +1236,7 @@ def main(argv=None):
     if args.zero_table:
         print(load_lesson("07_memory_plan").zero_memory_table(args.preset, (8, 64)))
         return
-    plan = plan_run(args, validate, expert_parallel.moe_config)
+    plan = plan_run(args, validate, model_config)
     manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
     snapshot = start_memory_history(args.memory_snapshot, device)
@@ -1239,3 +1278,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    add_init_flag(parser)
+    if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
+        init_from_hub(args.init_from, model, grid)

@@ -72,6 +72,7 @@ Commands:
     torchrun --nproc_per_node=2 07_full_5d.py --save-dir ckpt --resume --tp 2        # continue, other layout
     python -m picotron_like.checkpoint inspect ckpt                                  # what is in it
     python -m picotron_like.checkpoint export ckpt model.pt                          # one GPT state dict
+    python -m picotron_like.checkpoint export --format hf ckpt hf_model              # a Hugging Face folder
 """
 
 from __future__ import annotations
@@ -650,22 +651,28 @@ def describe(manifest: dict) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m picotron_like.checkpoint",
-                                     description="Inspect a checkpoint, or export it as one GPT state dict.")
+                                     description="Inspect a checkpoint, or export it as one GPT state dict or a "
+                                                 "Hugging Face model folder.")
     commands = parser.add_subparsers(dest="command", required=True)
     inspect = commands.add_parser("inspect", help="check a checkpoint and print what it holds")
     inspect.add_argument("checkpoint", help="a step directory, or a save directory (its newest checkpoint)")
-    export_parser = commands.add_parser("export", help="write a state dict that picotron_like.model.GPT loads")
+    export_parser = commands.add_parser("export", help="write a state dict that picotron_like.model.GPT loads, or "
+                                                       "a Hugging Face model folder")
+    export_parser.add_argument("--format", choices=("pt", "hf"), default="pt",
+                               help="pt: one torch.save state dict of the reference GPT; hf: a folder of config.json "
+                                    "and model.safetensors (LlamaForCausalLM, or MixtralForCausalLM with experts; "
+                                    "float32; needs the hf extra)")
     export_parser.add_argument("checkpoint", help="a step directory, or a save directory (its newest checkpoint)")
-    export_parser.add_argument("out", help="the .pt file to write")
+    export_parser.add_argument("out", help="the .pt file to write (--format pt) or the folder (--format hf)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             print(describe(read_manifest(resolve(args.checkpoint, None))))
         else:
-            state = export(args.checkpoint, args.out)
+            state = export(args.checkpoint, args.out, args.format)
             print(f"wrote {args.out}: {len(state)} tensors, "
                   f"{sum(t.numel() for t in state.values()):,} values (float32)")
-    except CheckpointError as error:
+    except (CheckpointError, ConfigError) as error:     # ConfigError: what the hf format cannot express
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     except OSError as error:
