@@ -542,9 +542,9 @@ def run_settings(args, precision) -> dict:
     learning-rate schedule (with a time budget's planned steps: follow_time_budget), clipping, the
     dtypes the weights and gradients are held in, the data."""
     return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
+            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
             "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
             "data": args.data or "the built-in corpus",
-            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
             "dtype": str(precision.param_dtype).removeprefix("torch."),
             "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
 
@@ -558,9 +558,9 @@ def checkpoint_to_resume(args, cfg, shape) -> dict | None:
         directory = checkpoints.resolve(args.resume, args.save_dir)
         if directory is not None:
             manifest = checkpoints.read_manifest(directory, cfg, run_identity(args, shape))
+            follow_time_budget(args, manifest.get("settings", {}))
     start = manifest["step"] if manifest else 0
     if manifest and start >= args.steps:
-            follow_time_budget(args, manifest.get("settings", {}))
         raise checkpoints.CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
                                           f"nothing left to train; raise --steps")
     saved = checkpoints.list_checkpoints(args.save_dir) if args.save_dir else []
@@ -606,9 +606,9 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     def after_step(step: int, last: bool) -> None:
         done = step + 1
         if last or (args.save_every and done % args.save_every == 0):
+            info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
             checkpoints.save(args.save_dir, done, slices, optimizer, info, args.keep_last)
 
-            info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
     return after_step
 
 
