@@ -1197,6 +1197,7 @@ def parse_args(argv=None):
                         help="CUDA: record the allocator's history over the first steps and write it to "
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
     checkpoints.add_checkpoint_flags(parser)
+    add_init_flag(parser)
     add_plan_flags(parser)
     parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
     return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
@@ -1252,6 +1253,8 @@ def main(argv=None):
     if args.resume is not None and manifest is None:    # a restarted job's first start, say
         where = args.save_dir if args.resume == "latest" else args.resume
         log0(f"--resume: no checkpoint in {where} yet: starting from step 0")
+    if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
+        init_from_hub(args.init_from, model, grid)
     activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
     parts = model_parts(model, pipeline)
@@ -1279,6 +1282,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    add_init_flag(parser)
-    if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
-        init_from_hub(args.init_from, model, grid)
