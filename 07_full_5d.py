@@ -658,12 +658,13 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     04's (which include the grid's), 05's with experts (ep drawn from dp x cp) and then lesson 02's
     even splits, or else all of 02's with tp > 1 (lesson 02 refuses experts: their tp split is
     this lesson's seam), and 03's; the
-    checkpoint flags and the checkpoint --resume names. All before any process group
+    checkpoint flags and the checkpoint --resume names; --sample-every's. All before any process group
     (recomputation and compiling add none)."""
     problems = composition_problems(cfg, grid, args)
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     zero.validate_zero(args.dtype, args.reduce_dtype)
+    sample_prompt(args, cfg, grid)
     # lesson 04's rules include the grid's
     context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
     if cfg.n_experts:
@@ -1176,6 +1177,102 @@ def start_memory_history(path: str | None, device) -> str | None:
     return f"{stem}.rank{torch.distributed.get_rank()}.pickle"
 
 
+# ============================================================================ the technique: samples during training
+
+
+def add_sample_flags(parser) -> None:
+    parser.add_argument("--sample-every", type=int, default=0,
+                        help="every N steps and after the last, rank 0 prints what the model writes after "
+                             "--sample-prompt (0: never); layouts without --pp and --cp")
+    parser.add_argument("--sample-prompt", default="\n", help="with --sample-every: the text to continue")
+    parser.add_argument("--sample-tokens", type=int, default=32, help="with --sample-every: tokens to write")
+
+
+def sample_prompt(args, cfg, grid) -> tuple | None:
+    """--sample-every's (tokenizer, prompt ids): the tokenizer recorded beside --data (see
+    picotron_like.sample), or None when off; a ConfigError before any process group otherwise.
+    The layout must give every rank the logits of a whole sequence from its own forward: a
+    pipeline's last stage alone computes logits, in micro-batches of the schedule's shape, and
+    context parallelism holds a piece of each sequence per rank. Those are refused."""
+    if not args.sample_every:
+        return None
+    problems = [f"--{flag} {value} must be 1 or more" for flag, value in
+                (("sample-every", args.sample_every), ("sample-tokens", args.sample_tokens)) if value < 1]
+    problems += [f"--sample-every with --{axis} {degree}: {why}; sample a checkpoint instead (python -m "
+                 f"picotron_like.sample SAVE_DIR), or drop --sample-every" for axis, degree, why in
+                 (("pp", grid.pp, "only the last pipeline stage computes logits"),
+                  ("cp", grid.cp, "each rank holds a piece of every sequence")) if degree > 1]
+    if problems:
+        raise ConfigError("bad sample flags:\n  - " + "\n  - ".join(problems))
+    tokenizer = sampling.sample_tokenizer(sampling.recorded_tokenizer(args.data or sampling.BUILTIN_CORPUS),
+                                          cfg.vocab_size)
+    return tokenizer, sampling.prompt_ids(tokenizer, args.sample_prompt)
+
+
+def sample_text(model, grid: ProcessGrid, settings: StepSettings, tokenizer, prompt: list[int],
+                choice: sampling.Sampling) -> str:
+    """What the model writes after `prompt`, through the layout's own forward: every rank runs it
+    on the same tokens (ZeRO-3 gathers, tp's and ep's collectives need every rank), the tp ranks
+    put their vocabulary slices of the logits together, and every rank picks the next token with
+    picotron_like.sample's rule and a generator of its own, never torch's global one: the
+    training's random streams are not touched. No KV cache: the layers are the layout's, and a
+    short sample is a few forwards of one sequence. The sequence is padded after its end to one
+    length, a multiple of tp (sequence parallelism splits it): causal attention keeps the padding
+    from every position before it, and --compile sees one shape. eval(): the MoE meters and the
+    balancing log record training forwards only; router_loads_kept leaves the bias update alone."""
+    ids, generator = list(prompt), torch.Generator().manual_seed(choice.seed)
+    length = math.ceil((len(prompt) + choice.max_new_tokens) / grid.tp_size) * grid.tp_size
+    model.eval()
+    with torch.no_grad(), traffic_not_counted(), expert_parallel.router_loads_kept([model.module]):
+        for _ in range(choice.max_new_tokens):
+            tokens = torch.zeros(1, length, dtype=torch.long)
+            tokens[0, :len(ids)] = torch.tensor(ids)
+            with settings.autocast():
+                logits = model(tokens.to(settings.device))[0, len(ids) - 1].contiguous()
+            if grid.tp_size > 1:
+                slices = [torch.empty_like(logits) for _ in range(grid.tp_size)]
+                dist.all_gather(slices, logits, group=grid.tp_group)
+                logits = torch.cat(slices)
+            token = torch.tensor([sampling.next_token(logits, choice, generator, tokenizer.vocab_size)],
+                                 device=settings.device)
+            # Every rank computed the same logits and draws the same number; rank 0's token is
+            # sent anyway, so that a last-bit difference between replicas can never give the
+            # ranks of one tp group different tokens to run.
+            dist.broadcast(token, src=0)
+            ids.append(int(token))
+    model.train()
+    if isinstance(model, zero.ZeroStage3):      # as zero.evaluate: a step starts from shards
+        for unit in model.units:
+            unit.release_parameters()
+    return tokenizer.decode(ids[len(prompt):])
+
+
+def training_sampler(args, cfg, grid: ProcessGrid, model, settings: StepSettings):
+    """train()'s after_step for --sample-every (None when off): rank 0 prints one line."""
+    prompt = sample_prompt(args, cfg, grid.shape)
+    if prompt is None:
+        return None
+    choice = sampling.Sampling(args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
+
+    def after_step(step: int, last: bool) -> None:
+        if last or (step + 1) % args.sample_every == 0:
+            text = sample_text(model, grid, settings, *prompt, choice)
+            log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
+
+    return after_step
+
+
+def one_after_another(*hooks):
+    """train()'s after_step: each hook given (None: absent) in turn."""
+    hooks = [hook for hook in hooks if hook is not None]
+
+    def after_step(step: int, last: bool) -> None:
+        for hook in hooks:
+            hook(step, last)
+
+    return after_step if hooks else None
+
+
 # ============================================================================ main
 
 
@@ -1184,6 +1281,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp", "ep"), fill_axis="dp", bucket_flag=False)
     zero.add_zero_flags(parser)
+    add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
     pipeline_parallel.add_schedule_flags(parser)
     context_parallel.add_context_parallel_flags(parser)
@@ -1273,7 +1371,9 @@ def main(argv=None):
                            meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
                            evaluate=partial(evaluate, model_or_pipeline, settings=settings),
                            val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
-                           after_step=checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+                           after_step=one_after_another(training_sampler(args, plan.cfg, grid, model, settings),
+                                                        checkpoint_saver(args, plan.cfg, plan.shape, grid, model,
+                                                                         optimizer)))
     report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device,
            every_step)
     first_steps.report()
