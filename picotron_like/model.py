@@ -30,6 +30,9 @@ the reference parameters, whatever the construction order or the number of ranks
 weights ``[n_experts, ...]`` are drawn whole in the same way; an expert-parallel rank keeps its
 experts' slice of dim 0.
 
+Generating text runs each new token alone against the keys and values of the positions before it,
+kept per layer in a ``KVCache`` (``GPT.forward_cached``; picotron_like.sample uses it).
+
 The two formulas used for MFU and memory predictions live here too: ``count_parameters`` and
 ``flops_per_token`` (6 FLOPs per matmul parameter per token, plus the attention term).
 """
