@@ -420,12 +420,18 @@ def planned_commands(paths: list[Path], root: Path = REPO_ROOT) -> list[Command]
     commands = []
     for path in paths:
         written: dict[str, Command] = {}        # what this file's earlier commands write, by path
+        not_written: dict[str, Command] = {}    # what skipped commands would have written
         for line, snippet in snippets_of(path):
             for words in commands_of(snippet):
                 command = Command(f"{path.relative_to(root)}:{line}", path, words)
                 command.kind = kind_of(words, root)
                 command.skip = skip_reason(command, root, written)
+                unwritten = [word for word in words if os.path.normpath(word) in not_written]
+                if unwritten and not command.skip:
+                    command.skip = f"needs {unwritten[0]}, which {not_written[os.path.normpath(unwritten[0])].where} " \
+                                   f"writes, skipped here"
                 if command.skip:
+                    not_written.update(dict.fromkeys(outputs_of(words), command))
                     commands.append(command)
                     continue
                 command.argv = argv_for(command)
