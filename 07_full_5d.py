@@ -612,7 +612,7 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
     return after_step
 
 
-# ============================================================================ starting from Hugging Face weights
+# ============================================================================ the technique: Hugging Face weights in
 
 
 def add_init_flag(parser) -> None:
