@@ -160,9 +160,11 @@ def test_trained_export_gives_the_reference_logits_in_transformers(runs, transfo
     torch.testing.assert_close(hub_logits(transformers, tmp_path / "hub", tokens), expected, **LOGITS)
 
 
-def test_tied_embeddings_load_untied_with_the_same_logits(transformers, tmp_path):
+def test_a_tied_sharded_folder_loads_untied_with_the_same_logits(transformers, tmp_path):
+    """Tied embeddings (no lm_head tensor: the head is the embedding), in shards that an index names."""
     model = hub_model(transformers, "llama", tie_word_embeddings=True)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert (tmp_path / hub.INDEX).exists() and not (tmp_path / hub.WEIGHTS).exists()
     tokens = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(3))
     loaded = hub.load_gpt(tmp_path)
     assert torch.equal(loaded.lm_head.weight, model.model.embed_tokens.weight)
