@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -276,11 +277,15 @@ def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
 class LinearDeferringWeightGradient(torch.autograd.Function):
     """y = x W^T + b whose backward is B alone: dx now, (x, dy) left in `pending` for W.
 
-    Under autocast the matmul runs in the autocast dtype as F.linear's would, and x and W are kept
-    in that dtype, so W computes dW from the very tensors the undivided backward would have used."""
+    The weight and bias come in inside a tuple, so autograd draws no edge to them: B must not touch
+    them at all, because autograd would still run their post-accumulate hooks with no gradient, and
+    the data-parallel wrappers would count them ready before W. Under autocast the matmul runs in
+    the autocast dtype as F.linear's would, and x and W are kept in that dtype, so W computes dW
+    from the very tensors the undivided backward would have used."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, pending: "PendingWeightGradients"):
+    def forward(ctx, x, weight_and_bias: tuple, pending: "PendingWeightGradients"):
+        weight, bias = weight_and_bias
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight_used = x.to(dtype), weight.to(dtype)
@@ -294,7 +299,7 @@ class LinearDeferringWeightGradient(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight_used = ctx.saved_tensors
         ctx.pending.keep(WeightGradient(ctx.weight, ctx.bias, x, grad_output))
-        return grad_output @ weight_used if ctx.needs_input_grad[0] else None, None, None, None
+        return grad_output @ weight_used if ctx.needs_input_grad[0] else None, None, None
 
 
 @dataclass(frozen=True)
@@ -338,15 +343,17 @@ class PendingWeightGradients:
     def weight_gradients(self, micro_batch: int) -> None:
         """W: every deferred dW of the micro-batch, accumulated into .grad through autograd (one call),
         so that the data-parallel wrappers' post-accumulate hooks fire exactly as in a backward."""
-        params, grads = zip(*(pair for wg in self.pending.pop(micro_batch) for pair in wg.compute()))
-        torch.autograd.backward(params, grads)
+        pairs = [pair for weight_gradient in self.pending.pop(micro_batch) for pair in weight_gradient.compute()]
+        if pairs:
+            params, grads = zip(*pairs)
+            torch.autograd.backward(params, grads)
 
 
 class DeferredWeightGradientLinear(nn.Linear):
     """nn.Linear whose weight gradient waits for W (defer_weight_gradients converts a stage's linears)."""
 
     def forward(self, x):
-        return LinearDeferringWeightGradient.apply(x, self.weight, self.bias, self.pending_weight_gradients)
+        return LinearDeferringWeightGradient.apply(x, (self.weight, self.bias), self.pending_weight_gradients)
 
 
 DEFERRED_LINEARS = {nn.Linear: DeferredWeightGradientLinear}
@@ -375,7 +382,7 @@ def zero_bubble_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
     its B's p-1 W's ahead and so sends gradients upstream sooner); in the cool-down, where 1F1B's
     stages wait for gradients, each B is followed by one pending W and the rest close the step.
     A micro-batch stays alive from its F to its W, and stage r never has more than p alive:
-    1F1B's first stage's peak. With m >= p and W no longer than F, the bubble is (p-1)(T_F + T_B - T_W)
+    1F1B's first stage's peak. With m >= p and W no longer than F or B, the bubble is (p-1)(T_F + T_B - T_W)
     per stage, where 1F1B's is (p-1)(T_F + T_B + T_W).
     """
     warmup = min(pp - pp_rank - 1, n_micro)
@@ -787,6 +794,15 @@ def bubble_formula(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1
     return (pp - 1) / (n_micro * (virtual_stages if schedule == "interleaved" else 1))
 
 
+def zero_bubble_formula(pp: int, n_micro: int, forward_time: float, input_grad_time: float,
+                        weight_time: float) -> float:
+    """ZB-H1's idle / busy per stage, from the times of F, B and W: each of the p-1 steps of the
+    fill and drain costs T_F + T_B - T_W, where 1F1B's costs T_F + T_B + T_W (its whole backward).
+    Exact on the simulator's clock for m >= p when W is no longer than F or B (every W fits a gap)."""
+    step = forward_time + input_grad_time + weight_time
+    return (pp - 1) * (forward_time + input_grad_time - weight_time) / (n_micro * step)
+
+
 def predicted_p2p_bytes(n_micro: int, boundary_shape, element_bytes: int, pp: int, pp_rank: int,
                         virtual_stages: int) -> int:
     """Bytes this rank sends per step (and, by symmetry, receives).
@@ -817,6 +833,55 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
     whole_model_ids = predicted_activation_bytes(cfg, micro_batch, seq_len, n_layers=len(stage.layer_ids),
                                                  with_head=has_head)
     return whole_model_ids - 8 * micro_batch * seq_len * ((not has_embedding) + (not has_head))
+
+
+class KeptActivationMeter(ActivationMeter):
+    """The activations a rank keeps between its actions, zero-bubble's W queues included.
+
+    An ActivationMeter sees what autograd saves. Once B has run, autograd has let go of each
+    linear's input, but the W queue still holds it, and the output gradient beside it, until W:
+    memory no saved-tensor hook sees. This meter also reads the queues after every forward, B and
+    W (it wraps the pipeline's action methods from outside while entered), counts each storage once
+    with the saved ones, and keeps the peak of the sum: peak_kept_bytes. Without zero-bubble that is
+    the saved tensors' peak."""
+
+    actions = ("forward_step", "backward_step", "weight_step")
+
+    def __init__(self, pipeline: Pipeline):
+        super().__init__(*pipeline.chunks)
+        self.pipeline, self.peak_kept_bytes = pipeline, 0
+
+    def kept_bytes(self) -> int:
+        queued = {}
+        for pending in self.pipeline.pending_weight_gradients or ():
+            for weight_gradient in (wg for waiting in pending.pending.values() for wg in waiting):
+                for storage in (weight_gradient.input.untyped_storage(), weight_gradient.grad_output.untyped_storage()):
+                    queued[storage.data_ptr()] = storage.nbytes()
+        return self.live_bytes + sum(nbytes for address, nbytes in queued.items() if address not in self._live)
+
+    def _sampled(self, action_method):
+        @functools.wraps(action_method)
+        def sampled(*args, **kwargs):
+            result = action_method(*args, **kwargs)
+            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes())
+            return result
+        return sampled
+
+    def __enter__(self):
+        # Another observer (the timeline) may have wrapped these methods already: wrap its wrappers
+        # and put them back on the way out.
+        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.actions}
+        for name in self.actions:
+            setattr(self.pipeline, name, self._sampled(getattr(self.pipeline, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, earlier in self._wrapped.items():
+            if earlier is None:
+                delattr(self.pipeline, name)
+            else:
+                setattr(self.pipeline, name, earlier)
+        return super().__exit__(*exc)
 
 
 def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:

@@ -215,13 +215,18 @@ class TimelineRecorder:
     def __enter__(self):
         comm.call(dist.barrier, group=self.group)
         self.events, self._t0 = [], time.perf_counter()
+        # another observer's wrappers (entered before this one) are wrapped in turn, and put back on exit
+        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.methods}
         for name in self.methods:
             setattr(self.pipeline, name, self._timed(getattr(self.pipeline, name)))
         return self
 
     def __exit__(self, *exc):
-        for name in self.methods:
-            delattr(self.pipeline, name)   # the class's own method shows through again
+        for name, earlier in self._wrapped.items():
+            if earlier is None:
+                delattr(self.pipeline, name)   # the class's own method shows through again
+            else:
+                setattr(self.pipeline, name, earlier)
         return False
 
 

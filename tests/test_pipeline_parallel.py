@@ -37,6 +37,7 @@ simulator's timelines are checked against the same formulas for many more (pp, m
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -47,11 +48,13 @@ from functools import partial
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, data_parallel_traffic, step_traffic
+from picotron_like.metrics import data_parallel_traffic, step_traffic
 from picotron_like.model import GPT, cross_entropy_loss, get_config
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
@@ -245,7 +248,8 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
     boundary = lesson.activation_shape(cfg, data.shape)
     pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
 
-    with ActivationMeter(*chunks) as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran:
+    with (lesson.KeptActivationMeter(pipeline) as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran,
+          CountedFlops() as flops):
         pipeline.forward_backward(step_batch(0))
     for chunk in chunks:
         chunk.finish_gradient_synchronization()
@@ -271,10 +275,26 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
             "devices": dict(comm.meter.devices),
             "sent": comm.meter.get("isend", "pp").payload_bytes / STEPS,
             "boundary_elements": torch.Size(boundary).numel(),
-            "peak_bytes": activations.peak_bytes,
+            "peak_bytes": activations.peak_bytes, "kept_bytes": activations.peak_kept_bytes,
+            "flops": flops.total,
             "chunk_bytes": [lesson.predicted_chunk_activation_bytes(chunk.module, cfg, micro, SEQ) for chunk in chunks],
             "program": pipeline.program, "ran": ran.steps,
             "pp_rank": grid.pp_rank, "dp_rank": grid.dp_rank}
+
+
+class CountedFlops(TorchDispatchMode):
+    """The FLOPs of every matmul and attention call that runs, backward included, by torch's own
+    formulas (torch.utils.flop_counter's, without its module tracking, which autograd.grad trips)."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in flop_registry:
+            self.total += flop_registry[func._overloadpacket](*args, **(kwargs or {}), out_val=out)
+        return out
 
 
 def spec(cfg, grid, schedule, v, micro, n_micro, **options):
@@ -291,11 +311,12 @@ FOUR_RANK_RUNS = {
     **{f"dp2pp2 {s}": spec(CFG_5, GridShape(dp=2, pp=2), s, v, micro=1, n_micro=4)
        for s, v in (("afab", 1), ("1f1b", 1), ("interleaved", 2))},
     **{f"dp2pp2 {s} masked, clipped": spec(CFG_5, GridShape(dp=2, pp=2), s, v, micro=1, n_micro=4, masked=True,
-                                           max_grad_norm=SMALL_MAX_NORM) for s, v in (("1f1b", 1), ("interleaved", 2))},
+                                           max_grad_norm=SMALL_MAX_NORM)
+       for s, v in (("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1))},
 }
 # An odd layout: 3 stages over 5 layers (2 + 2 + 1).
 THREE_RANK_RUNS = {f"pp3 {s}": spec(CFG_5, GridShape(pp=3), s, 1, micro=2, n_micro=4, measure_bytes=True)
-                   for s in ("afab", "1f1b")}
+                   for s in ("afab", "1f1b", "zero-bubble")}
 def run_all(specs):
     return {label: pipeline_run(**{k: v for k, v in spec.items() if k != "measure_bytes"})
             for label, spec in specs.items()}
@@ -358,8 +379,10 @@ def check_runs(per_rank, specs, references):
             # Activation bytes, measured by the saved-tensor hooks, are the reference formula's bytes
             # of one micro-batch of each chunk, summed over the micro-batches the schedule keeps alive:
             # AFAB m, 1F1B p - r.
-            assert result["peak_bytes"] == peak_live_micro_batches(result["program"], result["chunk_bytes"]), where
-            kept = {"afab": m, "1f1b": min(pp - r, m)}.get(spec["schedule"])
+            if spec["schedule"] != "zero-bubble":     # which keeps more than autograd's saved tensors: see below
+                assert result["peak_bytes"] == peak_live_micro_batches(result["program"], result["chunk_bytes"]), where
+            # Zero-bubble's B frees what autograd saved as 1F1B's backward does (what W needs is kept elsewhere).
+            kept = {"afab": m, "1f1b": min(pp - r, m), "zero-bubble": min(pp - r, m)}.get(spec["schedule"])
             if kept is not None:
                 assert result["peak_bytes"] == kept * result["chunk_bytes"][0], where
 
@@ -376,6 +399,75 @@ def test_three_stages_over_an_uneven_split_equal_one_device(references):
     assert [len({n.split(".")[1] for n in r["pp3 1f1b"]["params"] if n.startswith("layers.")})
             for r in per_rank] == [2, 2, 1]
     check_runs(per_rank, THREE_RANK_RUNS, references)
+    assert_zero_bubble_keeps_and_computes_what_1f1b_does([r["pp3 zero-bubble"] for r in per_rank],
+                                                         [r["pp3 1f1b"] for r in per_rank])
+
+
+def assert_zero_bubble_keeps_and_computes_what_1f1b_does(zero_bubble, one_f_one_b):
+    """ZB-H1's two promises, measured on every stage of one step.
+
+    Memory: what a stage keeps between actions counts the saved tensors and the inputs and output
+    gradients waiting in the W queues (KeptActivationMeter). The first stage peaks at 1F1B's first
+    stage's bytes exactly; later stages hold back W's and keep more than their 1F1B selves, never
+    more than that peak. Work: B + W is every backward operation once, so each stage's FLOPs equal
+    1F1B's (a W that recomputed part of backward would add some; see the test after this one)."""
+    kept = [result["kept_bytes"] for result in zero_bubble]
+    kept_by_1f1b = [result["kept_bytes"] for result in one_f_one_b]
+    assert kept_by_1f1b == [result["peak_bytes"] for result in one_f_one_b]       # 1F1B: nothing queued
+    assert kept[0] == kept_by_1f1b[0] == max(kept_by_1f1b), (kept, kept_by_1f1b)
+    assert all(mine > theirs for mine, theirs in zip(kept[1:], kept_by_1f1b[1:])), (kept, kept_by_1f1b)
+    assert max(kept) == max(kept_by_1f1b), (kept, kept_by_1f1b)
+    assert [result["flops"] for result in zero_bubble] == [result["flops"] for result in one_f_one_b]
+
+
+def test_weight_gradients_split_off_without_computing_anything_twice():
+    """The FLOP counter behind the equal-work check can fail: splitting one backward naively, by
+    autograd.grad for the input and then again for the weights, recomputes the input gradients
+    inside the stage; the deferred linears' B + W compute each matmul once, as one backward does."""
+    def stage_flops(split: str) -> int:
+        stage = lesson.build_stage_chunks(CFG_5, SEED, 2, 1)[0]
+        pending = lesson.defer_weight_gradients(stage) if split == "deferred" else None
+        x = torch.randn(2, SEQ, CFG_5.hidden, requires_grad=True)
+        targets = torch.randint(0, CFG_5.vocab_size, (2, SEQ))
+        with CountedFlops() as flops:
+            loss = stage(x, targets, torch.arange(SEQ))
+            if split == "none":
+                loss.backward()
+            elif split == "naive":
+                torch.autograd.grad(loss, x, retain_graph=True)
+                torch.autograd.grad(loss, list(stage.parameters()))
+            else:
+                with pending.input_gradient(0):
+                    loss.backward()
+                pending.weight_gradients(0)
+        return flops.total
+
+    whole, deferred, naive = stage_flops("none"), stage_flops("deferred"), stage_flops("naive")
+    assert deferred == whole < naive, (whole, deferred, naive)
+
+
+def test_zero_bubble_schedule_simulated():
+    """ZB-H1 on the simulator's clock, with B and W of their own durations: every action once, each
+    micro-batch's W after its B; the bubble (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) wherever
+    m >= p and W takes no longer than F or B, below 1F1B's with the same backward (B + W); no stage ever
+    keeps more micro-batches between F and W than 1F1B's first stage keeps (min(p, m))."""
+    times = ((1, 1, 1), (1, 1.2, 0.8), (1, 2, 0.5), (1, 0.8, 0.8), (1.5, 1, 1))
+    for (t_f, t_b, t_w), pp in itertools.product(times, range(2, 7)):
+        for m in range(1, 3 * pp + 1):
+            programs = lesson.pipeline_programs("zero-bubble", pp, m)
+            timelines = simulate_pipeline(programs, t_f, t_b, weight_time=t_w)
+            where = f"pp={pp} m={m} times={t_f, t_b, t_w}"
+            for events in timelines:
+                order = [(a.kind, a.micro_batch) for a, _, _ in events]
+                assert sorted(order) == sorted((k, i) for k in "FBW" for i in range(m)), where
+                assert all(order.index(("B", i)) < order.index(("W", i)) for i in range(m)), where
+            assert [peak_live_micro_batches(program) for program in programs] == [min(pp, m)] * pp, where
+            if m < pp:
+                continue
+            measured = bubble_fraction(timelines)
+            assert measured == pytest.approx(lesson.zero_bubble_formula(pp, m, t_f, t_b, t_w)), where
+            one_f_one_b = simulate_pipeline(lesson.pipeline_programs("1f1b", pp, m), t_f, t_b + t_w)
+            assert measured < bubble_fraction(one_f_one_b), where
 
 
 # ----------------------------------------------------------------------------- the bubble, and PyTorch's own pipelining
