@@ -1,5 +1,5 @@
 """
-Lesson 03 — pipeline parallelism in one file: AFAB (GPipe), 1F1B and interleaved 1F1B.
+Lesson 03 — pipeline parallelism in one file: AFAB (GPipe), 1F1B, interleaved 1F1B and zero-bubble.
 
 The problem. The 8b preset's 32 layers cost 3.5 GB each with AdamW in float32 (16 bytes per
 parameter): 112 GB, more than an 80 GB H100 holds, on every data-parallel rank. Tensor parallelism
@@ -16,7 +16,7 @@ A micro-batch's activations flow forward from stage to stage, its gradients flow
 Only the boundary tensors cross ranks: b*s*h numbers per micro-batch and boundary, each way.
 But a stage can only work when the micro-batch reaches it, so the batch is cut into m micro-batches
 that follow each other down the pipe. The schedule decides the order in which every stage runs
-the forward (F) and backward (B) of its micro-batches. This lesson builds three:
+the forward (F) and backward (B) of its micro-batches. This lesson builds four:
 
     AFAB (GPipe): all forwards, then all backwards. Simple; keeps m micro-batches of activations.
     1F1B: after a warm-up of p-1-r forwards, stage r alternates one forward and one backward, then
@@ -25,6 +25,9 @@ the forward (F) and backward (B) of its micro-batches. This lesson builds three:
     interleaved 1F1B: each rank holds v chunks of layers taken round-robin (rank r: chunks r, r+p,
           ...). A micro-batch passes through every rank v times; each pass is v times shorter, so
           the pipeline fills and drains v times faster.
+    zero-bubble (ZB-H1): each backward split in two: B, the input gradient the previous stage waits
+          for, and W, the weight gradients nobody waits for; 1F1B's order with W moved into the
+          bubble. The same peak memory as 1F1B's first stage, a third of the bubble (T_F = T_B = T_W).
 
 Timelines on 4 stages with 8 micro-batches, printed by the schedule simulator in
 picotron_like.pipeline_tools (forward: the micro-batch's digit, backward: its letter, a = 0, a
@@ -45,9 +48,15 @@ backward twice as long as a forward, '.': idle):
                  stage 2 |..012301..2aa3bb4cc5dd6aa7bb4cc5dd6ee7ffgg.hheeffgghh....|   each chunk is half
                  stage 3 |...01230aa1bb2cc3dd4aa5bb6cc7dd4ee5ff6gg7hheeffgghh......|   a stage
 
+    zero-bubble  stage 0 |0123...aA4bB5cC6dD7eEfFgGhH|     B (a) and W (A) one unit each: 27 units
+    (ZB-H1)      stage 1 |.012..a3bA4cB5dC6eD7fEgFhGH|     where 1F1B takes 33; stage r holds r W's
+                 stage 2 |..01.a2b3cA4dB5eC6fD7gEhFGH|     back, so gradients go upstream sooner,
+                 stage 3 |...0a1b2c3dA4eB5fC6gD7hEFGH|     and the W's fill the cool-down
+
 The price. With m micro-batches on p stages, forward+backward time t per micro-batch and stage:
     compute: the bubble, idle time while the pipe fills and drains: (p-1) * t per stage, so
-             bubble / useful work = (p-1)/m for AFAB and 1F1B, and (p-1)/(v*m) interleaved.
+             bubble / useful work = (p-1)/m for AFAB and 1F1B, and (p-1)/(v*m) interleaved;
+             zero-bubble: (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) where 1F1B's is (p-1)/m.
     memory:  weights, gradients and optimizer states / p (roughly: embedding and head sit at the
              ends); activations: m micro-batches of one stage for AFAB, at most p for 1F1B.
     communication: per step 2*m*b*s*h elements across each of the p-1 boundaries (activations
@@ -59,6 +68,7 @@ Run it:
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule afab          # compare memory
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule interleaved --virtual-stages 2 --n-layers 8
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 2 --dp 2                   # 2 pipelines, dp x pp
+    torchrun --nproc_per_node=2 03_pipeline_parallel.py --pp 2 --schedule zero-bubble   # the bubble, next to 1F1B's
 
 With dp, each pipeline runs the schedule on its own micro-batches and all-reduces its stages'
 gradients over dp. Stages that are also tensor- or context-parallel, hold experts or are sharded
@@ -884,16 +894,30 @@ class KeptActivationMeter(ActivationMeter):
         return super().__exit__(*exc)
 
 
-def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:
+def stage_report_row(pipeline: Pipeline, cfg, shape, activations: KeptActivationMeter, steps: int) -> torch.Tensor:
     """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
     activation bytes at the schedule's peak and p2p bytes sent per step, each measured and predicted."""
     per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len)
                        for chunk in pipeline.chunks]
     return torch.tensor([sum(len(chunk.module.layer_ids) for chunk in pipeline.chunks),
-                         peak_live_micro_batches(pipeline.program), activations.peak_bytes,
+                         peak_live_micro_batches(pipeline.program), activations.peak_kept_bytes,
                          peak_live_micro_batches(pipeline.program, per_micro_batch),
                          comm.meter.get("isend", "pp").payload_bytes / steps,
                          predicted_p2p_traffic(pipeline, shape.grad_accum)[("isend", "pp")]], dtype=torch.float64)
+
+
+def log_zero_bubble_formula(timelines, pp: int, n_micro: int) -> None:
+    """The measured bubble next to ZB-H1's formula from this run's own mean F, B and W times, and next
+    to what 1F1B's formula gives for the same times (its backward is B + W)."""
+    def mean_ms(kind):
+        durations = [end - start for events in timelines for action, start, end in events if action.kind == kind]
+        return sum(durations) / len(durations) * 1e3
+
+    t_f, t_b, t_w = mean_ms("F"), mean_ms("B"), mean_ms("W")
+    log0(f"mean ms: F {t_f:.2f}, B {t_b:.2f}, W {t_w:.2f}")
+    log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) "
+         f"= {zero_bubble_formula(pp, n_micro, t_f, t_b, t_w):.3f}   1F1B's (p-1)/m = {(pp - 1) / n_micro:.3f}   "
+         f"(exact when m >= p, W is no longer than F or B, and every stage has a core of its own)")
 
 
 def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
@@ -914,8 +938,11 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     busy_ms = [sum(end - start for _, start, end in events) * 1e3 for events in timelines]
     log0(f"busy ms per stage: {', '.join(f'{ms:.1f}' for ms in busy_ms)}")
     formula = "(p-1)/(v*m)" if args.schedule == "interleaved" else "(p-1)/m"
-    log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
-         f"{bubble_formula(args.schedule, pp, m, v):.3f}   (the formula assumes equal stages, each on its own core)")
+    if args.schedule == "zero-bubble":
+        log_zero_bubble_formula(timelines, pp, m)
+    else:
+        log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
+             f"{bubble_formula(args.schedule, pp, m, v):.3f}   (the formula assumes equal stages, each on its own core)")
 
     log0("\n== every stage: activations at the schedule's peak; p2p sent per step (a boundary carries m "
          "activations forward and m gradients back, b x s x h each) ==")
@@ -924,6 +951,9 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     for stage, (layers, kept, *megabytes) in enumerate(r.tolist() for r in stages):
         log0(f"{stage:<7}{int(layers):>7}{int(kept):>20}" + "".join(
             f"{value / 1e6:>{width}.3f}" for value, width in zip(megabytes, (13, 14, 9, 11))))
+    if args.schedule == "zero-bubble":
+        log0("(zero-bubble: measured counts the inputs and output gradients waiting for W; predicted counts each "
+             "micro-batch whole from its F to its W, more than W keeps)")
     if v > 1:
         log0(f"(interleaved: micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
              f"{stages[0][1].item() / v:.1f} stages' worth, where 1F1B keeps {pp})")
@@ -943,7 +973,9 @@ def add_schedule_flags(parser) -> None:
     default needs resolve_virtual_stages after parsing)."""
     parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
                         help="with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one "
-                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank")
+                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank; zero-bubble, 1f1b with "
+                             "each backward split into input and weight gradients, the latter moved into the bubble "
+                             "(ZB-H1)")
     parser.add_argument("--virtual-stages", metavar="V", type=int, default=argparse.SUPPRESS,
                         help="model chunks per rank for --schedule interleaved (default: 2 there, else 1)")
 
@@ -985,7 +1017,7 @@ def main(argv=None):
 
     # Both observe a late step from outside: the saved-tensor hooks and a wrapper around the
     # pipeline's forward_step / backward_step.
-    activations, timeline = ActivationMeter(*chunks), TimelineRecorder(pipeline, grid.pp_group, device)
+    activations, timeline = KeptActivationMeter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
     throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
                        grid.dp_rank, device, meters=(activations, timeline), meter_step=step_to_meter(args),
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
