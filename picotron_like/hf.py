@@ -81,6 +81,16 @@ class HubFormatError(ConfigError):
     """A Hub folder or a model that the other side cannot express: one line, with the file and the fix."""
 
 
+def safetensors_torch():
+    """safetensors' torch API, or the one line that says how to install it (the hf extra): the
+    default run never needs it, so it is imported only here."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise HubFormatError("Hugging Face folders need the safetensors package: pip install -e \".[hf]\"") from None
+    return safetensors.torch
+
+
 # ----------------------------------------------------------------------------- names, both ways
 
 
@@ -229,27 +239,31 @@ class HubFolder:
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
             raise HubFormatError(f"{path}: not a readable config ({error})") from None
         self.cfg = gpt_config(self.config, path)
-        self.file_of = self._file_of_each_key()
         self.files: dict[Path, object] = {}
+        self.file_of = self._file_of_each_key()
 
     def _file_of_each_key(self) -> dict[str, Path]:
-        from safetensors import safe_open
-
         index = self.directory / INDEX
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as error:
+                raise HubFormatError(f"{index}: not a readable index ({error!r})") from None
             return {key: self.directory / file for key, file in weight_map.items()}
         path = self.directory / WEIGHTS
         if not path.exists():
             raise HubFormatError(f"{path}: missing: the folder holds no weights ({WEIGHTS} or {INDEX})")
-        with safe_open(path, "pt") as file:
-            return dict.fromkeys(file.keys(), path)
+        return dict.fromkeys(self.tensors(path).keys(), path)
 
     def tensors(self, path: Path):
-        from safetensors import safe_open
-
+        """The open file (its header read; tensors read when sliced)."""
         if path not in self.files:
-            self.files[path] = safe_open(path, "pt")
+            safetensors = safetensors_torch()
+            try:
+                self.files[path] = safetensors.safe_open(path, "pt")
+            # Whatever the reader raises (no file, a truncated or foreign header), the file is unusable.
+            except Exception as error:
+                raise HubFormatError(f"{path}: not a readable safetensors file ({error})") from None
         return self.files[path]
 
     def key_for(self, key: str) -> str:
@@ -337,8 +351,7 @@ def save(state: dict[str, torch.Tensor], cfg: GPTConfig, out_dir) -> Path:
     """Write the reference GPT's state dict as a Hub folder (config.json, model.safetensors,
     float32). Each file is written beside its name and renamed into place, config.json last: a
     folder with a config has its weights."""
-    from safetensors.torch import save_file
-
+    save_file = safetensors_torch().save_file
     config = hub_config(cfg)
     biased = [name for name, tensor in state.items() if name.endswith(".router_bias") and bool(tensor.any())]
     if biased:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -214,7 +215,11 @@ def test_lesson_07_refuses_a_bad_folder_or_another_model_before_any_collective(r
     del tensors["model.layers.1.mlp.up_proj.weight"]
     tensors["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(32)
     save_file(tensors, broken / "model.safetensors")
+    truncated = tmp_path / "truncated"
+    shutil.copytree(folders["llama"], truncated)
+    os.truncate(truncated / "model.safetensors", 100)
     cases = {
+        ("--init-from", str(truncated)): "model.safetensors: not a readable safetensors file",
         ("--init-from", str(broken)): "model.layers.1.mlp.up_proj.weight missing; 1 tensors the model does not "
                                       "have (e.g. model.layers.0.self_attn.q_proj.bias)",
         ("--init-from", str(tmp_path / "nothing")): "config.json: missing",
@@ -227,3 +232,9 @@ def test_lesson_07_refuses_a_bad_folder_or_another_model_before_any_collective(r
         with pytest.raises(ConfigError) as refused:
             checked_plan(args, full_5d.validate, full_5d.model_config, 1)
         assert words in str(refused.value) and "\n" not in str(refused.value), (flags, refused.value)
+    # Without the hf extra: the fix, not an ImportError's traceback.
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ConfigError, match=r"need the safetensors package: pip install -e \"\.\[hf\]\""):
+        checked_plan(full_5d.parse_args([*COMMON, "--init-from", folders["llama"]]), full_5d.validate,
+                     full_5d.model_config, 1)
