@@ -117,8 +117,8 @@ def hub_keys(name: str, cfg: GPTConfig) -> list[str]:
     if part == "router.weight":
         return [f"{layer}.block_sparse_moe.gate.weight"]
     if is_stacked(name):
-        w = EXPERT_NAMES[part.removeprefix("experts.")]
-        return [f"{layer}.block_sparse_moe.experts.{e}.{w}.weight" for e in range(cfg.n_experts)]
+        weight = EXPERT_NAMES[part.removeprefix("experts.")]
+        return [f"{layer}.block_sparse_moe.experts.{e}.{weight}.weight" for e in range(cfg.n_experts)]
     return [hub]
 
 
