@@ -686,15 +686,16 @@ def reference_init(name: str, shape, cfg: GPTConfig, seed: int) -> torch.Tensor:
     seeded by (seed, name); the projections that write into the residual stream (o_proj, and
     down_proj: the dense MLP's, the shared expert's and the stacked experts' ``experts.down_proj``)
     are scaled down by sqrt(2 * n_layers) so the residual's variance does not grow with depth
-    (the GPT-2 recipe).
+    (the GPT-2 recipe). Drawn on the CPU whatever the device a model is made on (lesson 07 makes
+    its chunks on the GPU): the same values everywhere.
     """
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     std = cfg.init_std
     if name.removesuffix(".weight").endswith(("o_proj", "down_proj")):
         std /= math.sqrt(2 * cfg.n_layers)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
