@@ -149,6 +149,19 @@ def test_adamw_builds_fused_and_steps_on_cuda():
     assert optimizer.defaults["fused"] and torch.isfinite(layer.weight).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_a_model_made_on_its_device_holds_the_reference_values_drawn_on_the_cpu(device):
+    """Lesson 07 makes its chunks on the device (the host holds one tensor at a time): under a
+    device context the reference values are still drawn on the CPU (a CUDA generator would draw
+    others), so the model equals one made on the CPU and moved."""
+    cfg = replace(get_config("tiny-moe"), n_layers=2)
+    with torch.device(device):
+        made_there = GPT(cfg, seed=5)
+    moved = GPT(cfg, seed=5).to(device)
+    for (name, made), expected in zip(made_there.state_dict().items(), moved.state_dict().values(), strict=True):
+        assert made.device.type == device and torch.equal(made, expected), name
+
+
 # ----------------------------------------------------------------------------- --compile
 
 
