@@ -38,7 +38,8 @@ The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocab
     memory:  weights, gradients, optimizer states / tp (norm gains replicated); a block's
              activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
              replicated: --sequence-parallel divides their 2(2h + 1), --save-sequence-shard the
-             column layers' 2h too. Logits b*s*V/tp, not b*s*V.
+             column layers' 2h too. The loss keeps one float32 per token and makes the logits one
+             chunk of tokens at a time, over V/tp words (model.linear_cross_entropy).
     communication: (4L + 2) all-reduces of b*s*h; with --sequence-parallel the same volume as
              (4L + 2) all-gathers and (4L + 2) reduce-scatters, and 2L + 1 all-reduces of h (norm
              gains); --save-sequence-shard adds 2L + 1 backward all-gathers of b*s*h. The loss: 3
@@ -80,7 +81,8 @@ from picotron_like import comm
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows)
-from picotron_like.model import GPT, IGNORE_INDEX, RMSNorm, SwiGLU, count_parameters
+from picotron_like.model import (GPT, ChunkedLoss, RMSNorm, SwiGLU, VocabularyStatistics, count_parameters,
+                                 linear_cross_entropy, loss_chunk_tokens)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
 from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
@@ -256,65 +258,49 @@ class VocabParallelEmbedding(nn.Module):
         return ReduceFromTensorParallelRegion.apply(rows, self.group)               # g
 
 
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy over logits split by vocabulary, without gathering them.
+def combine_vocabulary_slices(stats: VocabularyStatistics, group) -> VocabularyStatistics:
+    """The whole vocabulary's statistics from each tp rank's slice's, exactly: three all-reduces of
+    one float32 per token. The max is the max of the slices' maxima; each slice's sum of
+    exponentials was taken against its own max m_r, so it is rescaled to the global max M before
+    the sum, sum_r exp(m_r - M) * sum_exp_r; the target's logit is found on exactly one rank and
+    is 0 on the others, so it is a sum."""
+    row_max = stats.row_max.clone()
+    comm.call(dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=group)
+    sum_exp = stats.sum_exp * (stats.row_max - row_max).exp()
+    comm.call(dist.all_reduce, sum_exp, group=group)
+    target_logit = stats.target_logit.clone()
+    comm.call(dist.all_reduce, target_logit, group=group)
+    return VocabularyStatistics(row_max, sum_exp, target_logit)
 
-    loss_t = log sum_v exp(z_tv) - z_t,target. Each rank holds V/tp of the z_tv; three all-reduces
-    of one number per token finish the job: the max (for a stable exp), the sum of exponentials,
-    and the target logit (found on exactly one rank, zero on the others). The gradient is
-    softmax - onehot, local to each rank's slice, so backward needs no communication.
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head split by vocabulary: rank r owns the rows of words [r*V/tp, (r+1)*V/tp).
+
+    Without targets it returns this rank's slice of the logits. With targets, the loss without
+    ever gathering the logits: loss_t = log sum_v exp(z_tv) - z_t,target, and each rank holds V/tp
+    of the z_tv. The reference's chunked loss (model.linear_cross_entropy) computes each chunk's
+    statistics over this rank's words; combine_vocabulary_slices makes them the whole vocabulary's
+    with three all-reduces of one number per token, once after the last chunk (not per chunk).
+    The gradient is softmax - onehot, local to each rank's slice, so backward needs no
+    communication of its own: the input's gradient is a partial sum over the slices, which the
+    norm's f (or sequence parallelism's gather) in front of the head sums over tp.
     """
 
-    @staticmethod
-    def forward(ctx, logits, targets, group, reduction, ignore_index):
-        z, targets = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        vocab_start, vocab_slice = dist.get_rank(group) * z.shape[1], z.shape[1]
+    def __init__(self, full: nn.Linear, group):
+        super().__init__(full, group)
+        self.loss_settings = partial(ChunkedLoss, vocab_start=group_rank(group) * self.weight.shape[0],
+                                     combine=partial(combine_vocabulary_slices, group=group))
 
-        z_max = z.max(dim=-1).values
-        comm.call(dist.all_reduce, z_max, op=dist.ReduceOp.MAX, group=group)
-        exp = (z - z_max.unsqueeze(-1)).exp_()
-        sum_exp = exp.sum(dim=-1)
-        comm.call(dist.all_reduce, sum_exp, group=group)
-
-        valid = targets != ignore_index
-        mine = valid & (targets >= vocab_start) & (targets < vocab_start + vocab_slice)
-        local_target = torch.where(mine, targets - vocab_start, -1)
-        target_logit = torch.where(mine, z.gather(1, local_target.clamp(min=0)[:, None])[:, 0] - z_max, 0.0)
-        comm.call(dist.all_reduce, target_logit, group=group)
-
-        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0).sum()
-        # "sum" is what a training step asks for: it divides by the global batch's target count
-        # itself, and a call whose targets are all ignored adds 0. "mean" divides by this call's
-        # count, as F.cross_entropy does (0 / 0 = NaN when nothing counts, as there).
-        n_valid = valid.sum() if reduction == "mean" else None
-        # Keep softmax (zeroed on ignored tokens) and the local target id (-1 when it is on another
-        # rank or ignored): all backward needs. The exponentials become the softmax in place.
-        softmax = exp.div_(sum_exp.unsqueeze(-1)).masked_fill_(~valid.unsqueeze(-1), 0.0)
-        ctx.save_for_backward(softmax, local_target, n_valid)
-        ctx.logits_shape, ctx.logits_dtype = logits.shape, logits.dtype
-        return loss if n_valid is None else loss / n_valid
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_target, n_valid = ctx.saved_tensors
-        grad = softmax.clone()
-        mine = local_target >= 0
-        grad[mine.nonzero(as_tuple=True)[0], local_target[mine]] -= 1.0
-        grad.mul_(grad_loss if n_valid is None else grad_loss / n_valid)
-        return grad.view(ctx.logits_shape).to(ctx.logits_dtype), None, None, None, None
+    def forward(self, x, targets=None, reduction: str = "mean"):
+        if targets is None:
+            return super().forward(x)
+        return linear_cross_entropy(x, self.weight, targets, self.loss_settings(reduction))
 
 
-def vocab_parallel_cross_entropy(logits, targets, group, reduction: str = "mean", ignore_index: int = IGNORE_INDEX):
-    """The loss over targets != ignore_index ("mean" or "sum", as model.cross_entropy_loss), from this
-    rank's vocabulary slice of the logits."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return VocabParallelCrossEntropy.apply(logits, targets, group, reduction, ignore_index)
-
-
-# The four layer types a conversion swaps in; sequence parallelism (the next sections) swaps in
+# The five layer types a conversion swaps in; sequence parallelism (the next sections) swaps in
 # subclasses instead, and nothing else changes.
-TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnParallelLinear, RowParallelLinear)
+TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnParallelLinear, RowParallelLinear,
+                          VocabParallelHead)
 
 
 def split_dense_mlp(block, tp_group, norm, column, row) -> None:
@@ -335,8 +321,8 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
       then call this: the full tensors are released as the modules are swapped.
     - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
       -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
-      RowParallelLinear, lm_head -> ColumnParallelLinear (vocab-split logits) with
-      `model.cross_entropy` -> vocab-parallel cross-entropy (with sequence parallelism,
+      RowParallelLinear, lm_head -> VocabParallelHead (vocab-split logits, and the loss from
+      them without gathering them) (with sequence parallelism,
       SEQUENCE_PARALLEL_LAYERS; with `save_sequence_shard` too, SHARD_SAVING_LAYERS). Parameter
       names stay the same. `Attention.attention_core` is untouched.
     - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
@@ -358,8 +344,8 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
     if split_mlp is None:
         validate_tensor_parallel(model.cfg, group_size(tp_group))
         split_mlp = split_dense_mlp
-    embedding, norm, column, row = (TENSOR_PARALLEL_LAYERS if not sequence_parallel else
-                                    SHARD_SAVING_LAYERS if save_sequence_shard else SEQUENCE_PARALLEL_LAYERS)
+    embedding, norm, column, row, head = (TENSOR_PARALLEL_LAYERS if not sequence_parallel else
+                                          SHARD_SAVING_LAYERS if save_sequence_shard else SEQUENCE_PARALLEL_LAYERS)
     if getattr(model, "tok_embeddings", None) is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
     for block in model.layers:
@@ -369,8 +355,7 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
     if getattr(model, "norm", None) is not None:
         model.norm = norm(model.norm, tp_group)
     if getattr(model, "lm_head", None) is not None:
-        model.lm_head = column(model.lm_head, tp_group)
-        model.cross_entropy = partial(vocab_parallel_cross_entropy, group=tp_group)
+        model.lm_head = head(model.lm_head, tp_group)
     return model
 
 
@@ -503,7 +488,7 @@ class SequenceParallelRowLinear(RowParallelLinear):
 
 
 SEQUENCE_PARALLEL_LAYERS = (SequenceParallelEmbedding, SequenceParallelRMSNorm, ColumnParallelLinear,
-                            SequenceParallelRowLinear)
+                            SequenceParallelRowLinear, VocabParallelHead)
 
 
 # ============================================================================ the technique: saving the sequence shard
@@ -540,6 +525,11 @@ class SequenceRegather:
         if self.readers == 0:
             self.full = None
         return full
+
+    def gathered(self, shard):
+        """start and result at once, for a reader with nothing to compute while the gather travels."""
+        self.start(shard)
+        return self.result()
 
 
 class SequenceParallelInput:
@@ -602,8 +592,20 @@ class ShardSavingColumnLinear(ColumnParallelLinear):
         return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
 
 
+class ShardSavingVocabParallelHead(VocabParallelHead):
+    """The head's slice of the logits from the gathered sequence; its loss keeps only this rank's
+    tokens of its input too, and gathers them again at the start of its backward."""
+
+    def forward(self, x: SequenceParallelInput, targets=None, reduction: str = "mean"):
+        if targets is None:
+            return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
+        x.regather.readers += 1
+        return linear_cross_entropy(x.full, self.weight, targets,
+                                    self.loss_settings(reduction, restore_input=x.regather.gathered), kept=x.shard)
+
+
 SHARD_SAVING_LAYERS = (SequenceParallelEmbedding, ShardSavingRMSNorm, ShardSavingColumnLinear,
-                       SequenceParallelRowLinear)
+                       SequenceParallelRowLinear, ShardSavingVocabParallelHead)
 
 
 # ============================================================================ configuration rules
@@ -710,8 +712,8 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
       o_proj input and SwiGLU's gate, silu(gate), up, product             (h + 4f) / tp
     so with sequence parallelism saving the shard everything a block saves is divided by tp. Plus
     the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per token;
-    the head's final norm and input (as a block's norm), the loss's softmax over V/tp and its int64
-    targets (a mean would keep its int64 count of targets too, 8 bytes).
+    the head's final norm and input (as a block's norm), the loss's log-sum-exp (one float32 per
+    token, whatever V and tp: model.LinearCrossEntropy) and its int64 targets.
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len
@@ -722,7 +724,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     kept_tokens = norm_tokens if save_sequence_shard else tokens     # ... and its output's, kept
     norm = (2 * h + 1) * norm_tokens + h * kept_tokens
     split = 2 * h + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.n_heads + h + 4 * f
-    float_elements = layers * (2 * norm + tokens * split // tp) + with_head * (norm + tokens * cfg.vocab_size // tp)
+    float_elements = layers * (2 * norm + tokens * split // tp) + with_head * (norm + tokens)
     float_elements += seq_len * cfg.head_dim if layers else 0
     other_bytes = tokens * ((8 + 1) * with_embedding + 8 * with_head)     # int64 ids and a mask; int64 targets
     return 4 * float_elements + other_bytes
@@ -742,8 +744,10 @@ def report(run: MeteredRun, plan, form: str, compute_dtype) -> None:
         log0("activations predicted per rank, sequence parallelism " + ", ".join(
             f"{name} {predicted_tp_activation_bytes(cfg, b, s, tp, **other) / 1e6:.3f} MB"
             for name, other in SEQUENCE_PARALLEL_FORMS.items()))
-    log0(f"logits of one micro-batch: {b * s * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank "
-         f"(vocab slice); gathered they would be {b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
+    chunk = min(b * s, loss_chunk_tokens(cfg.vocab_size // tp))
+    log0(f"float32 logits at a time: one chunk of {chunk} tokens over the vocab slice, "
+         f"{chunk * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank; the micro-batch's gathered would be "
+         f"{b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
     log_traffic_rows(run, f"b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, {shape.grad_accum} micro-batches",
                      predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, compute_dtype=compute_dtype, **keywords),
                      norm_groups=("tp",))

@@ -101,7 +101,7 @@ from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows, predicted_activation_bytes)
-from picotron_like.model import GPT, Block, RMSNorm, count_parameters, cross_entropy_loss, init_reference_parameters
+from picotron_like.model import GPT, Block, LMHead, RMSNorm, count_parameters, init_reference_parameters
 from picotron_like.pipeline_tools import (PipelineDeadlock, SendsInFlight, TimelineRecorder, bubble_fraction,
                                           gather_timelines, peak_live_micro_batches, render_timeline,
                                           simulate_pipeline)
@@ -146,7 +146,7 @@ def stage_layers(blocks: dict[int, Block]) -> nn.Sequential:
 class PipelineStage(nn.Module):
     """One contiguous piece of the reference GPT, shaped like GPT itself.
 
-    It has GPT's attributes (tok_embeddings, layers, norm, lm_head, cross_entropy, cfg), with the
+    It has GPT's attributes (tok_embeddings, layers, norm, lm_head, cfg), with the
     ones it does not own set to None, and borrows GPT's own embed / rope / head_loss: the model is
     written once, and every other lesson's entry point (lesson 07 applies them) converts a stage as
     it converts a whole GPT.
@@ -168,8 +168,7 @@ class PipelineStage(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden) if has_embedding else None
         self.layers = stage_layers({index: Block(cfg) for index in layer_ids})
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps) if has_head else None
-        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False) if has_head else None
-        self.cross_entropy = cross_entropy_loss
+        self.lm_head = LMHead(cfg.hidden, cfg.vocab_size) if has_head else None    # the loss too (chunked)
         # The names are the reference's, so these are the reference's values for this seed.
         init_reference_parameters(self, seed)
 

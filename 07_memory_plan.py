@@ -44,8 +44,8 @@ from typing import NamedTuple
 import torch
 
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import add_traffic, peak_flops_of_name
-from picotron_like.model import count_parameters, flops_per_token, get_config
+from picotron_like.metrics import add_traffic, loss_transient_parts, peak_flops_of_name
+from picotron_like.model import count_parameters, flops_per_token, get_config, loss_chunk_tokens
 from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
 from picotron_like.train import batch_shape, check_flag_ranges, exit_with_error, grid_from_args
@@ -177,6 +177,19 @@ def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_unit
     return buffers
 
 
+def planned_loss_parts(cfg, args, grid: GridShape, shape, precision, pp_rank: int) -> dict[str, int]:
+    """The chunked loss's backward on a rank that holds the LM head (the last pipeline stage; none
+    on the others), by part: metrics.loss_transient_parts for its tokens (b s / cp, the whole
+    sequence under sequence parallelism, which gathers it again for the head) and its vocabulary
+    slice V / tp, in the weights' dtype, on a GPU. It comes at the start of a micro-batch's
+    backward, when the activations counted above are all alive: the step's peak, together with them."""
+    if pp_rank != grid.pp - 1:
+        return {}
+    tokens = shape.micro_batch_size * shape.seq_len // grid.cp
+    return loss_transient_parts(tokens, cfg.hidden, cfg.vocab_size // grid.tp, precision.param_dtype,
+                                regathered_input=args.sequence_parallel)
+
+
 def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
     """Pipeline stage `pp_rank`'s units as lesson 07's ZeroUnits: their dense parameters over dp x
     cp and their experts over edp = dp x cp / ep (unit_parameter_counts)."""
@@ -196,7 +209,9 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
               "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
-              "activations": activations, "gathered weights (ZeRO-3)": gathered,
+              "activations": activations,
+              "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank).values()),
+              "gathered weights (ZeRO-3)": gathered,
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
     return memory, live
@@ -442,6 +457,7 @@ def print_memory_plan(args) -> None:
     if shape.seq_len != cfg.seq_len:
         print(f"note: {args.preset} is sized for --seq-len {cfg.seq_len}")
     print_planned_memory(planned, usable)
+    print_peak_makeup(planned, cfg, shape, precision)
     by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
                                               shape, precision, planned.pp_rank)[0]
                for mode in full_5d.RECOMPUTE_MODES}
@@ -470,6 +486,23 @@ def print_planned_memory(planned: PlannedLayout, usable: float) -> None:
     print(f"fits: {total / GIB:.1f} of {usable / GIB:.1f} GiB, {(usable - total) / GIB:.1f} GiB to spare"
           if total <= usable else f"does not fit: {total / GIB:.1f} GiB, {(total - usable) / GIB:.1f} GiB over "
                                   f"the {usable / GIB:.1f} GiB planned")
+
+
+def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision) -> None:
+    """Which tensors the total counts, and when they are all alive at once."""
+    loss = planned_loss_parts(cfg, planned.args, planned.grid, shape, precision, planned.pp_rank)
+    parts = ["the model states", f"the kept activations of {planned.live_micro_batches} micro-batch"
+             + ("es" if planned.live_micro_batches > 1 else "")]
+    if loss:
+        chunk = min(shape.micro_batch_size * shape.seq_len // planned.grid.cp,
+                    loss_chunk_tokens(cfg.vocab_size // planned.grid.tp))
+        parts.append(f"the loss's backward (the head's dW {loss['dW'] / GIB:.2f} GiB, dx {loss['dx'] / GIB:.2f} GiB, "
+                     f"the logits of one chunk of {chunk} tokens {loss['chunk'] / GIB:.2f} GiB)")
+    if planned.memory["gathered weights (ZeRO-3)"]:
+        parts.append("ZeRO-3's gathered units")
+    when = ("at the start of a micro-batch's backward, in the LM head" if loss else
+            "when the schedule holds the most micro-batches (this stage holds no LM head)")
+    print(f"the peak, {when}: " + ", ".join(parts) + ", and the communication buffers")
 
 
 def print_layout_table(layouts: list[PlannedLayout]) -> None:

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPTConfig, flops_per_token, moe_layers
+from picotron_like.model import GPTConfig, flops_per_token, loss_chunk_tokens, moe_layers
 
 
 def is_rank0() -> bool:
@@ -155,9 +155,9 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
       attention: q, k and v (kv heads only), output, log-sum-exp         2h + 2 n_kv d + n_heads
       o_proj input (the heads re-laid out as one row)                     h
       SwiGLU: gate, silu(gate), up, their product                         4f
-    plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm and the
-    log-softmax of the logits (3h + 1 + V per token) with the loss's float32 count of targets (one
-    scalar, saved for the mean and the sum alike), and the int64 token ids and targets.
+    plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm (3h + 1 per
+    token, its output the LM head's input) and the chunked loss's log-sum-exp (1 per token: the
+    logits are never kept, model.LinearCrossEntropy), and the int64 token ids and targets.
     A model with experts saves per-expert copies instead of the 4f term; the formula covers
     dense models only.
     """
@@ -167,8 +167,41 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
     kv = 2 * cfg.n_kv_heads * cfg.head_dim
     elements = layers * tokens * (9 * h + kv + 4 * f + cfg.n_heads + 2) + seq_len * cfg.head_dim
     if with_head:
-        elements += tokens * (3 * h + 1 + cfg.vocab_size) + 1
+        elements += tokens * (3 * h + 2)
     return element_bytes * elements + 8 * tokens * 2
+
+
+def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch.float32,
+                         regathered_input: bool = False, matmul_copies_weight: bool = False) -> dict[str, int]:
+    """What the chunked loss's backward (model.LinearCrossEntropy) holds at its peak besides what
+    forward kept, in bytes, for n = `tokens` tokens over a vocabulary slice of V words of the LM head,
+    hidden h, its weights stored and multiplied in `dtype` (e bytes: float32, or bf16 as lessons 06
+    and 07 keep them), c tokens per chunk:
+      "dW"      the head's weight gradient, until autograd adds it into .grad          V h e
+      "dx"      the gradient of the head's input; under sequence parallelism saving     n h e
+                the shard, the input gathered again beside it                          (2 n h e)
+      "chunk"   one chunk's recomputed logits in float32, beside their product in e     c V 4 in float32,
+                (or beside the gradient cast back to e)                               c V (4 + e) else
+                `matmul_copies_weight` (the CPU's bf16 matmul, oneDNN, packs a copy of
+                W for dx = g W; cuBLAS does not): the larger of that and c V e + V h e
+      "targets" each target's index in the slice (int64), two masks and two per-token
+                scales (float32), and the loss's float32 gradient                     18 n + 4
+    This comes at the start of backward, while every activation is still alive: with a large
+    vocabulary, the step's peak. tests/test_loss_memory.py measures it on the CPU allocator (the
+    loss summed, as a training step asks for it): to the byte in float32; in bf16 oneDNN adds
+    some KiB of scratch of its own."""
+    e = dtype.itemsize
+    chunk = min(tokens, loss_chunk_tokens(vocab_slice))
+    logits = chunk * vocab_slice * (4 + e if e != 4 else 4)
+    if matmul_copies_weight and e != 4:
+        logits = max(logits, chunk * vocab_slice * e + vocab_slice * hidden * e)
+    return {"dW": vocab_slice * hidden * e, "dx": tokens * hidden * e * (1 + regathered_input),
+            "chunk": logits, "targets": 18 * tokens + 4}
+
+
+def predicted_loss_transient_bytes(*args, **kwargs) -> int:
+    """The sum of loss_transient_parts (same arguments)."""
+    return sum(loss_transient_parts(*args, **kwargs).values())
 
 
 # ----------------------------------------------------------------------------- memory: the four components

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
+from picotron_like import model as model_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, add_traffic, data_parallel_traffic, step_bookkeeping_traffic
@@ -155,32 +156,43 @@ def check_embedding(group, sequence_parallel):
 
 
 def check_cross_entropy(group):
+    """The vocab-parallel head's loss, chunked over 3 tokens at a time (16 tokens: 6 chunks), equals
+    F.cross_entropy on the whole logits, with its gradients; tests/test_loss_memory.py proves the
+    whole models and the chunk rule."""
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(4)
-    full_logits = 3 * torch.randn(2, 8, 32, generator=gen)
+    x = torch.randn(2, 8, 16, generator=gen)
+    full = nn.Linear(16, 32, bias=False)
+    full.weight.data = torch.randn(32, 16, generator=gen) / 2
     targets = torch.randint(0, 32, (2, 8), generator=gen)
     targets[torch.rand(2, 8, generator=gen) < 0.25] = IGNORE_INDEX
     assert (targets == IGNORE_INDEX).any() and (targets != IGNORE_INDEX).any()
+    head = tp_lesson.VocabParallelHead(full, group)
+    chunk_bytes, model_module.LOSS_CHUNK_BYTES = model_module.LOSS_CHUNK_BYTES, 4 * 32 // tp * 3
     for reduction in ("mean", "sum"):
-        logits = full_logits.clone().requires_grad_()
-        reference = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+        inputs, local_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        full.weight.grad = head.weight.grad = None
+        reference = F.cross_entropy(full(inputs).flatten(0, 1), targets.flatten(), reduction=reduction)
         (0.5 * reference).backward()
-        local = shard(full_logits, 2, rank, tp).clone().requires_grad_()
-        loss = tp_lesson.vocab_parallel_cross_entropy(local, targets, group, reduction=reduction)
+        loss = head(local_inputs, targets, reduction)
         what = f"cross-entropy tp={tp} {reduction}"
         assert_close(loss, reference, f"{what} loss")
         (0.5 * loss).backward()
-        assert_close(local.grad, shard(logits.grad, 2, rank, tp), f"{what} logits grad")
+        assert_close(head.weight.grad, shard(full.weight.grad, 0, rank, tp), f"{what} weight grad")
+        # a partial sum over the vocabulary slices, which the f in front of the head sums over tp
+        comm.call(dist.all_reduce, local_inputs.grad, group=group)
+        assert_close(local_inputs.grad, inputs.grad, f"{what} input grad")
 
     # Every target ignored (a micro-batch of padding): the sum is 0 with a zero gradient, so a
     # training step can add it in; the mean is 0 / 0, NaN, as F.cross_entropy's.
     ignored = torch.full_like(targets, IGNORE_INDEX)
-    local = shard(full_logits, 2, rank, tp).clone().requires_grad_()
-    loss = tp_lesson.vocab_parallel_cross_entropy(local, ignored, group, reduction="sum")
-    assert loss.item() == 0.0 == F.cross_entropy(full_logits.flatten(0, 1), ignored.flatten(), reduction="sum").item()
+    head.weight.grad = None
+    loss = head(x, ignored, "sum")
+    assert loss.item() == 0.0 == F.cross_entropy(full(x).flatten(0, 1), ignored.flatten(), reduction="sum").item()
     loss.backward()
-    assert torch.equal(local.grad, torch.zeros_like(local))
-    assert tp_lesson.vocab_parallel_cross_entropy(local, ignored, group).isnan()
+    assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
+    assert head(x, ignored).isnan()
+    model_module.LOSS_CHUNK_BYTES = chunk_bytes
 
 
 def check_apply_refuses_indivisible_kv_heads(group):
@@ -469,9 +481,10 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
                                                                                 **FORMS["saving the shard"]))
         # Saving the shard, everything else a block saves is split too: what is left after the
         # parts outside the blocks that no tp rank splits (the rotary tables, the token ids with the
-        # embedding's mask, the targets) scales as 1/tp (tp = 2 and 4 agree).
+        # embedding's mask, the targets and the loss's float32 log-sum-exp) scales as 1/tp (tp = 2
+        # and 4 agree).
         tokens = MICRO * SEQ
-        unsplit = SEQ * CFG.head_dim * 4 + tokens * (8 + 1) + tokens * 8
+        unsplit = SEQ * CFG.head_dim * 4 + tokens * (8 + 1) + tokens * (8 + 4)
         assert len({(nbytes - unsplit) * tp for (_, tp, form), nbytes in measured.items()
                     if form == "saving the shard"}) == 1, rank
 
