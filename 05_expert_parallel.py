@@ -80,7 +80,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, BalancingLog, MeteredRun, RoutingMeter, add_traffic, data_parallel_traffic, log0,
                                    log_compute_report, log_memory_rows, log_traffic_rows, predicted_activation_bytes,
                                    tensor_bytes)
-from picotron_like.model import GPT, GroupedExperts, Routing, count_parameters, is_expert_parameter, moe_layers
+from picotron_like.model import (GPT, GroupedExperts, Routing, count_parameters, expert_counts, is_expert_parameter,
+                                 moe_layers)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
@@ -93,25 +94,36 @@ data_parallel = load_lesson("01_data_parallel")
 
 @dataclass
 class Dispatch:
-    """A batch's kept token-expert assignments, sorted by expert (expert 0's rows first).
+    """A batch's token-expert assignments, sorted by expert (expert 0's rows first).
 
     token_rows [m]  the token each assignment belongs to (within an expert: in token order)
     weights    [m]  its combine weight
-    counts     [E]  assignments per expert: the lengths of the runs in the sorted order
+    counts     [E]  kept assignments per expert: the lengths of the runs in the sorted order; the
+                    dropped ones, if any, come after all of them, until kept() cuts them off
     """
 
     token_rows: torch.Tensor
     weights: torch.Tensor
     counts: torch.Tensor
 
+    def kept(self, n_kept: int) -> "Dispatch":
+        """The first n_kept assignments: the kept ones, once the host has read the counts (copies,
+        so that backward keeps n_kept rows, not every choice's)."""
+        if n_kept == len(self.token_rows):
+            return self
+        return Dispatch(self.token_rows[:n_kept].clone(), self.weights[:n_kept].clone(), self.counts)
+
 
 def sort_by_expert(routing: Routing, n_experts: int) -> Dispatch:
-    """Flatten the kept [n, k] choices and sort them by expert, stably: an expert then sees its
-    tokens in token order, as the reference loop does. A dropped choice is not dispatched at all."""
-    rows, slots = routing.kept.nonzero(as_tuple=True)
-    expert_ids = routing.expert_ids[rows, slots]
+    """Flatten the [n, k] choices and sort them by expert, stably: an expert then sees its tokens
+    in token order, as the reference loop does. A dropped choice sorts last, as expert E, and is
+    cut off (Dispatch.kept) with the counts that the caller reads to the host anyway, as the sizes
+    of its runs or of its all-to-all: selecting the kept ones first (nonzero) would make the host
+    wait for the device once more, to learn how many there are."""
+    k = routing.expert_ids.shape[1]
+    expert_ids = routing.expert_ids.masked_fill(~routing.kept, n_experts).flatten()
     order = expert_ids.argsort(stable=True)
-    return Dispatch(rows[order], routing.weights[rows, slots][order], torch.bincount(expert_ids, minlength=n_experts))
+    return Dispatch(order // k, routing.weights.flatten()[order], expert_counts(expert_ids, n_experts + 1)[:-1])
 
 
 def looped_experts(x: torch.Tensor, counts: list[int], experts: GroupedExperts) -> torch.Tensor:
@@ -173,7 +185,9 @@ def local_expert_compute(tokens: torch.Tensor, routing: Routing, experts: Groupe
                          run_experts=looped_experts) -> torch.Tensor:
     """MixtureOfExperts.expert_compute on one rank: permute, run, un-permute and weight."""
     dispatch = sort_by_expert(routing, experts.n_experts)
-    expert_out = run_experts(tokens[dispatch.token_rows], dispatch.counts.tolist(), experts)
+    counts = dispatch.counts.tolist()       # the host's one read: the experts' runs of rows
+    dispatch = dispatch.kept(sum(counts))
+    expert_out = run_experts(tokens[dispatch.token_rows], counts, experts)
     return combine(tokens, dispatch, expert_out)
 
 
@@ -225,14 +239,16 @@ def expert_parallel_compute(tokens: torch.Tensor, routing: Routing, experts: Gro
     n_local = experts.n_experts
     dispatch = sort_by_expert(routing, n_local * ep.size)
     arriving = exchange_counts(dispatch.counts, ep)                          # [source, local expert]
-    # The all-to-all takes its split sizes as host integers: one read of each count table.
-    sent_table, arrived_table = dispatch.counts.view(ep.size, n_local).tolist(), arriving.tolist()
+    # The all-to-all takes its split sizes as host integers: the host's one read, both tables at once.
+    sent_table, arrived_table = torch.stack([dispatch.counts.view(ep.size, n_local), arriving]).tolist()
     send_splits, receive_splits = [sum(row) for row in sent_table], [sum(row) for row in arrived_table]
+    dispatch = dispatch.kept(sum(send_splits))
     received = comm.AllToAll.apply(tokens[dispatch.token_rows], ep.group, receive_splits, send_splits)
     # Number each arrived row's (source, expert) block expert-major; a stable sort by that number
     # regroups the rows by expert and keeps each block's rows in order.
     block_key = torch.arange(n_local, device=tokens.device) * ep.size + torch.arange(ep.size, device=tokens.device)[:, None]
-    by_expert = block_key.flatten().repeat_interleave(arriving.flatten()).argsort(stable=True)
+    by_expert = block_key.flatten().repeat_interleave(arriving.flatten(), output_size=sum(receive_splits))
+    by_expert = by_expert.argsort(stable=True)
     expert_out = run_experts(received[by_expert], [sum(column) for column in zip(*arrived_table)], experts)
     returned = comm.AllToAll.apply(expert_out[by_expert.argsort()], ep.group, send_splits,
                                                receive_splits)
@@ -470,14 +486,14 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
 
       per token      the router's scores (softmax or sigmoid output)                  4E
                      the top-k sort's int64 indices (expert_ids are a view of them)    8E
+                     its k choices' order by expert (int64; dropped choices too)      8k
                      the chosen scores and their sum (weights = chosen / sum)         4k + 4
                      capacity: the bool mask of kept choices (weights * kept)          k
                      sigmoid router with the aux loss: the scores' row sums            4
                      z-loss: the router logits and their logsumexp                    4E + 4
                      shared expert: SwiGLU's gate, silu(gate), up, product            4e f_shared
       per sequence   aux loss: f_i                                                    4E
-      per m          int64 (token, choice) pairs 16, their order by expert 8, the
-                     permuted token rows 8; the combine weight e                      32 + e
+      per m          the kept choices' token rows, int64; the combine weight          8 + e
                      the expert output back at the token's rank, and weighted         2e h
       per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   e (h + 4f)
                      ep > 1: the permutations into and out of expert order, int64     16
@@ -486,13 +502,13 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
     """
     E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden
     e = element_bytes
-    per_token = 12 * E + 4 * k + 4 + 4 * e * cfg.n_shared_experts * f
+    per_token = 12 * E + 12 * k + 4 + 4 * e * cfg.n_shared_experts * f
     per_token += (k if cfg.capacity_factor is not None else 0) + (4 * E + 4 if cfg.z_loss_coef else 0)
     per_token += 4 if cfg.router == "sigmoid" and cfg.aux_loss_coef else 0
     per_sequence = 4 * E if cfg.aux_loss_coef else 0
     per_received = e * (h + 4 * f) + (16 if ep > 1 else 0)
     offsets = 4 * E // ep if grouped else 0
-    return tokens * per_token + sequences * per_sequence + sent * (32 + e + 2 * e * h) + received * per_received + offsets
+    return tokens * per_token + sequences * per_sequence + sent * (8 + e + 2 * e * h) + received * per_received + offsets
 
 
 def moe_layer_bytes_over_dense(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPTConfig, flops_per_token, loss_chunk_tokens, moe_layers
+from picotron_like.model import GPTConfig, expert_counts, flops_per_token, loss_chunk_tokens, moe_layers
 
 
 def is_rank0() -> bool:
@@ -333,7 +333,7 @@ class RoutingMeter:
         def recorded(tokens, routing, experts):
             layer = self.layers[index]
             if layer.training:      # a validation forward is no step's work
-                counts = torch.bincount(routing.expert_ids[routing.kept], minlength=layer.n_experts)
+                counts = expert_counts(routing.expert_ids, layer.n_experts, routing.kept)
                 self._record(index, counts, (~routing.kept).sum())
             return compute(tokens, routing, experts)
         return recorded
@@ -372,7 +372,9 @@ class BalancingLog:
         layers = [layer for part in parts for layer in moe_layers(part)]
         self.names = [name for name, attribute in (("aux", "aux_loss_coef"), ("z", "z_loss_coef"))
                       if any(getattr(layer, attribute) for layer in layers)]
-        self.groups, self.totals = groups, torch.zeros(len(self.names))
+        # summed on the model's device, reduced there and read once a step (step_values)
+        self.device = next(parts[0].parameters()).device if parts else torch.device("cpu")
+        self.groups, self.totals = groups, torch.zeros(len(self.names), device=self.device)
         for layer in layers if self.names else ():
             layer.register_forward_hook(self._read)
 
@@ -382,12 +384,12 @@ class BalancingLog:
         if not layer.training:      # a validation forward: not part of any step's objective
             return
         values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
-        self.totals += torch.stack([values[name] for name in self.names]).detach().cpu()
+        self.totals += torch.stack([values[name] for name in self.names]).detach()
 
     def step_values(self) -> dict:
         if not self.names:
             return {}
-        totals, self.totals = self.totals, torch.zeros(len(self.names))
+        totals, self.totals = self.totals, torch.zeros(len(self.names), device=self.device)
         for group in self.groups:
             comm.call(dist.all_reduce, totals, group=group)
         return dict(zip(self.names, totals.tolist()))

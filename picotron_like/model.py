@@ -384,6 +384,18 @@ def looped_expert_compute(tokens: torch.Tensor, routing: Routing, experts: Group
     return out
 
 
+def expert_counts(expert_ids: torch.Tensor, n_experts: int, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """[E]: how many of the choices `expert_ids` (any shape) name each expert, the `kept` ones only
+    when a mask is given. torch.bincount would first read the largest id to the host (on a GPU, a
+    wait for the device); adding ones onto E + 1 zeros, the dropped choices onto the extra one,
+    keeps everything on the device."""
+    if kept is not None:
+        expert_ids = expert_ids.masked_fill(~kept, n_experts)
+    ids = expert_ids.flatten()
+    counts = torch.zeros(n_experts + 1, dtype=torch.long, device=ids.device)
+    return counts.index_add_(0, ids, torch.ones_like(ids))[:-1]
+
+
 def choice_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
     """[sequences, E]: how many tokens of each sequence chose each expert (dropped or not).
     expert_ids: [sequences, tokens, k]."""
@@ -569,7 +581,7 @@ class MixtureOfExperts(nn.Module):
         seq_len = x.shape[1]
         routing = self.route(tokens, seq_len)
         with torch.no_grad():
-            self.expert_load += torch.bincount(routing.expert_ids.flatten(), minlength=self.n_experts)
+            self.expert_load += expert_counts(routing.expert_ids, self.n_experts)
         out = self.expert_compute(tokens, routing, self.experts)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)

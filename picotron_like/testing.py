@@ -32,6 +32,11 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
+from torch.overrides import TorchFunctionMode
+
+from picotron_like.lessons import REPO_ROOT
+
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "picotron_like.model"])
 
@@ -241,3 +246,45 @@ def torchrun_workers_by_rank(parent: int) -> dict[int, int]:
             environment = dict(entry.split("=", 1) for entry in file.read().split("\0") if "=" in entry)
         ranks[int(environment["RANK"])] = pid
     return ranks
+
+
+class HostReads(TorchFunctionMode):
+    """Counts, while entered, the calls that make the host wait for a GPU's work to finish: reads
+    of values (item, tolist, a tensor used as a Python bool or number, a copy to the CPU) and
+    operations whose output size depends on the values (nonzero, bincount, unique, a boolean mask,
+    repeat_interleave without its output_size). On a CPU nothing waits, but the same calls are made
+    in the same places: counting them tells what a GPU would wait for, without a GPU
+    (benchmarks/count_host_syncs.py counts the real waits on one). The optimizers' own reads are
+    left out: they read their step counters, which live on the CPU unless the optimizer is fused,
+    and a fused one (lesson 07 on CUDA) reads nothing. `sites` holds each call as (function,
+    "file:function" of the innermost code of this repository that made it)."""
+
+    VALUE_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+                   "argwhere", "bincount", "unique", "unique_consecutive", "masked_select"}
+
+    def __init__(self):
+        super().__init__()
+        self.sites: list[tuple[str, str]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name in self.VALUE_READS or self._sized_by_values(name, args, kwargs)) and args \
+                and isinstance(args[0], torch.Tensor):
+            stack = traceback.extract_stack()[:-1]
+            if f"torch{os.sep}optim{os.sep}" not in stack[-1].filename:
+                ours = [frame for frame in stack if frame.filename.startswith(str(REPO_ROOT))
+                        and "site-packages" not in frame.filename and not frame.filename.endswith("testing.py")]
+                self.sites.append((name, f"{Path(ours[-1].filename).name}:{ours[-1].name}" if ours else "?"))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _sized_by_values(name: str, args, kwargs) -> bool:
+        if name == "repeat_interleave":
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+        if name == "__getitem__":
+            index = args[1] if len(args) > 1 else None
+            parts = index if isinstance(index, tuple) else (index,)
+            return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
+        return False

@@ -45,7 +45,7 @@ from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, BalancingLog, RoutingMeter, step_traffic
 from picotron_like.model import GPT, get_config, looped_expert_compute, moe_layers
-from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
+from picotron_like.testing import HostReads, ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import build_optimizer
 
@@ -460,3 +460,27 @@ def test_torchrun_script_trains():
     assert "| aux " in result.stdout and "| z " not in result.stdout and "routing of one step" in result.stdout
     assert re.search(r"all_to_all_single +ep +[0-9.]+ +([0-9.]+) +\1 ", result.stdout), result.stdout
     assert re.search(r"activations +([0-9.]+) +\1\n", result.stdout), result.stdout
+
+
+# ----------------------------------------------------------------------------- host reads
+
+
+def test_the_dispatch_reads_to_the_host_once_per_layer_and_nothing_else_does():
+    """On a GPU a value read to the host (the split sizes of a dispatch, a nonzero's count) makes
+    the host wait for the device, which then idles while the host queues the next kernels. The
+    sorted dispatch needs its counts as host integers once per layer and micro-batch; nothing else
+    in the forward or backward reads anything, dropped choices included (capacity 1.0). The
+    reference loop, which selects each expert's tokens with nonzero, reads E times per layer: the
+    counter sees the reads it must see."""
+    cfg = replace(CFG, capacity_factor=1.0, aux_loss_coef=1e-2)
+    tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, SEQ), generator=torch.Generator().manual_seed(0))
+    for compute, expected in [(looped_expert_compute, [("nonzero", "model.py:looped_expert_compute")] * cfg.n_experts),
+                              (lesson.local_expert_compute, [("tolist", "05_expert_parallel.py:local_expert_compute")]),
+                              (functools.partial(lesson.local_expert_compute, run_experts=lesson.grouped_experts),
+                               [("tolist", "05_expert_parallel.py:local_expert_compute")])]:
+        model = GPT(cfg, seed=SEED)
+        for layer in moe_layers(model):
+            layer.expert_compute = compute
+        with HostReads() as reads:
+            model(tokens, targets).backward()
+        assert reads.sites == expected * cfg.n_layers, reads.sites

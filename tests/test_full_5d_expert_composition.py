@@ -24,8 +24,9 @@ import pytest
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
-from picotron_like.testing import masked_step_batch, run_ranks
+from picotron_like.testing import HostReads, masked_step_batch, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
+from picotron_like.train import checked_plan
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
                                   assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
 from test_full_5d import metered_steps
@@ -145,3 +146,42 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
         if variant.bias_update_rate:
             assert any(b.abs().sum() > 0 for b in reference["router_biases"][-1].values())
 
+
+
+def host_reads_of_two_steps() -> list:
+    """Lesson 07's MoE step at dp 2 x ep 2 (2 layers, 2 micro-batches), bias balancing and the aux
+    loss on, the every-step routing meter entered as 07's main enters it: each step's host reads."""
+    full_5d = load_lesson("07_full_5d")
+    argv = ["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--n-layers", "2", "--seq-len", str(SEQ),
+            "--micro-batch-size", str(MICRO), "--grad-accum", "2", "--bias-update-rate", "1e-3",
+            "--aux-loss-coef", "1e-2"]
+    args = full_5d.parse_args(argv)
+    plan = checked_plan(args, full_5d.validate, full_5d.model_config, 2)
+    grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
+    model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
+    optimizer = full_5d.zero.build_sharded_optimizer(model, args.lr)
+    settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
+    step = functools.partial(full_5d.train_step, model, optimizer, settings=settings,
+                             bias_update_rate=args.bias_update_rate,
+                             balancing_log=full_5d.balancing_log(model, pipeline, grid))
+    reads = []
+    with RoutingMeter(full_5d.model_parts(model, pipeline), plan.shape.grad_accum):
+        for index in range(2):
+            with HostReads() as counter:
+                step(plan.batches.step_batch(index, grid.dp_rank))
+            reads.append(counter.sites)
+    return reads
+
+
+def test_a_composed_moe_step_reads_to_the_host_once_per_layer_and_micro_batch_and_three_times_more():
+    """What a GPU would wait for in one optimizer step of 07 with experts: the all-to-all's split
+    sizes, once per layer and micro-batch (2 x 2), and three reads of the step's tail: the gradient
+    norm (for the skip of a non-finite step), the loss and the balancing losses for the log line.
+    The routing meter, the router's load count and the balancing log's sums stay on the device
+    (each used to read once per layer and micro-batch)."""
+    split = ("tolist", "05_expert_parallel.py:expert_parallel_compute")
+    tail = [("item", "train.py:clip_grad_norm_"), ("item", "06_zero.py:finish_step"),
+            ("tolist", "metrics.py:step_values")]
+    for rank, steps in enumerate(run_ranks(2, host_reads_of_two_steps)):
+        for sites in steps:
+            assert sorted(sites) == sorted([split] * 4 + tail), (rank, sites)
