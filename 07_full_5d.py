@@ -45,13 +45,16 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
 Around the composition, what a real run needs: `--plan` (07_memory_plan.py: will a layout fit,
 and which layouts do, before launch), checkpoints that resume in any layout (--save-dir,
 --resume), the GPU fast paths (flash attention, a fused ring block, fused AdamW, --compile).
-FP8 matmuls: --fp8 (07_fp8.py). Out of scope here: fp16 with loss scaling (bf16 needs none), zero-bubble pipeline schedules.
+FP8 matmuls: --fp8 (07_fp8.py). Lesson 03's zero-bubble schedule (--schedule zero-bubble) with tp, cp,
+experts and ZeRO-0/1: every block's weight gradients wait for W (defer_block_weight_gradients).
+Out of scope here: fp16 with loss scaling (bf16 needs none).
 
 Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute full
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --recompute selective --dtype bfloat16
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --cp 2 --zero-stage 1 --recompute full
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --zero-stage 1 --schedule interleaved --virtual-stages 2
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --tp 2 --zero-stage 1 --schedule zero-bubble --grad-accum 4
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
     torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
@@ -142,6 +145,9 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
                            group_of=experts_over_edp(grid) if cfg.n_experts else None)
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
+    if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
+        for chunk in chunks:
+            defer_block_weight_gradients(chunk)
     # 03: the schedule over this rank's chunks
     pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
     return model, pipeline
@@ -337,6 +343,107 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
     chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
     return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
                                       device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+
+
+# ============================================================================ the technique: zero-bubble's W through the composition
+#
+# Lesson 03's zero-bubble schedule splits each backward into B (the gradient of the stage's input,
+# which the previous stage waits for) and W (the weights' gradients, run later in the bubble): its
+# linears leave (x, dy) in the chunk's W queue during B, and W computes dW = dy^T x. Two seams:
+#
+#   03 x 02  lesson 02's column- and row-parallel linears defer their dW the same way. f and g, the
+#            all-reduces over tp, stay in B, where the input's gradient needs them, and W has no
+#            collective: B and W together issue exactly 1F1B's collectives (a test counts them).
+#   03 x 06  ZeRO (stage 0 too) counts the gradients that arrive for a unit and reduces the unit
+#            when every parameter's has come. If a block's norm gains got theirs in B and its
+#            linears in W, the B's of later micro-batches would mix with earlier W's in that count,
+#            which would close a unit halfway through a W, and on the step's last B start its
+#            reduction before its last W ran. So every parameter of a block gets its gradient in
+#            W: the norms' gains too (B: dx_hat = dy g; W: dg = sum over tokens of dy * x_hat).
+#            The embedding, the head (its chunked loss computes dW inside its own backward) and the
+#            routed experts (a unit of their own, over edp) get all theirs in B. Each unit's
+#            reduction starts when its last gradient has come: a block's at its chunk's last W.
+#
+# What does not compose is refused (zero_bubble_problems): a layer whose backward makes dW
+# itself (lesson 02's sequence-parallel linears), recomputation (what it recomputes in B would wait
+# in the W queue), FP8's scaled matmuls, and --compile (the W queue is filled inside backward).
+
+
+class GainDeferringGradient(torch.autograd.Function):
+    """y = x_hat * g, a norm's gain on its normalised input, whose backward is B alone: dx_hat = dy g
+    now, (x_hat, dy) left in `pending` for W. The gain comes in inside a tuple, as lesson 03's
+    linear takes its weight: no autograd edge, so B runs none of the gain's hooks."""
+
+    @staticmethod
+    def forward(ctx, normalised, gain: tuple, pending):
+        ctx.gain, ctx.pending = gain[0], pending
+        ctx.save_for_backward(normalised)
+        return normalised * ctx.gain
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (normalised,) = ctx.saved_tensors
+        ctx.pending.keep(GainGradient(ctx.gain, None, normalised, grad_output))
+        return grad_output * ctx.gain, None, None
+
+
+class GainGradient(pipeline_parallel.WeightGradient):
+    """A norm's W for one micro-batch: dg = sum over tokens of dy * x_hat, what autograd's product
+    rule gives the gain in one device's backward."""
+
+    def compute(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(self.weight, (self.grad_output * self.input).flatten(0, -2).sum(0).to(self.weight.dtype))]
+
+
+class NormDeferringGain:
+    """A block's RMSNorm, or lesson 02's tp norm with its f after it, whose gain's gradient waits for W."""
+
+    def forward(self, x):
+        x32 = x.float()     # RMSNorm's arithmetic, in float32 as there; only the gain's product differs
+        normalised = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = GainDeferringGradient.apply(normalised, (self.weight,), self.pending_weight_gradients).type_as(x)
+        enter = getattr(self, "enter_region", None)
+        return out if enter is None else enter(out)
+
+
+class ColumnLinearDeferringWeightGradient(tensor_parallel.ColumnParallelLinear):
+    def forward(self, x):
+        return pipeline_parallel.LinearDeferringWeightGradient.apply(x, (self.weight, self.bias),
+                                                                     self.pending_weight_gradients)
+
+
+class RowLinearDeferringWeightGradient(tensor_parallel.RowParallelLinear):
+    def forward(self, x):
+        partial_sums = pipeline_parallel.LinearDeferringWeightGradient.apply(x, (self.weight, None),
+                                                                             self.pending_weight_gradients)
+        out = self.exit_region(partial_sums)
+        return out if self.bias is None else out + self.bias
+
+
+# what zero-bubble swaps in: lesson 03's deferring nn.Linear, and these for lesson 02's layers and the norms
+DEFERRED_LINEARS = {**pipeline_parallel.DEFERRED_LINEARS,
+                    tensor_parallel.ColumnParallelLinear: ColumnLinearDeferringWeightGradient,
+                    tensor_parallel.RowParallelLinear: RowLinearDeferringWeightGradient}
+DEFERRED_NORMS = {norm: type(NormDeferringGain.__name__ + norm.__name__, (NormDeferringGain, norm), {})
+                  for norm in (RMSNorm, tensor_parallel.TensorParallelRMSNorm)}
+
+
+def defer_block_weight_gradients(chunk) -> None:
+    """03 x 02, 06: the chunk's linears (lesson 02's too) and its blocks' norms defer their weight
+    gradients to the chunk's W queue, so that every parameter of a block, outside the routed
+    experts, gets its gradient in W (checked: a parameter left to B would break ZeRO's count)."""
+    pending = pipeline_parallel.defer_weight_gradients(chunk, DEFERRED_LINEARS)
+    for block in chunk.layers:
+        for norm in (block.attn_norm, block.mlp_norm):
+            norm.__class__ = DEFERRED_NORMS[type(norm)]
+            norm.pending_weight_gradients = pending
+        deferring = (*DEFERRED_LINEARS.values(), *DEFERRED_NORMS.values())
+        in_w = {id(module.weight) for module in block.modules() if type(module) in deferring}
+        in_b = [name for name, param in block.named_parameters()
+                if id(param) not in in_w and not expert_parallel.is_expert_parameter(name)]
+        if in_b:
+            raise RuntimeError(f"zero-bubble: {', '.join(in_b)} would get its gradient in B and the rest of its "
+                               f"block in W, which ZeRO's count of a unit's gradients cannot tell apart")
 
 
 def model_parts(model, pipeline) -> list[torch.nn.Module]:
@@ -690,9 +797,7 @@ def composition_problems(cfg, grid, args) -> list[str]:
     over a tp rank's heads, sequence parallelism over a cp rank's tokens), each with its reason."""
     problems = fp8.fp8_problems(cfg, grid, args)
     if args.schedule == "zero-bubble":
-        problems.append("--schedule zero-bubble: lesson 03's zero-bubble schedule is not composed here yet (its "
-                        "weight-gradient split is not wired through 07's layers); use it in lesson 03, or here "
-                        "--schedule 1f1b or interleaved")
+        problems += zero_bubble_problems(grid, args)
     if grid.pp > 1 and args.zero_stage >= 2:
         problems.append(f"--pp {grid.pp} with --zero-stage {args.zero_stage}: ZeRO-2/3 under a pipeline "
                         f"reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B "
@@ -728,6 +833,27 @@ def composition_problems(cfg, grid, args) -> list[str]:
         problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
                         f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
                         f"or drop --capacity-factor")
+    return problems
+
+
+def zero_bubble_problems(grid, args) -> list[str]:
+    """What lesson 03's zero-bubble schedule does not compose with here, each with its reason (FP8's
+    own rules refuse --fp8 with it)."""
+    problems = []
+    if grid.pp == 1:
+        problems.append("--schedule zero-bubble with --pp 1: there is no pipeline bubble to fill; use --pp 2 or more")
+    if args.sequence_parallel:
+        problems.append("--sequence-parallel with --schedule zero-bubble: lesson 02's sequence-parallel linears "
+                        "compute their weight gradient inside their own backward, from the input they gather again, "
+                        "so there is no W to defer; drop --sequence-parallel or use --schedule 1f1b")
+    if args.recompute != "none":
+        problems.append(f"--recompute {args.recompute} with --schedule zero-bubble: what B recomputes would wait in "
+                        f"the W queue until W, giving back the memory recomputation saves; use --recompute none or "
+                        f"--schedule 1f1b")
+    if args.compile:
+        problems.append("--compile with --schedule zero-bubble: the deferred layers fill the W queue from inside "
+                        "backward, which a compiled block's backward would not run; drop --compile or use "
+                        "--schedule 1f1b")
     return problems
 
 
@@ -1073,6 +1199,9 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
         log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
     if args.compile:
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
+    if args.schedule == "zero-bubble":
+        log0("(zero-bubble: measured is what autograd saves, without the inputs and output gradients waiting in "
+             "the W queue; predicted counts each micro-batch whole from its F to its W, more than W keeps)")
     if extra:
         log0("the recomputed forward's collectives, in the traffic below, predicted per step"
              + (" (with experts: on every step's routing)" if every_step is not None else "") + ", MB: "
