@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity
 
 from picotron_like import comm
-from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
 from picotron_like.model import GPTConfig, flops_per_token, get_config
 from picotron_like.topology import AXES, ConfigError, GridShape, collective_timeout_s, world_size_from_env
@@ -523,8 +523,20 @@ def traffic_not_counted():
         comm.meter.devices.update(devices)
 
 
+def on_device(batch: StepBatch, device: torch.device) -> StepBatch:
+    """The step's micro-batches on the GPU, copied from page-locked host memory without waiting.
+    Copying from ordinary (pageable) memory makes the host wait until the GPU has finished all the
+    work queued before the copy: once per micro-batch, the host could not queue the next forward
+    while the last backward runs. A copy from pinned memory is queued like a kernel. On a CPU the
+    batch stays as it is (the lessons' own .to(device) is then a no-op on a GPU too)."""
+    if device.type != "cuda":
+        return batch
+    return replace(batch, micro_batches=[tuple(t.pin_memory().to(device, non_blocking=True) for t in micro_batch)
+                                         for micro_batch in batch.micro_batches])
+
+
 def validation_loss(evaluate: Callable, val_batches: TokenBatches, n_batches: int, dp_rank: int,
-                    prepare_batch: Callable | None = None) -> float:
+                    prepare_batch: Callable | None = None, device: torch.device = torch.device("cpu")) -> float:
     """The token-weighted mean loss over the first n_batches global batches of the validation data.
 
     `evaluate(batch)` returns one global batch's mean loss over its targets, the same on every
@@ -534,7 +546,8 @@ def validation_loss(evaluate: Callable, val_batches: TokenBatches, n_batches: in
     total, targets = 0.0, 0
     for index in range(n_batches):
         batch = val_batches.step_batch(index, dp_rank)
-        total += evaluate(batch if prepare_batch is None else prepare_batch(batch)) * batch.n_targets
+        device_batch = on_device(batch if prepare_batch is None else prepare_batch(batch), device)
+        total += evaluate(device_batch) * batch.n_targets
         targets += batch.n_targets
     return total / targets
 
@@ -787,6 +800,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             batch = batches.step_batch(step, dp_rank)
             if prepare_batch is not None:
                 batch = prepare_batch(batch)
+            batch = on_device(batch, device)
             memory.start_step()
             throughput.start_step()
             metered = bool(meters) and step == meter_step
@@ -826,7 +840,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             if val_every and ((step + 1) % val_every == 0 or (last and not stop.agreed_signal.startswith("SIG"))):
                 with traffic_not_counted(), budget.timing("validation") if budget else nullcontext():
                     record["val_loss"] = final_val_loss = validation_loss(evaluate, val_batches, args.val_batches,
-                                                                          dp_rank, prepare_batch)
+                                                                          dp_rank, prepare_batch, device)
                 log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
             metrics.write(record)
             if profiler is not None:

@@ -36,7 +36,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
-from picotron_like.train import adamw_implementation, build_optimizer
+from picotron_like.train import adamw_implementation, build_optimizer, on_device
 
 context_parallel = load_lesson("04_context_parallel")
 
@@ -160,6 +160,22 @@ def test_a_model_made_on_its_device_holds_the_reference_values_drawn_on_the_cpu(
     moved = GPT(cfg, seed=5).to(device)
     for (name, made), expected in zip(made_there.state_dict().items(), moved.state_dict().values(), strict=True):
         assert made.device.type == device and torch.equal(made, expected), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_the_loop_puts_each_step_batch_on_its_device_without_waiting(device):
+    """train.on_device: on a GPU every micro-batch tensor is copied from pinned host memory, queued
+    without the host waiting; on a CPU the batch is the very same object."""
+    shape = BatchShape(micro_batch_size=2, seq_len=16, grad_accum=2, dp=1)
+    batch = TokenBatches(builtin_corpus_paths()[0], shape, seed=0).step_batch(0, 0)
+    moved = on_device(batch, torch.device(device))
+    if device == "cpu":
+        assert moved is batch
+    else:
+        torch.cuda.synchronize()
+        for there, here in zip(moved.micro_batches, batch.micro_batches, strict=True):
+            assert all(t.device.type == "cuda" and torch.equal(t.cpu(), h) for t, h in zip(there, here, strict=True))
+        assert moved.n_targets == batch.n_targets
 
 
 # ----------------------------------------------------------------------------- --compile
