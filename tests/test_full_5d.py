@@ -113,6 +113,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
         model, pipeline, optimizer, lambda step: cut(step_batch(step, grid.dp_rank)), settings, args, log,
         lambda step: ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1])
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
+    calls = {key: value.calls for key, value in comm.meter.traffic.items()}
     shape, e = data.shape, model.precision.param_dtype.itemsize
     # Each step's prediction as the report makes it (07's recomputed forward in lesson 06's table),
     # with experts on that step's routing.
@@ -121,6 +122,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
                           for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,
+            "calls": calls,
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "aux": [r.extra.get("aux") for r in results], "biases": biases, "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
             "predicted_gathered": full_5d.ZeroUnits.of(model, grid).gathered_peak(
