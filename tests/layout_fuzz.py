@@ -7,7 +7,7 @@ someone thought of; this draws the rest at random from everything 07's flags can
 8 CPU ranks:
 
     degrees      dp, pp, cp, tp (odd ones: 3), the world size, ep with a mixture of experts
-    per axis     ZeRO stage 0-3, schedule afab / 1f1b / interleaved and its virtual stages,
+    per axis     ZeRO stage 0-3, schedule afab / 1f1b / interleaved and its virtual stages / zero-bubble,
                  ring (fused or plain blocks) or Ulysses, zigzag or not, sequence parallelism
     model        dense or MoE (softmax or sigmoid router, shared expert, aux / z losses,
                  capacity, bias balancing, grouped or looped experts), 2-6 layers (uneven stages)
@@ -108,6 +108,10 @@ def draw(seed: int) -> Draw:
     virtual = 1
     if pp > 1:
         schedule = rng.choice(("afab", "1f1b", "interleaved"))
+        # Half of the 1F1B draws become zero-bubble, decided by a stream of their own: every other
+        # choice of every seed stays what it was before zero-bubble was drawn.
+        if schedule == "1f1b" and random.Random(f"zero-bubble {seed}").random() < 0.5:
+            schedule = "zero-bubble"
         argv += ["--schedule", schedule]
         if schedule == "interleaved":
             virtual = rng.choice((2, 2, 3))
