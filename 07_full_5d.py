@@ -106,6 +106,7 @@ pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
+fp8 = load_lesson("07_fp8")
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -139,6 +140,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
                 split_experts_over_tensor_parallel(chunk, grid.tp_group)
             if grid.cp_size > 1:        # cp x balancing: the aux loss counts whole sequences
                 count_choices_over_context_parallel(chunk, grid.cp_group)
+        fp8.apply_fp8(chunk, args.fp8, grid.tp_group)   # 07_fp8: the blocks' matmuls in FP8, scales as one device's
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
                            args.reshard_after_forward, args.prefetch,
@@ -956,9 +958,12 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
     their peak over lesson 03's program."""
 
     def dense(stage):
-        return predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
+        kept = predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
                                                args.sequence_parallel, grid.cp_size, stage,
                                                model.precision.param_dtype)
+        layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+        return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
+                                                model.precision.param_dtype, layers, recompute)
 
     parts = model_parts(model, pipeline)
     sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
@@ -1174,7 +1179,9 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                                     routing, steps)
     if inner is None:
         return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    return add_traffic(predicted, inner, inner_extra or {})
+    amaxes = fp8.predicted_amax_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
+                                        shape.grad_accum, len(model.module.layers), args.recompute)
+    return add_traffic(predicted, inner, inner_extra or {}, amaxes)
 
 
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,
@@ -1427,6 +1434,7 @@ def parse_args(argv=None):
                              "matmul, no collective); full: keep only each block's input and run its forward again")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile each block's forward (the first step compiles: ~20 s or more on a CPU)")
+    fp8.add_fp8_flag(parser)
     parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
                         help="CUDA: record the allocator's history over the first steps and write it to "
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")

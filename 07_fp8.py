@@ -1,0 +1,598 @@
+"""
+Lesson 07's FP8 training: the blocks' matmuls in 8-bit floats, forward and backward, proven.
+
+    torchrun --nproc_per_node=2 07_fp8.py                                   # CPU, ~40 s: every recipe vs none
+    torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --fp8 rowwise   # in the trainer
+
+The problem. On every GPU since the H100 a matmul of 8-bit floats runs at twice the rate of
+bf16 (an H100: 989 TFLOP/s bf16, 1979 FP8; a B300: 2.25 and 4.5 PFLOP/s), and an 8-bit copy of a
+tensor is half a bf16 one. But 8 bits hold little: the two formats the hardware multiplies are
+
+    format     bits (sign, exponent, mantissa)   largest   smallest normal  smallest subnormal  spacing
+    e4m3fn     1, 4, 3   (no inf; one NaN code)   448       2^-6             2^-9                2^-3 relative
+    e5m2       1, 5, 2   (IEEE-like, with inf)    57344     2^-14            2^-16               2^-2 relative
+
+(spacing: between 2^e and 2^(e+1) the values step by 2^(e-m), one eighth of 2^e for e4m3). A
+weight of the tiny preset is about 0.02, an activation about 1, a gradient 1e-5..1e-3: cast
+straight to e4m3, the gradients flush to zero (below 2^-10 everything does) and the weights keep
+one or two significant bits. Hence the scale.
+
+The idea. Multiply in 8 bits what a scale s has moved into the format's range, and multiply s
+back in after the matmul, where it is one multiplication per output (or per row, or per block):
+
+    x_fp8 = cast(clamp(x / s, -max, max))       s = 2^ceil(log2(amax / max))
+    X W^T ~ (X_fp8 s_X)(W_fp8 s_W)^T = (X_fp8 W_fp8^T) * s_X s_W      (the kernel: torch._scaled_mm)
+
+s is a power of two: x / s then only moves the exponent, exactly, so the one error is the cast's,
+and amax / s lies in (max/2, max]: the largest value lands in the top binade, nothing saturates.
+Three recipes differ only in how many values share one amax, and so one s:
+    tensorwise   one s per tensor                          (the Transformer Engine's and torchao's first)
+    rowwise      one s per row of the left operand and per column of the right: per token and
+                 per output feature in the forward, each s a product kept outside the sum
+    mxfp8        one s per block of 32 consecutive elements along the reduction dimension, stored
+                 as float8_e8m0fnu (an 8-bit exponent, the OCP MX format Blackwell multiplies)
+A finer grain follows the values more closely: a token with small activations is not quantised with
+the scale of the largest token of the batch. The matmuls of one linear layer Y = X W^T:
+
+    forward       Y  = X   W^T    reduction over K (in features)    X, W in e4m3
+    input grad    dX = dY  W      reduction over N (out features)   dY in the gradient format
+    weight grad   dW = dY^T X     reduction over T (tokens)
+
+Each operand is scaled along its own reduction dimension (rowwise: one s per index of the other
+dimension; mxfp8: blocks along it), so the backward quantises again: dY twice (per token, per
+feature), W along N, and X along T. The gradient format: e5m2 for tensorwise, whose one scale must
+span every row of a gradient (rows that differ by 2^20 are common: e5m2 spans 2^32, e4m3 2^18);
+e4m3 for rowwise and mxfp8, whose scale follows each row or block, where range matters less than
+the extra mantissa bit (half the rounding error). torchao makes the same choice.
+
+What saturates: nothing, with scales from the current amax (amax / s <= max). A value cast beyond
+the format's max would become NaN in e4m3fn (it has no inf), so the cast clamps first: the control
+without scales (test_fp8.py's negative control) shows what clamping and flushing do to training.
+The error bound (used by the tests, derived, not fitted): rounding to nearest with m mantissa bits,
+
+    |x - dequantised(x)| <= max(2^-(m+1) |x|, 2^(e_min - m - 1) s)      e4m3: m = 3, e_min = -6
+
+the relative half-spacing above the smallest normal, half the subnormal spacing below it.
+
+What stays in bf16, and why: the embedding (a lookup, no matmul), the LM head (its logits feed a
+softmax over the vocabulary, where FP8's 6% steps move the loss itself; torchao and the
+Transformer Engine leave it too), the router (a tiny matmul whose argmax picks experts: a flipped
+choice costs more than FP8 saves), the routed experts (grouped matmuls of uneven groups: FP8
+grouped GEMMs are a kernel of their own, not taught here), the attention core (SDPA) and the norms.
+
+With tensor parallelism (lesson 02) the scales must be one device's: a tensor split over the tp
+ranks takes its amax over all of them (an all-reduce MAX of one number, tensorwise), rowwise the
+amax along a reduction dimension that the layer splits (row-parallel layers split K: the forward's
+X and W; column-parallel layers split N: the input gradient's dY and W), and an mxfp8 block never
+straddles two ranks' shards (every split dimension a multiple of 32 per rank: a configuration
+rule). With ZeRO-3 (lesson 06) the weight is quantised after the gather, in the forward and again
+in the backward, from the full-precision weight ZeRO gathered: the same bytes on every layout.
+
+The price, per linear layer of a block and micro-batch of T tokens:
+    compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300); the
+                quantisations are elementwise passes (amax, scale, cast) over X, W and dY: 2 in
+                the forward, 4 in the backward, memory-bound, which is why --compile matters
+    memory      kept for the weight gradient: X in FP8 (1 byte per element, shared by the layers
+                that read one input: q, k, v; gate, up) instead of X in the compute dtype, plus
+                its scales: 4 bytes (tensorwise), 4 K (rowwise: one per in-feature), T K / 32
+                (mxfp8: one e8m0 byte per block of tokens). The weights stay as they were
+                (float32 master, bf16 copy): FP8 copies of them live only inside a matmul.
+    traffic     tensorwise: one float per split tensor's amax; rowwise: one per row of a split
+                reduction; mxfp8: none
+
+Proven (tests/test_fp8.py): each recipe's error within the bound, no inf or NaN, mxfp8's scales
+exact powers of two; the FP8 linear's forward and backward equal a float32 emulation bit for bit;
+50 steps of training within a bound of bf16's loss, a control without scales rejected by the same
+check; dp x tp equal to one device (failing when the tp all-reduce of the amax is removed); the
+kept activation bytes equal the formula. On CPU the tensorwise and rowwise matmuls run through
+torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), as it is on CUDA
+GPUs without MX tensor cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import lru_cache, partial
+
+import torch
+import torch.distributed as dist
+
+from picotron_like import comm
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
+from picotron_like.metrics import ActivationMeter, log0
+from picotron_like.model import GPT, SwiGLU, count_parameters, get_config
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
+from picotron_like.train import StepSettings, build_optimizer, exit_with_error
+
+data_parallel = load_lesson("01_data_parallel")
+
+FP8_CHOICES = ("none", "tensorwise", "rowwise", "mxfp8")
+
+# ============================================================================ the technique: formats and scales
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    dtype: torch.dtype
+    mantissa_bits: int
+    min_normal_exponent: int
+
+    @property
+    def max(self) -> float:
+        return torch.finfo(self.dtype).max
+
+
+E4M3 = Fp8Format(torch.float8_e4m3fn, 3, -6)
+E5M2 = Fp8Format(torch.float8_e5m2, 2, -14)
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the scales are grained, and in which format the gradients go. `scaled=False` is the
+    negative control: every scale 1, values clamped to the format (nobody trains that way)."""
+
+    name: str
+    gradient_format: Fp8Format
+    scaled: bool = True
+
+    @property
+    def block(self) -> int | None:
+        return MX_BLOCK if self.name == "mxfp8" else None
+
+
+RECIPES = {"tensorwise": Recipe("tensorwise", E5M2), "rowwise": Recipe("rowwise", E4M3),
+           "mxfp8": Recipe("mxfp8", E4M3)}
+
+
+@dataclass
+class Quantised:
+    """An FP8 tensor and the scales that give back its values: value = data * scale, with `scale`
+    a float32 scalar (tensorwise), a column or row of float32 (rowwise: amax taken along `axis`),
+    or one float8_e8m0fnu per block of 32 along `axis` (mxfp8: shape [.., n / 32, ..])."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    axis: int
+    block: int | None
+
+    def dequantise(self) -> torch.Tensor:
+        scale = self.scale.float()
+        if self.block is not None:       # each block's scale over its 32 elements along `axis`
+            scale = scale.repeat_interleave(self.block, dim=self.axis)
+        return self.data.float() * scale
+
+    def t(self) -> "Quantised":
+        return Quantised(self.data.t(), self.scale.t() if self.scale.dim() else self.scale, 1 - self.axis,
+                         self.block)
+
+
+def power_of_two_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The smallest power of two s with amax / s <= the format's max (an all-zero tensor gets a
+    tiny s, and stays zeros)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny) / fmt.max)))
+
+
+def amax_over_shards(amax: torch.Tensor, group) -> torch.Tensor:
+    """The amax of a tensor (or of its rows) that the tp ranks hold in pieces: the largest of
+    theirs, so every rank scales with one device's amax."""
+    comm.call(dist.all_reduce, amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
+def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_group=None) -> Quantised:
+    """t (2-D) in `fmt` with `recipe`'s scales for a matmul that sums over `axis`. `shards_group`:
+    the tp group when the scale's amax spans elements of other ranks (the caller knows when:
+    Fp8Matmuls), else None."""
+    x = t.float()
+    if not recipe.scaled:
+        return Quantised(x.clamp(-fmt.max, fmt.max).to(fmt.dtype), torch.ones((), device=t.device), axis, None)
+    if recipe.block is not None:        # amax per block of 32 along the axis
+        blocks = x.unflatten(axis, (x.shape[axis] // recipe.block, recipe.block))
+        amax = blocks.abs().amax(dim=axis + 1)
+        scale = power_of_two_scale(amax, fmt)
+        data = (blocks / scale.unsqueeze(axis + 1)).clamp(-fmt.max, fmt.max).flatten(axis, axis + 1)
+        return Quantised(data.to(fmt.dtype), scale.to(torch.float8_e8m0fnu), axis, recipe.block)
+    amax = x.abs().amax() if recipe.name == "tensorwise" else x.abs().amax(dim=axis, keepdim=True)
+    if shards_group is not None:
+        amax = amax_over_shards(amax, shards_group)
+    scale = power_of_two_scale(amax, fmt)
+    return Quantised((x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale, axis, None)
+
+
+# ============================================================================ the technique: the FP8 matmul
+
+
+def has_scaled_mm(recipe: Recipe, device: torch.device) -> bool:
+    """torch._scaled_mm multiplies tensorwise and rowwise FP8 on the CPU and on CUDA from sm_89
+    (Ada, Hopper); mxfp8 needs Blackwell's block-scaled tensor cores and a swizzled scale layout,
+    and is emulated here everywhere (see scaled_matmul)."""
+    if recipe.block is not None or not recipe.scaled:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N] times their scales, in out_dtype. With the kernel: a row-major, b
+    column-major (cuBLASLt's layout; copies only where they are not). Emulated: the values each
+    FP8 element and scale stand for, multiplied in float32, which is what the CPU kernel does too
+    (test_fp8.py: equal bit for bit)."""
+    with torch.autocast(a.data.device.type, enabled=False):
+        if not has_scaled_mm(recipe, a.data.device):
+            return (a.dequantise() @ b.dequantise()).to(out_dtype)
+        # CUDA's rowwise kernel writes bf16 only; the CPU's writes any float dtype
+        kernel_dtype = torch.bfloat16 if a.data.is_cuda and recipe.name == "rowwise" else out_dtype
+        scale_a, scale_b = a.scale, b.scale
+        if a.data.device.type == "cpu" and scale_a.dim() == 0:
+            # torch 2.13's CPU kernel multiplies e4m3 x e4m3 with one scale each ~1000x slower than with
+            # a scale per row and column (measured: 1-4 s against 2 ms for 512 x 128 x 384); the same
+            # numbers per row and per column give the same result (test_fp8.py)
+            scale_a, scale_b = scale_a.expand(a.data.shape[0], 1), scale_b.expand(1, b.data.shape[1])
+        # the scales as dense tensors: a transposed [1, N] row is contiguous to torch but strided to the kernel
+        out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
+                               scale_a=scale_a.contiguous().flatten().view(scale_a.shape),
+                               scale_b=scale_b.contiguous().flatten().view(scale_b.shape), out_dtype=kernel_dtype)
+        return out.to(out_dtype)
+
+
+# ============================================================================ the technique: the FP8 linear layer
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """One linear layer's FP8 settings: the recipe, and which of its weight's dimensions lesson 02
+    split over `tp_group` (0: column-parallel, N split; 1: row-parallel, K split; None: whole)."""
+
+    recipe: Recipe
+    tp_group: object = None
+    split_dim: int | None = None
+
+    def group_for(self, sharded_dims: set[int], axis: int):
+        """The tp group over which an operand's amax must be taken, or None: tensorwise when any
+        dimension of it is split, rowwise when its reduction `axis` is; mxfp8 never (its blocks
+        lie within a shard: fp8_problems)."""
+        if self.tp_group is None or not self.recipe.scaled or self.recipe.block is not None:
+            return None
+        spanning = bool(sharded_dims) if self.recipe.name == "tensorwise" else axis in sharded_dims
+        return self.tp_group if spanning else None
+
+
+class SharedInputQuantisation:
+    """One input quantised once for all the layers that read it (q, k and v; gate and up), as
+    lesson 02's SequenceRegather gathers once for them: the same X with the same scales gives the
+    same FP8 copies, so they share one forward operand and one kept copy for the weight gradient
+    (kept once, not once per layer). The first reader of a new X quantises; the last drops it."""
+
+    def __init__(self, readers: int):
+        self.readers, self.source, self.result, self.left = readers, None, None, 0
+
+    def of(self, x: torch.Tensor, quantise_input):
+        if torch.compiler.is_compiling():       # the compiler removes the repeats itself
+            return quantise_input(x)
+        if self.source is not x:
+            self.source, self.result, self.left = x, quantise_input(x), self.readers
+        result = self.result
+        self.left -= 1
+        if self.left == 0:
+            self.source = self.result = None
+        return result
+
+
+def quantised_input(x2d: torch.Tensor, layer: Fp8Layer) -> tuple[Quantised, Quantised]:
+    """X [T, K] for the forward (scaled along K) and the copy kept for the weight gradient
+    (scaled along T); tensorwise, one scale serves both, so they are one tensor."""
+    sharded = {1} if layer.split_dim == 1 else set()
+    forward = quantise(x2d, 1, E4M3, layer.recipe, layer.group_for(sharded, 1))
+    if layer.recipe.name == "tensorwise" or not layer.recipe.scaled:
+        return forward, forward
+    return forward, quantise(x2d, 0, E4M3, layer.recipe, layer.group_for(sharded, 0))
+
+
+class Fp8Matmuls(torch.autograd.Function):
+    """Y = X W^T with all three matmuls in FP8 (module docstring): forward over K, the input
+    gradient over N, the weight gradient over T. Keeps X's FP8 copy scaled along T and the weight
+    itself (a parameter, not an activation: under ZeRO-3 the one gathered again for backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer: Fp8Layer, shared: SharedInputQuantisation, out_dtype):
+        x_forward, x_kept = shared.of(x, partial(_quantised_input_2d, layer=layer))
+        w_sharded = {layer.split_dim} if layer.split_dim is not None else set()
+        w = quantise(weight, 1, E4M3, layer.recipe, layer.group_for(w_sharded, 1))
+        y = scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
+        ctx.save_for_backward(x_kept.data, x_kept.scale, weight)
+        ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.kept_axis = layer, x.shape, x.dtype, x_kept.axis
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scale, weight = ctx.saved_tensors
+        layer, recipe = ctx.layer, ctx.layer.recipe
+        x_kept = Quantised(data, scale, ctx.kept_axis, recipe.block)
+        dy = grad.reshape(-1, grad.shape[-1])
+        fmt = recipe.gradient_format if recipe.scaled else E5M2
+        dy_sharded = {1} if layer.split_dim == 0 else set()          # column-parallel: N split
+        w_sharded = {layer.split_dim} if layer.split_dim is not None else set()
+        dy_rows = quantise(dy, 1, fmt, recipe, layer.group_for(dy_sharded, 1))
+        w_columns = quantise(weight, 0, E4M3, recipe, layer.group_for(w_sharded, 0))
+        grad_input = scaled_matmul(dy_rows, w_columns, recipe, ctx.x_dtype).view(ctx.x_shape)
+        dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
+            quantise(dy, 0, fmt, recipe, layer.group_for(dy_sharded, 0))
+        grad_weight = scaled_matmul(dy_tokens.t(), x_kept, recipe, weight.dtype)
+        return grad_input, grad_weight, None, None, None
+
+
+def _quantised_input_2d(x: torch.Tensor, layer: Fp8Layer) -> tuple[Quantised, Quantised]:
+    return quantised_input(x.reshape(-1, x.shape[-1]), layer)
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """What F.linear would return: autocast's dtype where it is on, else the input's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class Fp8Forward:
+    """A linear layer's forward with its matmul in FP8: the plain nn.Linear, lesson 02's column
+    layer, or its row layer (whose exit_region, g, sums the partial outputs over tp)."""
+
+    def forward(self, x):
+        y = Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
+        exit_region = getattr(self, "exit_region", None)
+        y = y if exit_region is None else exit_region(y)
+        return y if self.bias is None else y + self.bias
+
+
+@lru_cache(maxsize=None)
+def fp8_class(module_class: type) -> type:
+    """`module_class` with Fp8Forward's forward: one class per kind of layer, shared by every block
+    (a forward set on each instance would make torch.compile compile every block anew)."""
+    return type("Fp8" + module_class.__name__, (Fp8Forward, module_class), {})
+
+
+def to_fp8(linears: list, recipe: Recipe, tp_group) -> None:
+    """Layers that read one input: each gets FP8's forward, and all share one quantisation of it."""
+    shared = SharedInputQuantisation(len(linears))
+    for linear in linears:
+        split_dim = getattr(linear.weight, "tp_split_dim", None)
+        linear.fp8 = Fp8Layer(recipe, tp_group if split_dim is not None else None, split_dim)
+        linear.fp8_input = shared
+        linear.__class__ = fp8_class(type(linear))
+
+
+def fp8_linear_groups(block) -> list[list]:
+    """A block's linear layers that go to FP8, grouped by the input they read: attention's q, k, v
+    and o; a dense MLP's (or an MoE's shared expert's) gate, up and down. The router and the
+    routed experts stay (module docstring)."""
+    attn = block.attn
+    groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]]
+    mlp = block.mlp if isinstance(block.mlp, SwiGLU) else getattr(block.mlp, "shared_expert", None)
+    if mlp is not None:
+        groups += [[mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+    return groups
+
+
+def apply_fp8(model, recipe: str, tp_group=None):
+    """The blocks' linear layers of `model` (a GPT, a pipeline chunk, after lesson 02's split:
+    their weights' tp_split_dim says how) with FP8 matmuls by `recipe`, in place; "none" leaves
+    the model as it is. Call it before ZeRO (06), recomputation and compiling (07), which all
+    wrap the layers from outside. Returns the model."""
+    if recipe == "none":
+        return model
+    for block in model.layers:
+        for linears in fp8_linear_groups(block):
+            to_fp8(linears, RECIPES[recipe], tp_group)
+    return model
+
+
+# ============================================================================ configuration rules
+
+
+def fp8_problems(cfg, grid, args) -> list[str]:
+    """What --fp8 does not compose with, and mxfp8's block rule: every dimension a matmul sums
+    over, as one rank holds it, a multiple of 32 (a block never straddles two tp shards)."""
+    recipe = getattr(args, "fp8", "none")
+    if recipe == "none":
+        return []
+    problems = []
+    if grid.cp > 1:
+        problems.append(f"--fp8 {recipe} with --cp {grid.cp}: the weight gradient's scales are taken over the tokens, "
+                        f"which cp splits (an amax over cp is not composed here); use --cp 1")
+    if getattr(args, "sequence_parallel", False):
+        problems.append(f"--fp8 {recipe} with --sequence-parallel: lesson 02's shard-saving column layers keep "
+                        f"their own input (an FP8 copy of the shard is not composed here); drop --sequence-parallel")
+    if getattr(args, "schedule", None) == "zero-bubble":
+        problems.append(f"--fp8 {recipe} with --schedule zero-bubble: lesson 03 defers the linears' weight gradients "
+                        f"through layers of its own (an FP8 deferred dW is not composed here); use 1f1b or interleaved")
+    if recipe == "mxfp8":
+        tp, d = grid.tp, cfg.head_dim
+        widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
+                  "n_kv_heads * head_dim / tp": cfg.n_kv_heads * d // tp,
+                  "micro-batch-size * seq-len (tokens)": args.micro_batch_size * args.seq_len}
+        if not cfg.n_experts or cfg.n_shared_experts:
+            widths["ffn_hidden / tp"] = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
+        problems += [f"--fp8 mxfp8: {name} = {value} is not a multiple of {MX_BLOCK}: mxfp8 scales blocks of "
+                     f"{MX_BLOCK} along every dimension a matmul sums over; use another size or --fp8 rowwise"
+                     for name, value in widths.items() if value % MX_BLOCK]
+    return problems
+
+
+def add_fp8_flag(parser) -> None:
+    parser.add_argument("--fp8", choices=FP8_CHOICES, default="none",
+                        help="the blocks' linear layers with FP8 matmuls (07_fp8.py): tensorwise, rowwise or mxfp8 "
+                             "scales (mxfp8 emulated where the GPU has no MX tensor cores, and on the CPU)")
+
+
+# ============================================================================ measuring the three challenges
+
+
+def error_bound(quantised: Quantised, fmt: Fp8Format, values: torch.Tensor) -> torch.Tensor:
+    """Each element's bound on |x - dequantised x| (module docstring): half a spacing of the
+    format, relative above its smallest normal, absolute (times the scale) below it."""
+    scale = Quantised(torch.ones_like(quantised.data, dtype=torch.float32), quantised.scale, quantised.axis,
+                      quantised.block).dequantise()
+    m = fmt.mantissa_bits
+    return torch.maximum(values.abs() * 2.0 ** -(m + 1), scale * 2.0 ** (fmt.min_normal_exponent - m - 1))
+
+
+def kept_scale_bytes(recipe: str, tokens: int, width: int) -> int:
+    """The scales of one kept FP8 copy of X [tokens, width], scaled along the tokens."""
+    return {"tensorwise": 4, "rowwise": 4 * width, "mxfp8": tokens // MX_BLOCK * width}[recipe]
+
+
+def kept_bytes_difference(cfg, recipe: str, tokens: int, tp: int, compute_dtype: torch.dtype,
+                          n_layers: int, recompute: str = "none") -> int:
+    """What --fp8 changes in one micro-batch's kept activations (lesson 07's formula plus this):
+    per block, each input read only by FP8 layers is kept as an FP8 copy (1 byte) and its scales
+    instead of in the compute dtype (e bytes): attention's input (h, read by q, k, v), o_proj's (n_heads
+    d / tp), a dense MLP's input (h) and down_proj's (f / tp). An MoE's shared expert adds an FP8
+    copy of its input (the router and the experts keep the input itself) and swaps down_proj's.
+    Full recomputation keeps each block's input alone: no change."""
+    if recipe == "none" or recompute == "full":
+        return 0
+    e, h, d = compute_dtype.itemsize, cfg.hidden, cfg.head_dim
+    attention = [(h, True), (cfg.n_heads * d // tp, True)]
+    if not cfg.n_experts:
+        mlp = [(h, True), (cfg.ffn_hidden // tp, True)]
+    else:
+        shared = cfg.n_shared_experts * cfg.ffn_hidden // tp
+        mlp = [(h, False), (shared, True)] if cfg.n_shared_experts else []
+    per_block = sum(tokens * width * (1 - e * replaced) + kept_scale_bytes(recipe, tokens, width)
+                    for width, replaced in attention + mlp)
+    return n_layers * per_block
+
+
+def fp8_matmul_flops_per_token(cfg) -> int:
+    """Training FLOPs per token of the matmuls --fp8 runs in FP8 (6 per weight per token): every
+    block's attention projections and dense (or shared-expert) MLP; the rest (embedding, head,
+    router, routed experts, attention's core) stays at the bf16 rate."""
+    h, d = cfg.hidden, cfg.head_dim
+    attention = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d
+    mlp = 3 * h * cfg.ffn_hidden * ((cfg.n_shared_experts if cfg.n_experts else 1))
+    return 6 * cfg.n_layers * (attention + mlp)
+
+
+def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
+                           recompute: str = "none") -> dict:
+    """The all-reduce MAX bytes per step that keep the scales one device's under tp (float32
+    amaxes). tensorwise: a column layer's (q, k, v, gate, up) W forward, dY and W backward; a row
+    layer's (o, down) X and W forward, W backward: one float each. rowwise: a row layer's X (T
+    floats) and W (N) forward, a column layer's dY (T) and W (K) backward. Full recomputation
+    sends the forward's again."""
+    if recipe not in ("tensorwise", "rowwise") or tp == 1:
+        return {}
+    h, d = cfg.hidden, cfg.head_dim
+    mlp = not cfg.n_experts or bool(cfg.n_shared_experts)
+    f = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden
+    # (N, K) of the whole layer, for each column and each row layer of a block
+    column = [(cfg.n_heads * d, h), (cfg.n_kv_heads * d, h), (cfg.n_kv_heads * d, h)] + [(f, h)] * 2 * mlp
+    row = [(h, cfg.n_heads * d)] + [(h, f)] * mlp
+    if recipe == "tensorwise":
+        forward, backward = len(column) + 2 * len(row), 2 * len(column) + len(row)
+    else:
+        forward, backward = sum(tokens + n for n, _ in row), sum(tokens + k for _, k in column)
+    forwards = 2 if recompute == "full" else 1
+    return {("all_reduce", "tp"): 4 * (forwards * forward + backward) * n_layers * n_micro}
+
+
+def quantisation_errors(model, batch_tokens) -> dict:
+    """For each recipe, the worst |x - dequantised x| / bound over the blocks' weights and their
+    inputs in one forward, observed by hooks on the model's linear layers (<= 1: within the bound)."""
+    inputs = {}
+    hooks = [linear.register_forward_pre_hook(lambda module, args, name=name: inputs.setdefault(name, args[0]))
+             for block in model.layers for group in fp8_linear_groups(block) for linear in group
+             for name in [id(linear)]]
+    with torch.no_grad():
+        model(batch_tokens)
+    for hook in hooks:
+        hook.remove()
+    linears = {id(linear): linear for block in model.layers for g in fp8_linear_groups(block) for linear in g}
+    worst = {}
+    for name, recipe in RECIPES.items():
+        ratios = []
+        for key, x in inputs.items():
+            for tensor in (x.reshape(-1, x.shape[-1]), linears[key].weight.detach()):
+                q = quantise(tensor, 1, E4M3, recipe)
+                ratios.append(((q.dequantise() - tensor.float()).abs() / error_bound(q, E4M3, tensor.float())).max())
+        worst[name] = max(ratios).item()
+    return worst
+
+
+# ============================================================================ main
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 07's FP8: every recipe trained on data-parallel ranks "
+                                                 "(run with torchrun)",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def train_recipe(cfg, recipe: str, batches: TokenBatches, grid: ProcessGrid, args, device) -> dict:
+    """`args.steps` steps of lesson 01's data parallelism on `recipe`'s model: each step's loss, and
+    the kept activations of the first micro-batch, measured."""
+    model = data_parallel.wrap_data_parallel(apply_fp8(GPT(cfg, seed=args.seed).to(device), recipe),
+                                             grid.dp_group, "bucketed", 25 * 2**20)
+    optimizer = build_optimizer(model.module, args.lr)
+    settings = StepSettings(device)
+    losses = []
+    for step in range(args.steps):
+        losses.append(data_parallel.train_step(model, optimizer, batches.step_batch(step, grid.dp_rank),
+                                               settings).loss)
+    meter = ActivationMeter(model.module)
+    inputs, targets = batches.step_batch(0, grid.dp_rank).micro_batches[0]
+    with meter:
+        model.module(inputs.to(device), targets.to(device)).backward()
+    model.module.zero_grad()
+    return {"losses": losses, "kept": meter.peak_bytes, "model": model.module}
+
+
+def report(cfg, runs: dict, args, tokens: int) -> None:
+    lesson_07 = load_lesson("07_full_5d")
+    baseline = lesson_07.predicted_kept_activation_bytes(cfg, args.micro_batch_size, args.seq_len, "none")
+    log0(f"\n{'--fp8':<12}{'loss first':>11}{'last':>9}{'vs none':>9}{'kept MB':>10}{'predicted':>11}")
+    for recipe, run in runs.items():
+        predicted = baseline + kept_bytes_difference(cfg, recipe, tokens, 1, torch.float32, cfg.n_layers)
+        losses = run["losses"]
+        log0(f"{recipe:<12}{losses[0]:>11.4f}{losses[-1]:>9.4f}{losses[-1] - runs['none']['losses'][-1]:>+9.4f}"
+             f"{run['kept'] / 1e6:>10.3f}{predicted / 1e6:>11.3f}")
+    log0("(kept: float32 here; each FP8 copy of a layer's input is 1 byte where float32 keeps 4, bf16 2)")
+    inputs, _ = TokenBatches(builtin_corpus_paths()[0], BatchShape(args.micro_batch_size, args.seq_len, 1, 1),
+                             seed=args.seed, vocab_size=cfg.vocab_size).step_batch(0, 0).micro_batches[0]
+    worst = quantisation_errors(runs["none"]["model"], inputs)
+    log0("\nworst quantisation error of the blocks' weights and inputs (e4m3), as a share of its bound: "
+         + ", ".join(f"{name} {ratio:.3f}" for name, ratio in worst.items()))
+    log0(f"FP8 share of the model's training FLOPs: "
+         f"{fp8_matmul_flops_per_token(cfg) / (6 * count_parameters(cfg)['matmul_active']):.0%} of the matmuls'")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        cfg = get_config(args.preset)
+        problems = fp8_problems(cfg, GridShape(), argparse.Namespace(**{**vars(args), "fp8": "mxfp8"}))
+        if problems:
+            raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
+    device = init_distributed()
+    dp = dist.get_world_size()
+    grid = ProcessGrid(GridShape(dp=dp))
+    batches = TokenBatches(builtin_corpus_paths()[0], BatchShape(args.micro_batch_size, args.seq_len, 1, dp),
+                           seed=args.seed, vocab_size=cfg.vocab_size)
+    log0(f"lesson 07, FP8: dp={dp}, {args.preset}, {args.steps} steps of {dp * args.micro_batch_size} x "
+         f"{args.seq_len} tokens per recipe, float32 elsewhere (compute and master weights)")
+    runs = {recipe: train_recipe(cfg, recipe, batches, grid, args, device) for recipe in FP8_CHOICES}
+    report(cfg, runs, args, args.micro_batch_size * args.seq_len)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
