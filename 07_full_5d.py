@@ -435,11 +435,11 @@ def defer_block_weight_gradients(chunk) -> None:
     gradients to the chunk's W queue, so that every parameter of a block, outside the routed
     experts, gets its gradient in W (checked: a parameter left to B would break ZeRO's count)."""
     pending = pipeline_parallel.defer_weight_gradients(chunk, DEFERRED_LINEARS)
+    deferring = (*DEFERRED_LINEARS.values(), *DEFERRED_NORMS.values())
     for block in chunk.layers:
         for norm in (block.attn_norm, block.mlp_norm):
             norm.__class__ = DEFERRED_NORMS[type(norm)]
             norm.pending_weight_gradients = pending
-        deferring = (*DEFERRED_LINEARS.values(), *DEFERRED_NORMS.values())
         in_w = {id(module.weight) for module in block.modules() if type(module) in deferring}
         in_b = [name for name, param in block.named_parameters()
                 if id(param) not in in_w and not expert_parallel.is_expert_parameter(name)]
