@@ -45,9 +45,10 @@ span every row of a gradient (rows that differ by 2^20 are common: e5m2 spans 2^
 e4m3 for rowwise and mxfp8, whose scale follows each row or block, where range matters less than
 the extra mantissa bit (half the rounding error). torchao makes the same choice.
 
-What saturates: nothing, with scales from the current amax (amax / s <= max). A value cast beyond
-the format's max would become NaN in e4m3fn (it has no inf), so the cast clamps first: the control
-without scales (test_fp8.py's negative control) shows what clamping and flushing do to training.
+What saturates: nothing, with scales from the current amax (amax / s <= max). A value beyond the
+format's max becomes inf when cast to e5m2 (torch 2.13's CPU cast clamps e4m3fn, which has no inf,
+to 448), so the quantiser clamps first, in both formats: the control without scales (test_fp8.py's
+negative control) shows what clamping and flushing to zero do to training.
 The error bound (used by the tests, derived, not fitted): rounding to nearest with m mantissa bits,
 
     |x - dequantised(x)| <= max(2^-(m+1) |x|, 2^(e_min - m - 1) s)      e4m3: m = 3, e_min = -6
@@ -170,9 +171,10 @@ class Quantised:
 
 
 def power_of_two_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """The smallest power of two s with amax / s <= the format's max (an all-zero tensor gets a
-    tiny s, and stays zeros)."""
-    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=torch.finfo(torch.float32).tiny) / fmt.max)))
+    """The smallest power of two s with amax / s <= the format's max. An all-zero tensor (or
+    block) gets s = 2^-126, float32's smallest normal, which e8m0 holds too, and stays zeros."""
+    floor = torch.finfo(torch.float32).tiny * fmt.max
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=floor) / fmt.max)))
 
 
 def amax_over_shards(amax: torch.Tensor, group) -> torch.Tensor:
