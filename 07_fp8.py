@@ -31,8 +31,11 @@ Three recipes differ only in how many values share one amax, and so one s:
                  per output feature in the forward, each s a product kept outside the sum
     mxfp8        one s per block of 32 consecutive elements along the reduction dimension, stored
                  as float8_e8m0fnu (an 8-bit exponent, the OCP MX format Blackwell multiplies)
-A finer grain follows the values more closely: a token with small activations is not quantised with
-the scale of the largest token of the batch. The matmuls of one linear layer Y = X W^T:
+A finer grain follows the values more closely, but with power-of-two scales a value in the format's
+normal range rounds the same under any scale (dividing by 2^k moves only its exponent): the scale
+picks which 2^18 of magnitudes e4m3 covers, and the recipes differ only for values more than 2^15
+below their scale's amax (an outlier feature's neighbours), which a coarse scale pushes into the
+subnormals or flushes to zero. tests/test_fp8.py shows it both ways. The matmuls of one linear layer Y = X W^T:
 
     forward       Y  = X   W^T    reduction over K (in features)    X, W in e4m3
     input grad    dX = dY  W      reduction over N (out features)   dY in the gradient format
@@ -84,7 +87,8 @@ The price, per linear layer of a block and micro-batch of T tokens:
 Proven (tests/test_fp8.py): each recipe's error within the bound, no inf or NaN, mxfp8's scales
 exact powers of two; the FP8 linear's forward and backward equal a float32 emulation bit for bit;
 50 steps of training within a bound of bf16's loss, a control without scales rejected by the same
-check; dp x tp equal to one device (failing when the tp all-reduce of the amax is removed); the
+check; dp x tp equal to one device, and a row-parallel layer with outlier features equal to it only
+with the tp all-reduce of the amaxes; the
 kept activation bytes equal the formula. On CPU the tensorwise and rowwise matmuls run through
 torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), as it is on CUDA
 GPUs without MX tensor cores.
