@@ -106,8 +106,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, log0
-from picotron_like.model import GPT, SwiGLU, count_parameters, get_config
+from picotron_like.metrics import ActivationMeter, log0, model_flops_utilisation, peak_flops_of_name
+from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token, get_config
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
 from picotron_like.train import StepSettings, build_optimizer, exit_with_error
 
@@ -215,9 +215,16 @@ def has_scaled_mm(recipe: Recipe, device: torch.device) -> bool:
     """torch._scaled_mm multiplies tensorwise and rowwise FP8 on the CPU and on CUDA from sm_89
     (Ada, Hopper); mxfp8 needs Blackwell's block-scaled tensor cores and a swizzled scale layout,
     and is emulated here everywhere (see scaled_matmul)."""
-    if recipe.block is not None or not recipe.scaled:
+    if not recipe.scaled:
         return False
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+    return (recipe.block is None if device.type == "cpu" else
+            device.type == "cuda" and runs_on_fp8_tensor_cores(recipe.name, torch.cuda.get_device_capability(device)))
+
+
+def runs_on_fp8_tensor_cores(recipe: str, capability: tuple[int, int]) -> bool:
+    """Whether `recipe`'s matmuls run on the FP8 tensor cores of a GPU of this compute capability
+    (so at its FP8 peak): tensorwise and rowwise from sm_89; mxfp8 is emulated on every GPU."""
+    return recipe in ("tensorwise", "rowwise") and capability >= (8, 9)
 
 
 def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
@@ -477,6 +484,33 @@ def fp8_matmul_flops_per_token(cfg) -> int:
     attention = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d
     mlp = 3 * h * cfg.ffn_hidden * ((cfg.n_shared_experts if cfg.n_experts else 1))
     return 6 * cfg.n_layers * (attention + mlp)
+
+
+def attainable_peak_flops(bf16_peak: float, fp8_peak: float, fp8_share: float) -> float:
+    """The FLOP/s at best of a model whose FLOPs are `fp8_share` FP8 matmuls and the rest bf16
+    work, each part at its own peak: seconds per FLOP add up, so the two rates combine harmonically
+    (a model 75 % FP8 on an H100 peaks at 1/(0.25/989 + 0.75/1979) = 1,583 TFLOP/s, not 1,979)."""
+    return 1 / ((1 - fp8_share) / bf16_peak + fp8_share / fp8_peak)
+
+
+def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks: int, device: torch.device,
+                    bf16_peak: float | None) -> None:
+    """Below lesson 07's MFU line, which divides by the bf16 peak so that runs with and without
+    --fp8 compare: the share of the model's FLOPs that `recipe` runs as FP8 matmuls, and on a GPU
+    whose FP8 peak metrics knows, the MFU against the peak that mix attains (attainable_peak_flops)."""
+    share = fp8_matmul_flops_per_token(cfg) / flops_per_token(cfg, seq_len)
+    line = f"--fp8 {recipe}: its FP8 matmuls are {share:.0%} of the model's FLOPs"
+    fp8_peak = peak_flops_of_name(torch.cuda.get_device_name(device), fp8=True) if device.type == "cuda" else None
+    if not (bf16_peak and fp8_peak):
+        log0(line + ("" if device.type == "cuda" else " (a CPU has no FP8 peak: no MFU)"))
+        return
+    if not runs_on_fp8_tensor_cores(recipe, torch.cuda.get_device_capability(device)):
+        log0(line + ", emulated on this GPU (float32 matmuls of the dequantised values): no FP8 peak applies")
+        return
+    attainable = attainable_peak_flops(bf16_peak, fp8_peak, share)
+    mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(cfg, seq_len), attainable)
+    log0(line + f", at a {fp8_peak / 1e12:,.0f} TFLOP/s FP8 peak: MFU {100 * mfu:.1f} % of the "
+         f"{attainable / 1e12:,.0f} TFLOP/s that mix attains at best (the MFU above: of the bf16 peak)")
 
 
 def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,

@@ -1226,6 +1226,9 @@ def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activation
     log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
     log_compute_report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len,
                                   grid.shape.world_size, device, throughput.steps))
+    if args.fp8 != "none":
+        fp8.log_fp8_compute(plan.cfg, args.fp8, shape.seq_len, throughput.tokens_per_second, grid.shape.world_size,
+                            device, throughput.peak_flops)
 
 
 class FirstStepsMemory:

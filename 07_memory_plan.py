@@ -13,7 +13,8 @@ group, no GPU:
                                   over ep, sharded over dp x cp or, for experts, edp)
     activations                   lesson 07's per micro-batch (recompute mode, compute dtype, the
                                   stage), times the micro-batches lesson 03's schedule keeps live;
-                                  with experts lesson 05's per-layer bytes for balanced routing
+                                  with experts lesson 05's per-layer bytes for balanced routing;
+                                  with --fp8 the blocks' matmul inputs as FP8 copies (07_fp8.py)
     gathered weights (ZeRO-3)     lesson 06's prefetch window
     communication buffers         estimated here: ZeRO's flattened gradients in flight, a pipeline
                                   boundary's tensors, ring attention's K/V blocks
@@ -23,6 +24,8 @@ of the GPU's memory (the rest: CUDA context, NCCL, allocator fragmentation), and
 fits the same global batch, ranked by an estimated step time: compute at half the GPU's peak,
 recomputation's extra forward, lesson 03's bubble, and the communication nothing hides, from the
 lessons' traffic formulas at NVLink or network bandwidth; its assumptions are printed with it.
+With --fp8 the blocks' matmuls count at the GPU's FP8 peak (where they run on FP8 tensor cores)
+and tp's all-reduces of the amaxes join tp's traffic.
 
 Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
@@ -56,6 +59,7 @@ context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 full_5d = load_lesson("07_full_5d")
+fp8 = load_lesson("07_fp8")
 
 # ============================================================================ the technique: the memory plan
 
@@ -144,10 +148,13 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
         kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
                                                        args.sequence_parallel, grid.cp, stage,
                                                        precision.param_dtype)
+        layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+        # --fp8: FP8 copies of the blocks' matmul inputs instead of bf16 ones (07_fp8.py)
+        kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len, tp, precision.param_dtype, layers,
+                                          args.recompute)
         if cfg.n_experts and args.recompute != "full":
             tokens = micro * shape.seq_len // grid.cp
             routed = cfg.experts_per_token * tokens
-            layers = cfg.n_layers if stage is None else len(stage.layer_ids)
             kept += layers * expert_parallel.moe_layer_bytes_over_dense(experts, tokens, micro, routed, routed, ep,
                                                                         grouped, e)
         return kept
@@ -220,7 +227,7 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
 # ============================================================================ the technique: the step-time estimate
 
 # The estimate's assumptions, printed with it (plan_assumptions).
-MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak, for the model's FLOPs
+MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak (FP8's for --fp8's matmuls), for the model's FLOPs
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step's compute
 
 
@@ -246,8 +253,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     the GPU's peak; recomputation's extra forward; lesson 03's bubble; the communication that
     nothing hides, by the lessons' traffic formulas for this stage, at its group's bandwidth."""
     layout = LaidOutGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
-    peak = peak_flops_of_name(gpu)
-    compute = flops_per_token(cfg, shape.seq_len) * shape.tokens_per_step / grid.world_size / (peak * MATMUL_EFFICIENCY)
+    compute = compute_seconds_per_token(cfg, shape.seq_len, args.fp8, gpu) * shape.tokens_per_step / grid.world_size
     recompute = compute * RECOMPUTE_COST[args.recompute]
     bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum,
                                                                       args.virtual_stages)
@@ -266,7 +272,8 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
         traffic = tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
             n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None, save_sequence_shard=True)
-        exposed += wire_bytes(on_axis(traffic, "tp"), tp) / bandwidth(grid.group_ranks(("tp",)))
+        amaxes = fp8.predicted_amax_traffic(cfg, args.fp8, micro * shape.seq_len, tp, m, n_layers, args.recompute)
+        exposed += wire_bytes(add_traffic(on_axis(traffic, "tp"), amaxes), tp) / bandwidth(grid.group_ranks(("tp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
         traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,
                                                         shape.seq_len, cp, "ulysses", m, e)
@@ -282,6 +289,17 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
         sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
         exposed += sent / bandwidth(grid.group_ranks(("pp",)))
     return {"compute": compute, "recompute": recompute, "bubble": bubble, "communication": exposed}
+
+
+def compute_seconds_per_token(cfg, seq_len: int, recipe: str, gpu: str) -> float:
+    """One token's model FLOPs at MATMUL_EFFICIENCY of the GPU's peak; with --fp8, the share that
+    07_fp8 runs as FP8 matmuls at the FP8 peak where they run on FP8 tensor cores (tensorwise and
+    rowwise from sm_89), the rest at bf16's. The quantisations' elementwise passes are not counted."""
+    flops, bf16_peak = flops_per_token(cfg, seq_len), peak_flops_of_name(gpu)
+    fp8_flops = fp8.fp8_matmul_flops_per_token(cfg) if recipe != "none" else 0
+    fp8_peak = (peak_flops_of_name(gpu, fp8=True) if fp8.runs_on_fp8_tensor_cores(recipe, GPUS[gpu].capability)
+                else bf16_peak)
+    return ((flops - fp8_flops) / bf16_peak + fp8_flops / fp8_peak) / MATMUL_EFFICIENCY
 
 
 def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int, compute: float, pp_rank: int,
@@ -304,10 +322,11 @@ def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int,
     return exposed + (max(0.0, gather - compute) if args.zero_stage == 3 else gather)
 
 
-def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
+def plan_assumptions(gpu: str, gpus_per_node: int, recipe: str = "none") -> list[str]:
     nvlink, network = GPUS[gpu].nvlink_gbps, GPUS[gpu].network_gbps
     return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
             f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
+            *([fp8_assumption(gpu, recipe)] if recipe != "none" else []),
             f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
             f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
             "bubble: lesson 03's (pp - 1) / m of the compute ((pp - 1) / (v m) interleaved), stages of equal time",
@@ -316,6 +335,16 @@ def plan_assumptions(gpu: str, gpus_per_node: int) -> list[str]:
             f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
             f"ZeRO-1/2's gather after the step exposed",
             "experts: balanced routing (every expert receives k T / E of the tokens)"]
+
+
+def fp8_assumption(gpu: str, recipe: str) -> str:
+    matmuls = f"--fp8 {recipe}: the blocks' attention and MLP matmuls (07_fp8.fp8_matmul_flops_per_token) "
+    if not fp8.runs_on_fp8_tensor_cores(recipe, GPUS[gpu].capability):
+        return (matmuls + f"at the bf16 rate: lesson 07 emulates them on {gpu} (float32 matmuls of dequantised "
+                           f"values, slower than that); their memory and traffic are planned as they are")
+    return (matmuls + f"at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense FP8 peak "
+                       f"({peak_flops_of_name(gpu, fp8=True) / 1e12:,.0f} TFLOP/s), the quantisations (elementwise, "
+                       f"memory-bound) not counted; tp's all-reduces of the amaxes counted")
 
 
 # ============================================================================ the technique: the layouts that fit
@@ -449,9 +478,10 @@ def print_memory_plan(args) -> None:
           f"{gpu} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: {usable / GIB:.1f} GiB)")
     schedule = (f"{args.schedule}" + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
                 + ", " if grid.pp > 1 else "")
+    fp8_part = f"FP8 {args.fp8} matmuls, " if args.fp8 != "none" else ""
     print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, {schedule}ZeRO-{args.zero_stage}, "
-          f"recompute {args.recompute}, weights {str(precision.param_dtype).removeprefix('torch.')}, gradients "
-          f"{str(precision.reduce_dtype).removeprefix('torch.')}, "
+          f"recompute {args.recompute}, {fp8_part}weights {str(precision.param_dtype).removeprefix('torch.')}, "
+          f"gradients {str(precision.reduce_dtype).removeprefix('torch.')}, "
           f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size} x {shape.grad_accum} micro-batches x dp "
           f"{grid.dp} = {shape.tokens_per_step:,} tokens per step")
     if shape.seq_len != cfg.seq_len:
@@ -467,7 +497,8 @@ def print_memory_plan(args) -> None:
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
           f"by the estimate below:")
     print_layout_table(fastest_per_grid(fitting)[:args.plan_top])
-    print("assumptions:\n" + "\n".join(f"  - {line}" for line in plan_assumptions(gpu, args.gpus_per_node)))
+    assumptions = plan_assumptions(gpu, args.gpus_per_node, args.fp8)
+    print("assumptions:\n" + "\n".join(f"  - {line}" for line in assumptions))
 
 
 def print_planned_memory(planned: PlannedLayout, usable: float) -> None:

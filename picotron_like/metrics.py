@@ -404,13 +404,19 @@ class BalancingLog:
 # runs slower clocks than the SXM board.
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GB200": 2500e12, "B200": 2250e12,
                    "GB300": 2500e12, "B300": 2250e12, "A100": 312e12}
+# The dense FP8 (e4m3/e5m2) peaks of the same GPUs, twice bf16's on each; an A100 has no FP8 tensor
+# cores. Lesson 07's --fp8 runs only its blocks' matmuls at this rate (07_fp8.py).
+PEAK_FP8_FLOPS = {"H100 PCIe": 1513e12, "H100": 1979e12, "H200": 1979e12, "GB200": 5000e12, "B200": 4500e12,
+                  "GB300": 5000e12, "B300": 4500e12}
 MFU_CONVENTION = ("model FLOPs 6N + 12*layers*seq*heads*head_dim per token: causal attention counted in full, "
                   "recomputation not counted")
 
 
-def peak_flops_of_name(name: str) -> float | None:
-    """The table's peak for a GPU's name, the first key found in it as whole words; None if none is."""
-    return next((peak for key, peak in PEAK_BF16_FLOPS.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
+def peak_flops_of_name(name: str, fp8: bool = False) -> float | None:
+    """The table's peak (bf16's, or FP8's with `fp8`) for a GPU's name, the first key found in it
+    as whole words; None if none is."""
+    table = PEAK_FP8_FLOPS if fp8 else PEAK_BF16_FLOPS
+    return next((peak for key, peak in table.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:

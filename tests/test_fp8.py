@@ -241,8 +241,11 @@ def dp_tp_run(recipe: str, stage: int, recompute: str) -> dict:
     predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, MICRO, SEQ, recompute, 2)
                       + full_5d.fp8.kept_bytes_difference(CFG, recipe, MICRO * SEQ, 2, torch.float32, CFG.n_layers,
                                                           recompute))
+    # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone
+    planned_kept = load_lesson("07_memory_plan").planned_memory(CFG, args, grid.shape, 1, batches.shape,
+                                                                model.precision, 0)[0]["activations"]
     return {"losses": losses, "grads": seen["before"], "params": gathered(model, lambda unit: unit.master),
-            "tp_rank": grid.tp_rank, "kept": (meter.peak_bytes, predicted_kept),
+            "tp_rank": grid.tp_rank, "kept": (meter.peak_bytes, predicted_kept, planned_kept),
             "split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in model.module.named_parameters()}}
 
 
@@ -279,15 +282,16 @@ TOLERANCES = {"losses": 1e-5, "grads": 1e-6, "params": 1e-3, "params_max": 1e-1 
 def test_dp_x_tp_with_fp8_zero_and_recompute_equals_one_device_with_fp8():
     """dp 2 x tp 2 through lesson 07's parallelize, each recipe with a ZeRO stage and recompute
     mode: losses, step 0's gradients and the parameters after 3 AdamW steps equal one device's
-    with the same recipe. The kept activations
-    of each rank's first step equal lesson 07's formula plus FP8's difference."""
+    with the same recipe. The kept activations of each rank's first step equal lesson 07's formula
+    plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags."""
     references = {recipe: one_device(recipe) for recipe in RECIPES}
     for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
         for name, (recipe, _, _) in LAYOUTS.items():
             result = runs[name]
             found = differences(result, references[recipe])
             assert all(found[key] <= TOLERANCES[key] for key in found), f"rank {rank} {name}: {found}"
-            assert result["kept"][0] == result["kept"][1], f"rank {rank} {name}: kept bytes {result['kept']}"
+            measured, predicted, planned = result["kept"]
+            assert measured == predicted == planned, f"rank {rank} {name}: kept bytes {result['kept']}"
 
 
 # ----------------------------------------------------------------------------- compile, and the rules

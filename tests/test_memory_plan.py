@@ -30,8 +30,8 @@ import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, SavedTensorMeters
-from picotron_like.model import get_config
+from picotron_like.metrics import ActivationMeter, SavedTensorMeters, peak_flops_of_name
+from picotron_like.model import flops_per_token, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 
@@ -209,3 +209,38 @@ def test_the_plan_knows_each_gpu_it_plans_for():
     experts = lesson().expert_parallel
     assert [experts.grouped_mm_fits(MOE_CFG, torch.bfloat16, torch.device("cuda"), plan.GPUS[gpu].capability)
             for gpu in ("A100-80GB", "H100", "B300")] == [False, True, True]
+
+
+def test_the_plan_counts_fp8_copies_fp8_peaks_and_the_amax_all_reduces(capsys):
+    """--plan --fp8 (07_fp8.py's own formulas): the 1b preset on 2 GPUs at tp 2 keeps its blocks'
+    matmul inputs as FP8 copies (kept_bytes_difference less than without, exactly), computes
+    fp8_matmul_flops_per_token of its FLOPs at the FP8 peak (twice bf16's on an H200) and the rest
+    at bf16's, and adds tp's amax all-reduces (predicted_amax_traffic) to tp's exposed traffic.
+    Where the matmuls are emulated (an A100; mxfp8 on any GPU) they count at the bf16 rate."""
+    full_5d, plan = lesson(), memory_plan()
+    fp8, cfg = plan.fp8, get_config("1b")
+    shape, grid, precision = BatchShape(1, 2048, 4, 1), GridShape(tp=2), full_5d.zero.Precision(torch.bfloat16)
+
+    def planned(recipe: str, gpu: str = "H200"):
+        args = full_5d.parse_args(["--tp", "2", "--seq-len", "2048", "--micro-batch-size", "1", "--grad-accum", "4",
+                                   "--fp8", recipe, "--gpu", gpu])
+        return plan.plan_layout(cfg, args, grid, 1, shape, precision, gpu, 8)
+
+    bf16, rowwise = planned("none"), planned("rowwise")
+    saved = fp8.kept_bytes_difference(cfg, "rowwise", 2048, 2, torch.bfloat16, cfg.n_layers)
+    assert rowwise.memory["activations"] - bf16.memory["activations"] == saved < 0
+    share = fp8.fp8_matmul_flops_per_token(cfg) / flops_per_token(cfg, 2048)
+    speed_up = 1 / ((1 - share) + share * peak_flops_of_name("H200") / peak_flops_of_name("H200", fp8=True))
+    assert bf16.seconds["compute"] / rowwise.seconds["compute"] == pytest.approx(speed_up, rel=1e-12)
+    assert 0.6 < share < 0.8 and speed_up > 1.4
+    amaxes = fp8.predicted_amax_traffic(cfg, "rowwise", 2048, 2, 4, cfg.n_layers)
+    assert amaxes and rowwise.seconds["communication"] - bf16.seconds["communication"] == pytest.approx(
+        plan.wire_bytes(amaxes, 2) / (plan.GPUS["H200"].nvlink_gbps * 1e9), rel=1e-9)
+    for recipe, gpu in (("rowwise", "A100-80GB"), ("mxfp8", "B300")):
+        assert planned(recipe, gpu).seconds["compute"] == pytest.approx(planned("none", gpu).seconds["compute"],
+                                                                        rel=1e-12), (recipe, gpu)
+    full_5d.main(["--plan", "--preset", "1b", "--gpus", "2", "--tp", "2", "--gpu", "H200", "--seq-len", "2048",
+                  "--micro-batch-size", "1", "--grad-accum", "4", "--fp8", "rowwise", "--plan-top", "2"])
+    out = capsys.readouterr().out
+    assert f"  {'activations':<40}{rowwise.memory['activations'] / 2**30:>8.2f}" in out
+    assert "FP8 rowwise matmuls" in out and "dense FP8 peak (1,979 TFLOP/s)" in out, out
