@@ -169,7 +169,7 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         last_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        norms.append(clip_grad_norm_(model.parameters(), max_grad_norm))
+        norms.append(clip_grad_norm_(model.parameters(), max_grad_norm).item())
         if step == 0:
             clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         last_clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}

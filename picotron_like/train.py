@@ -95,8 +95,9 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm=None) -> float:
-    """Scale gradients so that the global gradient norm is at most max_norm; return that norm.
+def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm=None) -> torch.Tensor:
+    """Scale gradients so that the global gradient norm is at most max_norm; return that norm (a
+    0-dim float32 tensor on the gradients' device).
 
     The global norm squared is the sum of squares over every *distinct* parameter element of the
     model. A rank holding a shard contributes its shard's sum of squares, and the contributions
@@ -105,6 +106,11 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
     parallelism) must be counted once, not once per rank: `counts_toward_norm(p)` returns False
     on the ranks whose copy should be skipped. Data-parallel replicas need no reduction at all:
     after the gradient all-reduce their gradients are identical.
+
+    Nothing here makes the host wait for the GPU: the factor min(1, max_norm / (norm + 1e-6)) is
+    computed and applied on the device (times 1 changes no bit when the norm is below max_norm),
+    the norm goes to NonFiniteStepGuard as a tensor, and the step's StepResult reads it once the
+    optimizer's work is queued. (A non-finite norm makes the factor 0 or NaN: that step is skipped.)
     """
     params = [p for p in params if p.grad is not None]
     counted = [p for p in params if counts_toward_norm is None or counts_toward_norm(p)]
@@ -114,12 +120,11 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
         norm_sq += p.grad.detach().float().pow(2).sum()
     for group in sharded_over:
         comm.call(dist.all_reduce, norm_sq, group=group)
-    total_norm = norm_sq.sqrt().item()
+    total_norm = norm_sq.sqrt()
     note_grad_norm(total_norm)
-    if math.isfinite(total_norm) and total_norm > max_norm:
-        scale = max_norm / (total_norm + 1e-6)
-        for p in params:
-            p.grad.mul_(scale)
+    factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    if params:
+        torch._foreach_mul_([p.grad for p in params], factor)
     return total_norm
 
 
@@ -135,6 +140,12 @@ class NonFiniteStepGuard:
     global (summed over every group the parameters are split across, and identical on
     data-parallel replicas after the gradient all-reduce), so every rank decides the same and no
     collective is added. The lesson's train_step stays as it is.
+
+    Asking is a read of the norm to the host: on a GPU, a wait for the whole backward before the
+    optimizer's kernels can be queued. A fused AdamW (lesson 07's on CUDA) is asked on the device
+    instead: it takes a `found_inf` tensor (the flag PyTorch's GradScaler sets) and leaves
+    weights, moments and step count as they were when it is 1, so the host reads nothing until the
+    step is done. Other optimizers (the exact per-tensor loop of the CPU proofs) are asked on the host.
     """
 
     _active: list["NonFiniteStepGuard"] = []   # the guard of the running loop (at most one)
@@ -142,8 +153,8 @@ class NonFiniteStepGuard:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.skipped_steps = 0
-        self._norm_finite = True
-        self._skipped_this_step = False
+        self._norm = None                       # the last norm noted (a tensor), None: none this step
+        self._stepped = False
 
     def __enter__(self):
         self._step = self.optimizer.step
@@ -154,24 +165,32 @@ class NonFiniteStepGuard:
     def __exit__(self, *exc):
         NonFiniteStepGuard._active.remove(self)
         del self.optimizer.step   # the instance attribute goes; the class's step shows through again
+        if hasattr(self.optimizer, "found_inf"):
+            del self.optimizer.found_inf
 
-    def note(self, grad_norm: float) -> None:
-        self._norm_finite = math.isfinite(grad_norm)
+    def note(self, grad_norm: torch.Tensor) -> None:
+        self._norm = grad_norm
 
     def _guarded_step(self, *args, **kwargs):
-        if self._norm_finite:
+        self._stepped = True
+        if self._norm is None:
             return self._step(*args, **kwargs)
-        self._skipped_this_step = True
+        if self.optimizer.defaults.get("fused"):
+            self.optimizer.found_inf = (~torch.isfinite(self._norm)).float()
+            return self._step(*args, **kwargs)
+        if torch.isfinite(self._norm).item():
+            return self._step(*args, **kwargs)
         return None
 
     def step_was_skipped(self) -> bool:
-        """Whether the step just run was skipped; resets for the next step."""
-        skipped, self._skipped_this_step, self._norm_finite = self._skipped_this_step, False, True
+        """Whether the step just run was skipped (read after it); resets for the next step."""
+        skipped = self._stepped and self._norm is not None and not math.isfinite(float(self._norm))
+        self._norm, self._stepped = None, False
         self.skipped_steps += skipped
         return skipped
 
 
-def note_grad_norm(grad_norm: float) -> None:
+def note_grad_norm(grad_norm: torch.Tensor) -> None:
     """Every clipping function reports the global norm it computed here, for NonFiniteStepGuard."""
     for guard in NonFiniteStepGuard._active:
         guard.note(grad_norm)
@@ -230,6 +249,10 @@ class StepResult:
     loss: float         # the global batch's mean loss over its targets, the same on every rank
     grad_norm: float    # the whole model's gradient norm, before clipping
     extra: dict = field(default_factory=dict)   # more values for the log line, e.g. {"aux": 0.01}
+
+    def __post_init__(self):
+        # clip_grad_norm_'s norm is a device tensor: read here, when the step's work is queued
+        object.__setattr__(self, "grad_norm", float(self.grad_norm))    # frozen: set once, here
 
 
 # ----------------------------------------------------------------------------- the flags every lesson shares

@@ -26,6 +26,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
 from picotron_like.testing import HostReads, masked_step_batch, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
+from picotron_like import train as train_module
 from picotron_like.train import checked_plan
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
                                   assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
@@ -150,7 +151,9 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
 
 def host_reads_of_two_steps() -> list:
     """Lesson 07's MoE step at dp 2 x ep 2 (2 layers, 2 micro-batches), bias balancing and the aux
-    loss on, the every-step routing meter entered as 07's main enters it: each step's host reads."""
+    loss on, the every-step routing meter and the non-finite step guard entered as 07's main enters
+    them, AdamW fused as on CUDA (the CPU has a fused AdamW too): each step's host reads."""
+    train_module.adamw_implementation = lambda device: {"fused": True}
     full_5d = load_lesson("07_full_5d")
     argv = ["--preset", "tiny-moe", "--dp", "2", "--ep", "2", "--n-layers", "2", "--seq-len", str(SEQ),
             "--micro-batch-size", str(MICRO), "--grad-accum", "2", "--bias-update-rate", "1e-3",
@@ -165,7 +168,8 @@ def host_reads_of_two_steps() -> list:
                              bias_update_rate=args.bias_update_rate,
                              balancing_log=full_5d.balancing_log(model, pipeline, grid))
     reads = []
-    with RoutingMeter(full_5d.model_parts(model, pipeline), plan.shape.grad_accum):
+    with RoutingMeter(full_5d.model_parts(model, pipeline), plan.shape.grad_accum), \
+            train_module.NonFiniteStepGuard(optimizer):
         for index in range(2):
             with HostReads() as counter:
                 step(plan.batches.step_batch(index, grid.dp_rank))
@@ -175,12 +179,12 @@ def host_reads_of_two_steps() -> list:
 
 def test_a_composed_moe_step_reads_to_the_host_once_per_layer_and_micro_batch_and_three_times_more():
     """What a GPU would wait for in one optimizer step of 07 with experts: the all-to-all's split
-    sizes, once per layer and micro-batch (2 x 2), and three reads of the step's tail: the gradient
-    norm (for the skip of a non-finite step), the loss and the balancing losses for the log line.
-    The routing meter, the router's load count and the balancing log's sums stay on the device
-    (each used to read once per layer and micro-batch)."""
+    sizes, once per layer and micro-batch (2 x 2), and three reads once the step's work is queued:
+    the gradient norm, the loss and the balancing losses, for the log line. Clipping and the skip
+    of a non-finite step decide on the device, and the routing meter, the router's load count and
+    the balancing log's sums stay there (each used to read once per layer and micro-batch)."""
     split = ("tolist", "05_expert_parallel.py:expert_parallel_compute")
-    tail = [("item", "train.py:clip_grad_norm_"), ("item", "06_zero.py:finish_step"),
+    tail = [("__float__", "train.py:__post_init__"), ("item", "06_zero.py:finish_step"),
             ("tolist", "metrics.py:step_values")]
     for rank, steps in enumerate(run_ranks(2, host_reads_of_two_steps)):
         for sites in steps:

@@ -21,7 +21,7 @@ from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
                                    predicted_activation_bytes, predicted_memory)
 from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
-from picotron_like.testing import run_ranks
+from picotron_like.testing import HostReads, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid, validate_parallel_config
 from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate
 
@@ -80,7 +80,7 @@ def sharded_clipping():
     replicated.grad = vector_grad.clone()
     norm = clip_grad_norm_([shard, replicated], 1.0, sharded_over=[dist.group.WORLD],
                            counts_toward_norm=lambda p: p is shard or rank == 0)
-    return norm, shard.grad, replicated.grad, full_matrix_grad, vector_grad
+    return norm.item(), shard.grad, replicated.grad, full_matrix_grad, vector_grad
 
 
 def test_clipping_uses_the_norm_of_the_whole_model():
@@ -457,3 +457,29 @@ def test_the_first_step_says_how_long_the_start_took(loop_run):
                              "from picotron_like.train import seconds_since_process_start as s; print(s())"],
                             capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert 1.5 <= float(waited.stdout) < 60, waited.stdout
+
+
+def test_a_fused_adamw_skips_a_non_finite_step_on_the_device_without_a_host_read():
+    """Lesson 07's AdamW on CUDA is fused: the guard hands it the non-finite flag as a tensor
+    (found_inf), so clipping and the optimizer step read nothing to the host; the step still
+    changes nothing (weights, moments, step count), and is counted as skipped once read after it.
+    The CPU has a fused AdamW too, which shows it here; a finite step then trains as usual."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()        # moments and a step count to keep
+    before = {key: value.clone() for key, value in snapshot(model, optimizer).items()}
+    with train.NonFiniteStepGuard(optimizer) as guard:
+        model(torch.ones(2, 4)).sum().backward()
+        model.weight.grad[0, 0] = float("nan")
+        with HostReads() as reads:
+            norm = clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+        assert reads.sites == [] and guard.step_was_skipped() and not math.isfinite(norm.item())
+        for key, value in snapshot(model, optimizer).items():
+            assert torch.equal(value, before[key]), key
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        assert not guard.step_was_skipped() and not torch.equal(model.weight, before["weight"])
