@@ -2,7 +2,8 @@
 The device check's table: for each run of lesson 07 that benchmarks/gpu_check.sh made, its
 tokens/s, MFU and peak allocated memory (medians over the steps after the first two, read from
 the run's --metrics file) next to the memory plan's prediction for the same flags (the "total"
-line of its --plan output).
+line of its --plan output). An FP8 run, NAME-fp8-RECIPE-REST, also shows its tokens/s over its bf16
+twin's, NAME-REST ("vs bf16"); its MFU, like every run's, is of the bf16 peak, so the two compare.
 
     python benchmarks/gpu_check_table.py OUT_DIR      # OUT_DIR holds NAME.metrics.jsonl, NAME.plan.txt
 """
@@ -26,20 +27,30 @@ def planned_gib(path: Path) -> str:
     return match.group(1) if match else "-"
 
 
+def bf16_twin(name: str) -> str | None:
+    """The bf16 run an FP8 run is compared with: its name without "-fp8-RECIPE"."""
+    twin = re.sub(r"-fp8-[a-z0-9]+", "", name)
+    return twin if twin != name else None
+
+
 def main(out_dir: str) -> None:
     out = Path(out_dir)
-    print(f"{'run':<24}{'tok/s':>10}{'MFU %':>8}{'peak GiB':>10}{'plan GiB':>10}{'steps':>7}{'last loss':>11}")
-    for metrics in sorted(out.glob("*.metrics.jsonl")):
-        name = metrics.name.removesuffix(".metrics.jsonl")
-        steps = step_records(metrics)
-        timed = steps[2:] or steps
-        if not timed:
-            print(f"{name:<24}{'no steps':>10}")
+    runs = {metrics.name.removesuffix(".metrics.jsonl"): step_records(metrics)
+            for metrics in sorted(out.glob("*.metrics.jsonl"))}
+    tokens = {name: statistics.median(r["tokens_per_s"] for r in (steps[2:] or steps))
+              for name, steps in runs.items() if steps}
+    print(f"{'run':<28}{'tok/s':>10}{'vs bf16':>9}{'MFU %':>8}{'peak GiB':>10}{'plan GiB':>10}{'steps':>7}"
+          f"{'last loss':>11}")
+    for name, steps in runs.items():
+        if not steps:
+            print(f"{name:<28}{'no steps':>10}")
             continue
-        tokens = statistics.median(r["tokens_per_s"] for r in timed)
-        mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+        mfu = [r["mfu"] for r in (steps[2:] or steps) if r.get("mfu") is not None]
         peak = max(r.get("max_memory_allocated_bytes", 0) for r in steps) / 2**30
-        print(f"{name:<24}{tokens:>10,.0f}{(100 * statistics.median(mfu) if mfu else float('nan')):>8.1f}"
+        twin = bf16_twin(name)
+        ratio = f"{tokens[name] / tokens[twin]:.2f}x" if twin in tokens else "-"
+        print(f"{name:<28}{tokens[name]:>10,.0f}{ratio:>9}"
+              f"{(100 * statistics.median(mfu) if mfu else float('nan')):>8.1f}"
               f"{peak:>10.2f}{planned_gib(out / f'{name}.plan.txt'):>10}{len(steps):>7}{steps[-1]['loss']:>11.4f}")
 
 

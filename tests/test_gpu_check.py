@@ -1,5 +1,6 @@
 """The device check, as far as a CPU can check it: its 8-GPU self-check launches only layouts the
-lessons accept, and its comparison passes runs equal to one device and fails the others."""
+lessons accept, and its comparison passes runs equal to one device and fails the others; its FP8
+rows are their bf16 twins with --fp8, and its table compares the two."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import re
 import shlex
 import subprocess
 import sys
+
+import pytest
 
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.train import checked_plan
@@ -83,3 +86,40 @@ def test_the_comparison_passes_a_run_equal_to_one_device_and_fails_others(tmp_pa
 
 def test_the_device_check_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+
+
+def fp8_rows() -> dict[str, tuple[list[str], list[str]]]:
+    """Each FP8 run of lesson 07 in the device check: (its flags, its bf16 twin's), $b1 expanded."""
+    text = SCRIPT.read_text()
+    b1 = re.search(r'^b1="([^"]*)"', text, re.M).group(1)
+    flags = {name: shlex.split(value.replace("$b1", b1))
+             for name, value in re.findall(r'^\s*\[(07-[\w-]+)\]="([^"]*)"', text, re.M)}
+    return {name: (words, flags[re.sub(r"-fp8-[a-z0-9]+", "", name)]) for name, words in flags.items()
+            if "-fp8-" in name}
+
+
+def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_path):
+    """The FP8 rows (rowwise, and mxfp8 on MX GPUs) differ from their bf16 twin by --fp8 alone and
+    lesson 07 accepts them on one GPU; the table divides an FP8 run's tokens/s by its twin's
+    (here two short CPU runs of the tiny preset, named as the script names them)."""
+    full_5d, rows = load_lesson("07_full_5d"), fp8_rows()
+    assert {words[words.index("--fp8") + 1] for words, _ in rows.values()} == {"rowwise", "mxfp8"}
+    for name, (words, twin) in rows.items():
+        at = words.index("--fp8")
+        assert words[:at] + words[at + 2:] == twin, name
+        checked_plan(full_5d.parse_args(words), full_5d.validate, None, 1)     # raises on a refused layout
+    runs = {"07-t": [], "07-t-fp8-rowwise": ["--fp8", "rowwise"]}
+    for name, flags in runs.items():
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                   str(REPO_ROOT / "07_full_5d.py"), "--steps", "4", "--seq-len", "64", "--micro-batch-size", "2",
+                   "--global-batch-tokens", "256", "--metrics", str(tmp_path / f"{name}.metrics.jsonl"), *flags]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert run.returncode == 0, run.stdout + run.stderr
+    table = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check_table.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    tokens = {line.split()[0]: float(line.split()[1].replace(",", "")) for line in table.splitlines()[1:]}
+    ratio = re.search(r"^07-t-fp8-rowwise +[\d,]+ +([\d.]+)x", table, re.M)
+    expected = tokens["07-t-fp8-rowwise"] / tokens["07-t"]        # of the printed, rounded tokens/s
+    assert ratio and float(ratio.group(1)) == pytest.approx(expected, abs=0.006), table
+    assert re.search(r"^07-t +[\d,]+ +- ", table, re.M), table
