@@ -75,8 +75,9 @@ from torch import nn
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (MeteredRun, SavedTensorMeters, log0, log_compute_report, log_traffic_rows, memory_table,
-                                   storage_bytes)
+from picotron_like.metrics import (GatheredParameterMeter, MeteredRun, ModelStates, SavedTensorMeters,
+                                   data_parallel_traffic, log0, log_compute_report, log_traffic_rows, memory_table,
+                                   optimizer_state_tensors, storage_bytes)
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
@@ -104,6 +105,11 @@ class Piece:
         self.name, self.param, self.lo, self.hi = name, param, lo, hi
 
 
+def padded(count: int, n_shards: int) -> int:
+    """A unit's elements once padded to a multiple of its shard count."""
+    return -(-count // n_shards) * n_shards
+
+
 class FlatUnit:
     """The parameters of one module-sized unit as one flat buffer, padded to a multiple of
     `n_shards` and cut into that many contiguous shards; this rank owns shard `shard_rank` of the
@@ -115,8 +121,8 @@ class FlatUnit:
         self.params = [param for _, param in named_params]
         self.shapes = [param.shape for param in self.params]
         self.numel = sum(param.numel() for param in self.params)
-        self.shard_numel = -(-self.numel // n_shards)
-        self.padded_numel = self.shard_numel * n_shards
+        self.padded_numel = padded(self.numel, n_shards)
+        self.shard_numel = self.padded_numel // n_shards
         self.start = shard_rank * self.shard_numel
         self.n_ready = 0
         self.pieces = self._pieces()
@@ -167,10 +173,8 @@ def flat_units(named_params: list, group_of, sharded: bool) -> list[FlatUnit]:
     """One module unit's flat units, one per group of ranks that hold its parameters (`group_of`
     a parameter's name): here the data-parallel group holds them all; lesson 07 holds experts on
     fewer ranks. Sharded, a flat unit has a shard per rank of its group; unsharded (stage 0), one."""
-    groups = []
-    for name, _ in named_params:    # told apart by identity: two groups may look alike (GroupLayout)
-        if not any(group_of(name) is group for group in groups):
-            groups.append(group_of(name))
+    # Told apart by identity, in first-seen order: two groups may look alike (GroupLayout).
+    groups = {id(group): group for group in (group_of(name) for name, _ in named_params)}.values()
     return [FlatUnit([(name, p) for name, p in named_params if group_of(name) is group],
                      group_size(group) if sharded else 1, group_rank(group) if sharded else 0, group)
             for group in groups]
@@ -252,13 +256,14 @@ class ZeroDataParallel(nn.Module):
         unit.n_ready += 1
         if unit.n_ready == len(unit.params):
             unit.n_ready = 0
-            self._reduce(unit)
+            flat_grad = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
+            for param in unit.params:
+                param.grad = None
+            self._reduce(unit, flat_grad)
 
-    def _reduce(self, unit: FlatUnit) -> None:
+    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
         # Summed, never averaged: each rank's loss is its share of the global batch's mean (train_step).
-        unit.grad_buffer += unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
-        for param in unit.params:
-            param.grad = None
+        unit.grad_buffer += flat_grad
         if not self.require_backward_grad_sync:
             return                  # an earlier micro-batch of the step: accumulate only
         if self.stage == 0:
@@ -285,12 +290,11 @@ class ZeroDataParallel(nn.Module):
                 piece.master.grad = unit.grad_shard[piece.lo: piece.hi].to(torch.float32)
 
     def step(self, optimizer) -> None:
-        """AdamW on this rank's shard of the float32 master, then every rank's weights updated."""
+        """AdamW on this rank's shard of the float32 master (its gradients dropped after: they are
+        rebuilt from the shard each step), then every rank's weights updated."""
         optimizer.step()
-        for unit in self.units:
-            for piece in unit.pieces:
-                piece.master.grad = None
-            self._publish(unit)
+        optimizer.zero_grad()
+        self.publish_master()
 
     def _publish(self, unit: FlatUnit) -> None:
         """Cast the updated master into this rank's shard of the weights, then gather every shard
@@ -306,7 +310,7 @@ class ZeroDataParallel(nn.Module):
             unit.grad_buffer.zero_()
 
     def publish_master(self) -> None:
-        """Every rank's weights from the master, after it changed outside a step (a checkpoint loaded)."""
+        """Every rank's weights from the master: after each step, and after a checkpoint loaded it."""
         for unit in self.units:
             self._publish(unit)
 
@@ -335,22 +339,16 @@ class ZeroStage2(ZeroDataParallel):
     """
 
     stage = 2
-
-    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), group_of=None):
-        super().__init__(module, group, precision, group_of=group_of)
-        self._in_flight = None      # (work, unit, partial shard, flat gradient) of the reduction running
+    _in_flight = None       # (work, unit, partial shard, flat gradient) of the reduction running
 
     def _hold_gradients(self, unit: FlatUnit, device) -> None:
         unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce_dtype, device=device)
 
-    def _reduce(self, unit: FlatUnit) -> None:
-        flat = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
-        for param in unit.params:
-            param.grad = None
+    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
         self._finish_in_flight()
         partial_shard = torch.empty_like(unit.grad_shard)
-        work = comm.call(comm.reduce_scatter_single, partial_shard, flat, group=unit.group, async_op=True)
-        self._in_flight = (work, unit, partial_shard, flat)
+        work = comm.call(comm.reduce_scatter_single, partial_shard, flat_grad, group=unit.group, async_op=True)
+        self._in_flight = (work, unit, partial_shard, flat_grad)
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
@@ -387,7 +385,7 @@ class ZeroStage3(ZeroStage2):
 
     def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
                  reshard_after_forward: bool = True, prefetch: bool = True, group_of=None):
-        super().__init__(module, group, precision, group_of)
+        super().__init__(module, group, precision, group_of=group_of)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         for index, modules in enumerate(unit_modules(module)):
             modules[0].register_forward_pre_hook(partial(self._before_forward, index))
@@ -409,21 +407,22 @@ class ZeroStage3(ZeroStage2):
             if unit.pending is not None or unit.params[0].numel() > 0:
                 continue
             flat = torch.empty(unit.padded_numel, dtype=unit.param_shard.dtype, device=unit.param_shard.device)
-            unit.pending = comm.call(comm.all_gather_single, flat, unit.param_shard, group=unit.group,
-                                     async_op=True)
+            unit.pending = comm.call(comm.all_gather_single, flat, unit.param_shard, group=unit.group, async_op=True)
             unit.use_flat_parameters(flat)
 
-    def _wait_for(self, index: int) -> None:
+    def _wait_for(self, index: int, then_prefetch: int) -> None:
+        """Module unit `index` gathered and ready; then, with prefetch, the gather of the unit that
+        computes next (`then_prefetch`: the next one in forward, the one before in backward) started."""
         self._gather(index)
         for unit in self.unit_groups[index]:
             if unit.pending is not None:
                 unit.pending.wait()
                 unit.pending = None
+        if self.prefetch:
+            self._gather(then_prefetch)
 
     def _before_forward(self, index, module, args):
-        self._wait_for(index)
-        if self.prefetch:
-            self._gather(index + 1)
+        self._wait_for(index, then_prefetch=index + 1)
 
     def _after_forward(self, index, module, args, output):
         if self.reshard_after_forward:
@@ -433,13 +432,11 @@ class ZeroStage3(ZeroStage2):
             output.register_hook(partial(self._before_backward, index))
 
     def _before_backward(self, index, grad):
-        self._wait_for(index)
-        if self.prefetch:
-            self._gather(index - 1)
+        self._wait_for(index, then_prefetch=index - 1)
 
-    def _reduce(self, unit: FlatUnit) -> None:
+    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
         """The unit's gradient is on its way: its gathered weights are freed until the next forward."""
-        super()._reduce(unit)
+        super()._reduce(unit, flat_grad)
         unit.release_parameters()
 
     def _publish(self, unit: FlatUnit) -> None:
@@ -476,7 +473,7 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     if stage == 3:
         return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, group_of)
     if stage == 2:
-        return ZeroStage2(module, group, precision, group_of)
+        return ZeroStage2(module, group, precision, group_of=group_of)
     return ZeroDataParallel(module, group, precision, replicate=stage == 0, group_of=group_of)
 
 
@@ -552,18 +549,6 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 # ============================================================================ measuring the three challenges
 
 
-@dataclass
-class ModelStates:
-    parameters: int
-    gradients: int
-    master_weights: int
-    optimizer_states: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
-
-
 def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
     """The bytes of every storage this rank holds, each counted once, in the first role it has:
     weights (whole or shard), gradients (buffers and any .grad), master, Adam's moments."""
@@ -571,14 +556,9 @@ def measured_model_states(model: ZeroDataParallel, optimizer) -> ModelStates:
     params = list(model.module.parameters())
     shards = [unit.param_shard for unit in model.units if model.stage == 3]
     grads = [p.grad for p in params if p.grad is not None] + [unit.grad_shard for unit in model.units]
-    states = [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
     return ModelStates(storage_bytes(params + shards, seen), storage_bytes(grads, seen),
-                       storage_bytes((unit.master for unit in model.units), seen), storage_bytes(states, seen))
-
-
-def padded(count: int, n_shards: int) -> int:
-    """A unit's elements once padded to a multiple of its shard count."""
-    return -(-count // n_shards) * n_shards
+                       storage_bytes((unit.master for unit in model.units), seen),
+                       storage_bytes(optimizer_state_tensors(optimizer), seen))
 
 
 def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision: Precision) -> ModelStates:
@@ -601,7 +581,7 @@ def predicted_zero_traffic(unit_counts: list[int], n: int, stage: int, precision
     total = sum(padded(count, shards) for count in unit_counts)
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     if stage == 0:
-        return {("all_reduce", group): g * total}
+        return data_parallel_traffic(total, g, group)      # lesson 01's all-reduce
     scatters = 1 if stage == 1 else n_micro
     gathers = 1 if stage < 3 else n_micro * (2 if reshard_after_forward else 1)
     return {("reduce_scatter_single", group): scatters * g * total,
@@ -617,24 +597,6 @@ def predicted_gathered_peak(unit_bytes: list[int], reshard_after_forward: bool =
     if not prefetch:
         return max(unit_bytes)
     return max([*unit_bytes, *(a + b for a, b in zip(unit_bytes, unit_bytes[1:]))])
-
-
-class GatheredParameterMeter:
-    """The bytes of the storages the model's parameters point into (a gathered unit's whole padded
-    buffer), sampled at every tensor autograd saves (forward) and reads back (backward): from
-    outside, what ZeRO-3 has gathered while computing. A saved-tensor meter: entered through
-    metrics.SavedTensorMeters, alone or beside an ActivationMeter."""
-
-    def __init__(self, module: nn.Module):
-        self.params = list(module.parameters())
-        self.peak_bytes = 0
-
-    def pack(self, tensor):
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
-        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
-        return tensor
-
-    unpack = pack
 
 
 def log_model_states(model: ZeroDataParallel, optimizer, title: str, predicted: ModelStates,

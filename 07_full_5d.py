@@ -91,8 +91,9 @@ import picotron_like.sample as sampling
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, BalancingLog, MeteredRun, RoutingMeter, SavedTensorMeters, add_traffic,
-                                    log0, log_compute_report, predicted_activation_bytes, step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, MeteredRun, ModelStates,
+                                    RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
+                                    predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
@@ -1142,10 +1143,10 @@ class ZeroUnits:
         n = grid.dp_size * grid.cp_size
         return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size)
 
-    def model_states(self, stage: int, precision) -> "zero.ModelStates":
+    def model_states(self, stage: int, precision) -> ModelStates:
         dense = zero.predicted_model_states(self.dense, self.n, stage, precision)
         experts = zero.predicted_model_states(self.experts, self.edp, stage, precision)
-        return zero.ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
+        return ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
 
     def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
         """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
@@ -1500,7 +1501,7 @@ def main(argv=None):
         log0(f"--resume: no checkpoint in {where} yet: starting from step 0")
     if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
         init_from_hub(args.init_from, model, grid)
-    activations, gathered = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
+    activations, gathered = ActivationMeter(model.module), GatheredParameterMeter(model.module)
     # With experts: the metered step's routing (kept activations) and every step's (traffic).
     parts = model_parts(model, pipeline)
     # every_step folds a layer's calls by the step (its forwards per step: twice under full recompute)

@@ -7,8 +7,12 @@ goes through ``comm.call``); the rest is here:
 
 - ``ActivationMeter``: the bytes autograd keeps alive for backward, at their peak, through a
   saved-tensors hook;
+- ``GatheredParameterMeter``: the weights a sharded run (ZeRO-3) holds gathered, at their peak,
+  through the same hook;
 - ``measured_memory`` / ``predicted_memory`` / ``memory_table``: weights, gradients, optimizer
   states and activations, counted from the tensors a rank holds and predicted by formula;
+  ``ModelStates``: weights, gradients, float32 master and AdamW's states, the model states ZeRO
+  shards (lesson 06 measures and predicts them);
 - ``RoutingMeter``: what the MoE layers' routers chose, per layer and forward (the counts the
   expert formulas of memory and traffic take as input), read at the model's expert_compute seam;
 - ``BalancingLog``: the MoE layers' balancing losses (aux, z) of a step, summed over the ranks, for
@@ -146,6 +150,24 @@ class SavedTensorMeters:
         return False
 
 
+class GatheredParameterMeter:
+    """The bytes of the storages the model's parameters point into, sampled at every tensor autograd
+    saves (forward) and reads back (backward): from outside, what a sharded run (ZeRO-3, lesson 06)
+    has gathered while computing, each gathered unit counted as its whole padded buffer. A
+    saved-tensor meter: entered through SavedTensorMeters, alone or beside an ActivationMeter."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.params = list(module.parameters())
+        self.peak_bytes = 0
+
+    def pack(self, tensor):
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.params}
+        self.peak_bytes = max(self.peak_bytes, sum(storages.values()))
+        return tensor
+
+    unpack = pack
+
+
 def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n_layers: int | None = None,
                                with_head: bool = True, element_bytes: int = 4) -> int:
     """Bytes autograd saves for one micro-batch of the dense reference model in float32 on CPU.
@@ -219,18 +241,37 @@ class MemoryReport:
         return self.weights + self.gradients + self.optimizer_states + self.activations
 
 
+@dataclass
+class ModelStates:
+    """What a rank holds for the model, by role, with mixed precision's float32 master apart from
+    the weights it computes with: the states ZeRO shards (lesson 06 measures and predicts them)."""
+
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_states
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter states (AdamW's two moments), without its scalar step counts."""
+    return [value for state in optimizer.state.values() for value in state.values()
+            if torch.is_tensor(value) and value.dim() > 0]
 
 
 def measured_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> MemoryReport:
     """Weights, gradients and optimizer states counted from the tensors this rank holds."""
     params = list(model.parameters())
-    states = [value for state in optimizer.state.values() for value in state.values()
-              if torch.is_tensor(value) and value.dim() > 0]
     return MemoryReport(weights=tensor_bytes(params),
                         gradients=tensor_bytes(p.grad for p in params if p.grad is not None),
-                        optimizer_states=tensor_bytes(states),
+                        optimizer_states=tensor_bytes(optimizer_state_tensors(optimizer)),
                         activations=activations)
 
 
@@ -241,7 +282,7 @@ def predicted_memory(n_params: int, activations: int, param_bytes: int = 4) -> M
 
 
 def memory_table(measured, predicted, title: str = "memory per rank") -> str:
-    """A row per field of a memory dataclass (MemoryReport, lesson 06's ModelStates) and its total,
+    """A row per field of a memory dataclass (MemoryReport, ModelStates) and its total,
     measured next to predicted, in MB."""
     rows = [f"{title:<22}{'measured MB':>13}{'predicted MB':>14}"]
     for field in [*(f.name for f in fields(predicted)), "total"]:

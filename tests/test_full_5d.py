@@ -33,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, BalancingLog, RoutingMeter, SavedTensorMeters, add_traffic
+from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, RoutingMeter, SavedTensorMeters,
+                                   add_traffic)
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
@@ -101,7 +102,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
                         seed=SEED, vocab_size=cfg.vocab_size)
     step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if mask_targets else data.step_batch
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    activations, weights = ActivationMeter(model.module), zero.GatheredParameterMeter(model.module)
+    activations, weights = ActivationMeter(model.module), GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
     # for the recomputed forward's traffic.
     routings = ([RoutingMeter(full_5d.model_parts(model, pipeline)) for _ in range(STEPS)]

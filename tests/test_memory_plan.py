@@ -30,7 +30,7 @@ import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter, SavedTensorMeters, peak_flops_of_name
+from picotron_like.metrics import ActivationMeter, GatheredParameterMeter, SavedTensorMeters, peak_flops_of_name
 from picotron_like.model import flops_per_token, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
@@ -87,7 +87,7 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, shape.dp), seed=SEED,
                         vocab_size=cfg.vocab_size)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    meter = (zero.GatheredParameterMeter if args.zero_stage == 3 else ActivationMeter)(model.module)
+    meter = (GatheredParameterMeter if args.zero_stage == 3 else ActivationMeter)(model.module)
     step = first_steps.observe(partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer,
                                        settings=settings))
     for index in range(2):

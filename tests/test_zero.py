@@ -29,7 +29,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import SavedTensorMeters, add_traffic, step_bookkeeping_traffic
+from picotron_like.metrics import GatheredParameterMeter, SavedTensorMeters, add_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
@@ -119,7 +119,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
     seen = observe_gradients(model, optimizer)
     split = context_split(grid)
     comm.meter.reset()
-    meter = zero.GatheredParameterMeter(model.module)
+    meter = GatheredParameterMeter(model.module)
     results = []
     for step_index in range(STEPS):
         batch = data.step_batch(step_index, grid.dp_rank)
