@@ -392,7 +392,7 @@ def test_dp1_x_tp2_with_one_devices_fp8_codes_equals_one_device_at_float32_toler
     axis, inputs equal to float32 rounding). Its losses, step 0's gradients and the parameters
     after 3 steps then equal one device's at lesson 02's float32 tolerances, no element beyond
     1e-2 lr, although its own codes differ from one device's in some whole tensor (the ties the
-    replay covers). The same run without the replay has some parameter beyond 1e-2 lr: the control.
+    replay covers; two on this CPU). The same run without the replay differs far more: the control.
     The split tensors (the weights, the column layers' output gradients, the row layers' inputs)
     need no replay in this run, and the test asserts it, bit for bit: with the amax all-reduce a
     shard's scales are one device's, its values are one device's slice to float32 rounding, and
@@ -415,9 +415,15 @@ def test_dp1_x_tp2_with_one_devices_fp8_codes_equals_one_device_at_float32_toler
         assert quantisations["split"]["codes_differ"] == 0, f"rank {rank}: {quantisations}"
         found = differences(runs["replayed"], reference)
         assert all(found[key] <= strict[key] for key in found), f"rank {rank}: {found}"
-    assert any(runs["replayed"]["quantisations"]["whole"]["codes_differ"] for runs in ranks), "the replay must matter"
-    beyond = [differences(runs["as_is"], reference)["params_max"] for runs in ranks]
-    assert max(beyond) > strict["params_max"], f"the control: without the replay no flip shows ({beyond})"
+    # The control. Whether a value lands on a midpoint depends on the float32 sums, so on another
+    # CPU (other vector units, another summation order) the ties may fall elsewhere: where the tp
+    # run's own codes differ from one device's, the run without the replay must differ more than the
+    # replayed one (here: 2 ties, 2.3e-2 lr against 1.2e-5 lr); where none differ, it must not.
+    ties = any(runs["replayed"]["quantisations"]["whole"]["codes_differ"] for runs in ranks)
+    as_is = max(differences(runs["as_is"], reference)["params_max"] for runs in ranks)
+    replayed = max(differences(runs["replayed"], reference)["params_max"] for runs in ranks)
+    assert (as_is > 10 * replayed) if ties else (as_is <= strict["params_max"]), \
+        f"the control: ties {ties}, without the replay {as_is:.3g}, with it {replayed:.3g}"
 
 
 # ----------------------------------------------------------------------------- compile, and the rules
