@@ -21,7 +21,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, get_config
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
-from picotron_like.train import StepSettings, add_training_flags, batch_shape, build_optimizer
+from picotron_like.train import StepSettings, add_training_flags, batch_shape, build_optimizer, resolve_steps
 
 
 def time_steps(step_fn, steps):
@@ -38,6 +38,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_training_flags(parser, steps=10)
     args = parser.parse_args()
+    resolve_steps(args)
     lesson = load_lesson("01_data_parallel")
     device = init_distributed()
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))

@@ -147,7 +147,9 @@ def torch_tensor_parallel(cfg, tp_group, shard_embedding_and_head: bool):
         loss = torch.zeros(())
         for inputs, targets in batch.micro_batches:
             with loss_context():
-                micro_loss = model(inputs, targets, reduction="sum") / batch.n_targets
+                # the logits, then the loss: loss_parallel hooks F.cross_entropy, which the model's own
+                # chunked loss (inside its LM head) does not call
+                micro_loss = cross_entropy_loss(model(inputs), targets, reduction="sum") / batch.n_targets
                 micro_loss.backward()
             micro_loss = micro_loss.detach()
             loss += micro_loss.full_tensor() if hasattr(micro_loss, "full_tensor") else micro_loss
