@@ -515,10 +515,15 @@ def evaluate(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) 
     here instead, where backward would have freed them: a step starts from shards, and validation
     leaves the run as it found it."""
     loss = data_parallel.evaluate(model, batch, settings)
+    release_gathered(model)
+    return loss
+
+
+def release_gathered(model: ZeroDataParallel) -> None:
+    """After a forward without backward: ZeRO-3's units freed (lower stages never gather)."""
     if isinstance(model, ZeroStage3):
         for unit in model.units:
             unit.release_parameters()
-    return loss
 
 
 def step_settings(device, precision: Precision, max_grad_norm: float) -> StepSettings:

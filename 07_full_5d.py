@@ -1388,9 +1388,7 @@ def sample_text(model, grid: ProcessGrid, settings: StepSettings, tokenizer, pro
             dist.broadcast(token, src=0)
             ids.append(int(token))
     model.train()
-    if isinstance(model, zero.ZeroStage3):      # as zero.evaluate: a step starts from shards
-        for unit in model.units:
-            unit.release_parameters()
+    zero.release_gathered(model)                # as zero.evaluate: a step starts from shards
     return tokenizer.decode(ids[len(prompt):])
 
 

@@ -167,12 +167,17 @@ def ours_pipeline(cfg, grid, schedule: str, shape: BatchShape):
               for chunk in pipeline_parallel.build_stage_chunks(cfg, SEED, grid.pp_size, grid.pp_rank)]
     pipeline = pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, 1,
                                           (shape.micro_batch_size, shape.seq_len, cfg.hidden), torch.device("cpu"))
+    return pipeline_step(pipeline)
 
+
+def pipeline_step(pipeline):
+    """One forward and backward of every micro-batch through lesson 03's pipeline, its chunks'
+    gradient reductions waited for; no optimizer step (the timing compares schedules)."""
     def step(batch):
-        for chunk in chunks:
+        for chunk in pipeline.chunks:
             chunk.zero_grad()
         loss = pipeline.forward_backward(batch)
-        for chunk in chunks:
+        for chunk in pipeline.chunks:
             chunk.finish_gradient_synchronization()
         return loss.detach()
     return step

@@ -77,15 +77,7 @@ def ours(cfg, grid, schedule: str, shape: BatchShape):
     chunks = pipeline_parallel.build_model_chunks(cfg, SEED, grid, CPU, 1, 25 * 2**20, schedule)
     pipeline = pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, 1,
                                           (shape.micro_batch_size, shape.seq_len, cfg.hidden), CPU)
-
-    def step(batch):
-        for chunk in chunks:
-            chunk.zero_grad()
-        loss = pipeline.forward_backward(batch)
-        for chunk in chunks:
-            chunk.finish_gradient_synchronization()
-        return loss.detach()
-    return step, lambda: TimelineRecorder(pipeline, grid.pp_group, CPU)
+    return timing.pipeline_step(pipeline), lambda: TimelineRecorder(pipeline, grid.pp_group, CPU)
 
 
 def torch_schedule(cfg, grid, schedule_class, stage_indices: list[int], n_stages: int, shape: BatchShape):
