@@ -1,5 +1,5 @@
 """
-Lesson 03 — pipeline parallelism in one file: AFAB (GPipe), 1F1B, interleaved 1F1B and zero-bubble.
+Lesson 03 — pipeline parallelism in one file: AFAB (GPipe), 1F1B and interleaved 1F1B.
 
 The problem. The 8b preset's 32 layers cost 3.5 GB each with AdamW in float32 (16 bytes per
 parameter): 112 GB, more than an 80 GB H100 holds, on every data-parallel rank. Tensor parallelism
@@ -16,7 +16,7 @@ A micro-batch's activations flow forward from stage to stage, its gradients flow
 Only the boundary tensors cross ranks: b*s*h numbers per micro-batch and boundary, each way.
 But a stage can only work when the micro-batch reaches it, so the batch is cut into m micro-batches
 that follow each other down the pipe. The schedule decides the order in which every stage runs
-the forward (F) and backward (B) of its micro-batches. This lesson builds four:
+the forward (F) and backward (B) of its micro-batches. This lesson builds three:
 
     AFAB (GPipe): all forwards, then all backwards. Simple; keeps m micro-batches of activations.
     1F1B: after a warm-up of p-1-r forwards, stage r alternates one forward and one backward, then
@@ -25,9 +25,8 @@ the forward (F) and backward (B) of its micro-batches. This lesson builds four:
     interleaved 1F1B: each rank holds v chunks of layers taken round-robin (rank r: chunks r, r+p,
           ...). A micro-batch passes through every rank v times; each pass is v times shorter, so
           the pipeline fills and drains v times faster.
-    zero-bubble (ZB-H1): each backward split in two: B, the input gradient the previous stage waits
-          for, and W, the weight gradients nobody waits for; 1F1B's order with W moved into the
-          bubble. The same peak memory as 1F1B's first stage, a third of the bubble (T_F = T_B = T_W).
+A fourth, zero-bubble (ZB-H1), splits each backward in two and fills the bubble with the half that
+nobody waits for: 03_zero_bubble.py, this lesson's continuation, built on this file's Pipeline.
 
 Timelines on 4 stages with 8 micro-batches, printed by the schedule simulator in
 picotron_like.pipeline_tools (forward: the micro-batch's digit, backward: its letter, a = 0, a
@@ -48,15 +47,9 @@ backward twice as long as a forward, '.': idle):
                  stage 2 |..012301..2aa3bb4cc5dd6aa7bb4cc5dd6ee7ffgg.hheeffgghh....|   each chunk is half
                  stage 3 |...01230aa1bb2cc3dd4aa5bb6cc7dd4ee5ff6gg7hheeffgghh......|   a stage
 
-    zero-bubble  stage 0 |0123...aA4bB5cC6dD7eEfFgGhH|     B (a) and W (A) one unit each: 27 units
-    (ZB-H1)      stage 1 |.012..a3bA4cB5dC6eD7fEgFhGH|     where 1F1B takes 33; stage r holds r W's
-                 stage 2 |..01.a2b3cA4dB5eC6fD7gEhFGH|     back, so gradients go upstream sooner,
-                 stage 3 |...0a1b2c3dA4eB5fC6gD7hEFGH|     and the W's fill the cool-down
-
 The price. With m micro-batches on p stages, forward+backward time t per micro-batch and stage:
     compute: the bubble, idle time while the pipe fills and drains: (p-1) * t per stage, so
-             bubble / useful work = (p-1)/m for AFAB and 1F1B, and (p-1)/(v*m) interleaved;
-             zero-bubble: (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)) where 1F1B's is (p-1)/m.
+             bubble / useful work = (p-1)/m for AFAB and 1F1B, and (p-1)/(v*m) interleaved.
     memory:  weights, gradients and optimizer states / p (roughly: embedding and head sit at the
              ends); activations: m micro-batches of one stage for AFAB, at most p for 1F1B.
     communication: per step 2*m*b*s*h elements across each of the p-1 boundaries (activations
@@ -68,7 +61,6 @@ Run it:
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule afab          # compare memory
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule interleaved --virtual-stages 2 --n-layers 8
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 2 --dp 2                   # 2 pipelines, dp x pp
-    torchrun --nproc_per_node=2 03_pipeline_parallel.py --pp 2 --schedule zero-bubble   # the bubble, next to 1F1B's
 
 With dp, each pipeline runs the schedule on its own micro-batches and all-reduces its stages'
 gradients over dp. Stages that are also tensor- or context-parallel, hold experts or are sharded
@@ -85,15 +77,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
@@ -197,7 +186,7 @@ def build_stage_chunks(cfg, seed: int, pp: int, pp_rank: int, virtual_stages: in
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" forward, "B" backward (zero-bubble: its input gradient), "W" weight gradients
+    kind: str          # "F" forward, "B" backward (03_zero_bubble.py adds "W", the weight gradients)
     chunk: int         # which of this rank's model chunks (0 .. v-1)
     micro_batch: int
 
@@ -260,159 +249,7 @@ def interleaved_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
     return units + [(backward(k),) for k in range(total - warmup, total)]              # cool-down
 
 
-# ============================================================================ the technique: zero-bubble (ZB-H1)
-#
-# 1F1B's bubble is (p-1) x (forward + backward) per stage. But a backward is two computations with
-# different customers: B, the gradient of the stage's input, which the previous stage waits for,
-# and W, the gradients of the stage's weights, which nobody waits for until the optimizer step.
-# Zero-bubble pipelining (Qi et al. 2023) runs B at once and W later, in the time a stage would
-# otherwise sit idle. In a transformer almost all of W is the linear layers' dW = dy^T x (as
-# many FLOPs as the layer's forward), so that is what is split off:
-#
-#     linear forward:   y  = x W^T                  keeps x
-#     B (now):          dx = dy W                   keeps x and dy for W, sends dx upstream
-#     W (when told):    dW = dy^T x                 accumulates into W.grad, frees x and dy
-#
-# How, and why this way: each linear layer's backward computes dx and hands (x, dy) to the chunk's
-# PendingWeightGradients; W turns them into dW later. The alternative, splitting the autograd graph
-# (autograd.grad for the input, then again for the weights), runs the part of backward that both
-# need twice unless the graph is cut at every weight's consumer; the explicit layer does every
-# backward operation exactly once (a test counts the FLOPs against 1F1B's). Everything else (norm
-# gains, the embedding, the attention core) keeps its ordinary backward inside B. A layer with a
-# custom backward of its own (lesson 02's sequence-parallel linears, lesson 05's experts, a fully
-# recomputed block) is not split; lesson 07 refuses those with zero-bubble.
-
-
-class LinearDeferringWeightGradient(torch.autograd.Function):
-    """y = x W^T + b whose backward is B alone: dx now, (x, dy) left in `pending` for W.
-
-    The weight and bias come in inside a tuple, so autograd draws no edge to them: B must not touch
-    them at all, because autograd would still run their post-accumulate hooks with no gradient, and
-    the data-parallel wrappers would count them ready before W. Under autocast the matmul runs in
-    the autocast dtype as F.linear's would, and x and W are kept in that dtype, so W computes dW
-    from the very tensors the undivided backward would have used."""
-
-    @staticmethod
-    def forward(ctx, x, weight_and_bias: tuple, pending: "PendingWeightGradients"):
-        weight, bias = weight_and_bias
-        if torch.is_autocast_enabled(x.device.type):
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight_used = x.to(dtype), weight.to(dtype)
-        else:
-            weight_used = weight
-        ctx.save_for_backward(x, weight_used)
-        ctx.weight, ctx.bias, ctx.pending = weight, bias, pending
-        return F.linear(x, weight_used, None if bias is None else bias.to(weight_used.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        x, weight_used = ctx.saved_tensors
-        ctx.pending.keep(WeightGradient(ctx.weight, ctx.bias, x, grad_output))
-        return grad_output @ weight_used if ctx.needs_input_grad[0] else None, None, None
-
-
-@dataclass(frozen=True)
-class WeightGradient:
-    """One linear layer's W for one micro-batch: what B left behind."""
-    weight: nn.Parameter
-    bias: nn.Parameter | None
-    input: torch.Tensor
-    grad_output: torch.Tensor
-
-    def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        grad_output = self.grad_output.flatten(0, -2)
-        grads = [(self.weight, (grad_output.t() @ self.input.flatten(0, -2)).to(self.weight.dtype))]
-        if self.bias is not None:
-            grads.append((self.bias, grad_output.sum(0).to(self.bias.dtype)))
-        return grads
-
-
-class PendingWeightGradients:
-    """A chunk's W queue: the micro-batches whose B has run and whose W has not."""
-
-    def __init__(self):
-        self.pending: dict[int, list[WeightGradient]] = {}
-        self.collecting = None          # the micro-batch whose B is running
-
-    @contextmanager
-    def input_gradient(self, micro_batch: int):
-        """B: while autograd runs the chunk's backward, its linears leave their W here."""
-        self.pending[micro_batch], self.collecting = [], micro_batch
-        try:
-            yield
-        finally:
-            self.collecting = None
-
-    def keep(self, weight_gradient: WeightGradient) -> None:
-        if self.collecting is None:
-            # A backward outside a zero-bubble B would drop these weights' gradients silently.
-            raise RuntimeError("a linear layer deferring its weight gradient ran backward outside a zero-bubble B")
-        self.pending[self.collecting].append(weight_gradient)
-
-    def weight_gradients(self, micro_batch: int) -> None:
-        """W: every deferred dW of the micro-batch, accumulated into .grad through autograd (one call),
-        so that the data-parallel wrappers' post-accumulate hooks fire exactly as in a backward."""
-        pairs = [pair for weight_gradient in self.pending.pop(micro_batch) for pair in weight_gradient.compute()]
-        if pairs:
-            params, grads = zip(*pairs)
-            torch.autograd.backward(params, grads)
-
-
-class DeferredWeightGradientLinear(nn.Linear):
-    """nn.Linear whose weight gradient waits for W (defer_weight_gradients converts a stage's linears)."""
-
-    def forward(self, x):
-        return LinearDeferringWeightGradient.apply(x, (self.weight, self.bias), self.pending_weight_gradients)
-
-
-DEFERRED_LINEARS = {nn.Linear: DeferredWeightGradientLinear}
-
-
-def defer_weight_gradients(stage: nn.Module, deferred_classes=None) -> PendingWeightGradients:
-    """Make a stage's linear layers defer their weight gradients to one W queue, stage.pending_weight_gradients.
-
-    deferred_classes maps a layer class to its deferring subclass (DEFERRED_LINEARS here; lesson 07
-    adds lesson 02's tensor-parallel linears). Only the class changes: the parameters, their names
-    and the hooks on them stay."""
-    pending = stage.pending_weight_gradients = PendingWeightGradients()
-    deferred_classes = deferred_classes or DEFERRED_LINEARS
-    for module in stage.modules():
-        if type(module) in deferred_classes:
-            module.__class__ = deferred_classes[type(module)]
-            module.pending_weight_gradients = pending
-    return pending
-
-
-def zero_bubble_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[Action, ...]]:
-    """ZB-H1: 1F1B's order with each backward split into B and W, and W moved into the bubble.
-
-    Stage r warms up as in 1F1B; in the steady state each B is followed by the W of the micro-batch
-    r places back (stage r holds back r W's: the last stage, which starts the backward chain, runs
-    its B's p-1 W's ahead and so sends gradients upstream sooner); in the cool-down, where 1F1B's
-    stages wait for gradients, each B is followed by one pending W and the rest close the step.
-    A micro-batch stays alive from its F to its W, and stage r never has more than p alive:
-    1F1B's first stage's peak. With m >= p and W no longer than F or B, the bubble is (p-1)(T_F + T_B - T_W)
-    per stage, where 1F1B's is (p-1)(T_F + T_B + T_W).
-    """
-    warmup = min(pp - pp_rank - 1, n_micro)
-    forwards = [Action("F", 0, i) for i in range(n_micro)]
-    input_grads = [Action("B", 0, i) for i in range(n_micro)]
-    weight_grads = iter([Action("W", 0, i) for i in range(n_micro)])
-    # warm-up: 1F1B's, p-1-r forwards
-    units = [(forward,) for forward in forwards[:warmup]]
-    # steady state: F, B, and from the (r+1)-th pair on, the W of the micro-batch r places back
-    for i, (forward, input_grad) in enumerate(zip(forwards[warmup:], input_grads)):
-        units += [(forward,), (input_grad,)]
-        if i >= pp_rank:
-            units.append((next(weight_grads),))
-    # cool-down: each B, then one pending W while the next gradient travels; the rest at the end
-    for input_grad in input_grads[n_micro - warmup:]:
-        units += [(input_grad,), (next(weight_grads),)]
-    return units + [(weight_grad,) for weight_grad in weight_grads]
-
-
-SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule,
-             "zero-bubble": zero_bubble_schedule}
+SCHEDULES = {"afab": afab_schedule, "1f1b": one_f_one_b_schedule, "interleaved": interleaved_schedule}
 
 
 def forward_units(units) -> list[tuple[Action, ...]]:
@@ -445,11 +282,12 @@ def action_transfers(action: Action, pp: int, pp_rank: int, n_stages: int) -> tu
 
     A forward of virtual stage s receives its input from stage s-1 and sends its output to s+1; a
     backward receives the gradient of its output from s+1 and sends the gradient of its input to
-    s-1. The ends of the pipeline have no neighbour there. Stage s lives on rank s % pp.
+    s-1. The ends of the pipeline have no neighbour there. Stage s lives on rank s % pp. Any other
+    action (zero-bubble's W, which computes weight gradients nobody waits for) needs and sends nothing.
     """
     stage, micro_batch = action.chunk * pp + pp_rank, action.micro_batch
     before, after = (stage - 1) % pp, (stage + 1) % pp
-    if action.kind == "W":             # weight gradients (zero-bubble): nobody waits for them
+    if action.kind not in ("F", "B"):
         return (), ()
     if action.kind == "F":
         needs = (Transfer("recv", before, Message("activation", stage, micro_batch)),) if stage > 0 else ()
@@ -479,9 +317,10 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     for unit in units:
         transfers = [action_transfers(action, pp, pp_rank, n_stages) for action in unit]
         receives = tuple(transfer for needs, _ in transfers for transfer in needs)
-        if sends and unit[0].kind == "W":
-            # Zero-bubble: post B's input gradient and compute W while it travels (waiting for it
-            # first would put W back on the critical path); the next batch waits for it too.
+        if sends and not any(needs or makes for needs, makes in transfers):
+            # A unit that talks to nobody (zero-bubble's W; every F and B of a pipeline does):
+            # post the sends before it and compute while they travel, or it would wait on the
+            # critical path; the next batch waits for them too.
             program.append(SendsInFlight(sends))
             sends_in_flight = True
         elif sends or receives:
@@ -511,8 +350,11 @@ class Pipeline:
     every other schedule runs its communication program (run_program), the same steps generated
     by communication_program. Both alternate exchange (one batch of transfers) with forward_step /
     backward_step (one action each); those two are also where a timeline recorder times the
-    schedule from outside.
+    schedule from outside. `schedules`: the names a Pipeline runs (03_zero_bubble.py's subclass
+    adds its own).
     """
+
+    schedules = SCHEDULES
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
                  device, compute_dtype=torch.float32, boundary_dtype=torch.float32):
@@ -522,20 +364,13 @@ class Pipeline:
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
         self.device, self.compute_dtype, self.boundary_dtype = device, compute_dtype, boundary_dtype
-        units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
+        units = self.schedules[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
         self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
-        # (kind, chunk) -> the program index of the chunk's last B (and last W): where the data-parallel
-        # reduction of the gradients that action produces is switched on
+        # (kind, chunk) -> the program index of the chunk's last backward (of each kind, when
+        # zero-bubble splits it): where the data-parallel reduction of its gradients is switched on
         self.last_of_kind = {(step.kind, step.chunk): index for index, step in enumerate(self.program)
                              if isinstance(step, Action) and step.kind != "F"}
-        # zero-bubble: each chunk's W queue, which its linears fill during B (defer_weight_gradients)
-        self.pending_weight_gradients = None
-        if schedule == "zero-bubble":
-            if not all(hasattr(chunk.module, "pending_weight_gradients") for chunk in chunks):
-                raise ValueError("--schedule zero-bubble needs chunks whose linears defer their weight gradients: "
-                                 "call defer_weight_gradients(chunk) on each")
-            self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
         self.sends_in_flight = []           # posted by a SendsInFlight batch, waited for by the next one
 
     def forward_backward(self, batch: StepBatch) -> torch.Tensor:
@@ -600,10 +435,8 @@ class Pipeline:
                 self.exchange(step, inputs, outputs, grads)
             elif step.kind == "F":
                 loss += self.forward_step(step, batch, inputs, outputs)
-            elif step.kind == "B":
-                self.backward_step(step, self.last_of_kind[("B", step.chunk)] == index, inputs, outputs, grads)
             else:
-                self.weight_step(step, self.last_of_kind[("W", step.chunk)] == index)
+                self.backward_step(step, self.last_of_kind[(step.kind, step.chunk)] == index, inputs, outputs, grads)
         return loss
 
     def forward_only(self, batch: StepBatch) -> torch.Tensor:
@@ -638,18 +471,8 @@ class Pipeline:
         # Gradients of a chunk are all-reduced over data parallelism only once, during its last
         # backward of the step; the earlier ones just accumulate into .grad.
         self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
-        # Zero-bubble: the chunk's linears leave their weight gradients for W (its last one is the
-        # data-parallel reduction's turn for them; the norms' and embedding's come here, in B).
-        pending = self.pending_weight_gradients
-        with pending[action.chunk].input_gradient(action.micro_batch) if pending else nullcontext():
-            # The last stage starts from its loss, every other stage from the gradient its successor sent.
-            torch.autograd.backward(outputs.pop(key),
-                                    grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
-
-    def weight_step(self, action: Action, is_chunks_last: bool) -> None:
-        """Zero-bubble's W: the weight gradients the micro-batch's B left in its chunk's queue."""
-        self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
-        self.pending_weight_gradients[action.chunk].weight_gradients(action.micro_batch)
+        # The last stage starts from its loss, every other stage from the gradient its successor sent.
+        torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
 
     def exchange(self, transfers, inputs, outputs, grads) -> None:
         operations = []
@@ -723,14 +546,10 @@ def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> fl
 
 
 def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1,
-                       bucket_bytes: int = 2**20, schedule: str = "1f1b") -> list[nn.Module]:
+                       bucket_bytes: int = 2**20) -> list[nn.Module]:
     """This rank's chunks with the reference's weights, each wrapped for data parallelism (lesson 01):
-    the rank's dp peers hold the same stage of the other pipelines. Under zero-bubble the chunks'
-    linears defer their weight gradients to W."""
+    the rank's dp peers hold the same stage of the other pipelines."""
     chunks = build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
-    for chunk in chunks:
-        if schedule == "zero-bubble":
-            defer_weight_gradients(chunk)
     return [data_parallel.BucketedDataParallel(chunk.to(device), grid.dp_group, bucket_bytes) for chunk in chunks]
 
 
@@ -743,10 +562,11 @@ def activation_shape(cfg, shape) -> tuple[int, int, int]:
 
 
 def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: str, virtual_stages: int,
-                             n_micro: int, n_micro_source: str = "--micro-batches") -> None:
+                             n_micro: int, n_micro_source: str = "--micro-batches", schedules=SCHEDULES) -> None:
     """Raise one ConfigError for a pipeline that cannot run; no collective is used.
 
-    n_micro is the micro-batch count that will run; n_micro_source says which flags gave it.
+    n_micro is the micro-batch count that will run; n_micro_source says which flags gave it;
+    schedules: the schedule functions by name (03_zero_bubble.py's SCHEDULES adds zero-bubble).
     """
     validate_parallel_config(grid, world_size)
     problems = []
@@ -773,26 +593,28 @@ def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: st
     if problems:
         raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
     try:
-        simulate_pipeline(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages), virtual_stages=virtual_stages)
+        simulate_pipeline(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages, schedules),
+                          virtual_stages=virtual_stages)
     except PipelineDeadlock as error:
         raise ConfigError(f"schedule {schedule} with pp={grid.pp}, m={n_micro}, v={virtual_stages} would "
                           f"deadlock: {error}")
 
 
-def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> list[list]:
+def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1, schedules=SCHEDULES) -> list[list]:
     """Every rank's communication program, for the simulator (a rank runs only its own)."""
-    return [communication_program(SCHEDULES[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
+    return [communication_program(schedules[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
             for rank in range(pp)]
 
 
-def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+def validate(cfg, grid: GridShape, shape, args, world_size: int, schedules=SCHEDULES) -> None:
     """The pipeline's rules for the micro-batch count that will run (shape.grad_accum, which
     --global-batch-tokens may have set)."""
     source = "--micro-batches"
     if args.global_batch_tokens is not None:
         source = (f"--global-batch-tokens {args.global_batch_tokens} / ({shape.micro_batch_size} sequences x "
                   f"{shape.seq_len} tokens x dp {grid.dp})")
-    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum, source)
+    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum, source,
+                             schedules)
 
 
 # ============================================================================ measuring the three challenges
@@ -801,15 +623,6 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 def bubble_formula(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> float:
     """Idle time / useful compute per stage, for stages that all take equally long."""
     return (pp - 1) / (n_micro * (virtual_stages if schedule == "interleaved" else 1))
-
-
-def zero_bubble_formula(pp: int, n_micro: int, forward_time: float, input_grad_time: float,
-                        weight_time: float) -> float:
-    """ZB-H1's idle / busy per stage, from the times of F, B and W: each of the p-1 steps of the
-    fill and drain costs T_F + T_B - T_W, where 1F1B's costs T_F + T_B + T_W (its whole backward).
-    Exact on the simulator's clock for m >= p when W is no longer than F or B (every W fits a gap)."""
-    step = forward_time + input_grad_time + weight_time
-    return (pp - 1) * (forward_time + input_grad_time - weight_time) / (n_micro * step)
 
 
 def predicted_p2p_bytes(n_micro: int, boundary_shape, element_bytes: int, pp: int, pp_rank: int,
@@ -844,85 +657,32 @@ def predicted_chunk_activation_bytes(stage: PipelineStage, cfg, micro_batch: int
     return whole_model_ids - 8 * micro_batch * seq_len * ((not has_embedding) + (not has_head))
 
 
-class KeptActivationMeter(ActivationMeter):
-    """The activations a rank keeps between its actions, zero-bubble's W queues included.
-
-    An ActivationMeter sees what autograd saves. Once B has run, autograd has let go of each
-    linear's input, but the W queue still holds it, and the output gradient beside it, until W:
-    memory no saved-tensor hook sees. This meter also reads the queues after every forward, B and
-    W (it wraps the pipeline's action methods from outside while entered), counts each storage once
-    with the saved ones, and keeps the peak of the sum: peak_kept_bytes. Without zero-bubble that is
-    the saved tensors' peak."""
-
-    actions = ("forward_step", "backward_step", "weight_step")
-
-    def __init__(self, pipeline: Pipeline):
-        super().__init__(*pipeline.chunks)
-        self.pipeline, self.peak_kept_bytes = pipeline, 0
-
-    def kept_bytes(self) -> int:
-        queued = {}
-        for pending in self.pipeline.pending_weight_gradients or ():
-            for weight_gradient in (wg for waiting in pending.pending.values() for wg in waiting):
-                for storage in (weight_gradient.input.untyped_storage(), weight_gradient.grad_output.untyped_storage()):
-                    queued[storage.data_ptr()] = storage.nbytes()
-        return self.live_bytes + sum(nbytes for address, nbytes in queued.items() if address not in self._live)
-
-    def _sampled(self, action_method):
-        @functools.wraps(action_method)
-        def sampled(*args, **kwargs):
-            result = action_method(*args, **kwargs)
-            self.peak_kept_bytes = max(self.peak_kept_bytes, self.kept_bytes())
-            return result
-        return sampled
-
-    def __enter__(self):
-        # Another observer (the timeline) may have wrapped these methods already: wrap its wrappers
-        # and put them back on the way out.
-        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.actions}
-        for name in self.actions:
-            setattr(self.pipeline, name, self._sampled(getattr(self.pipeline, name)))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, earlier in self._wrapped.items():
-            if earlier is None:
-                delattr(self.pipeline, name)
-            else:
-                setattr(self.pipeline, name, earlier)
-        return super().__exit__(*exc)
-
-
-def stage_report_row(pipeline: Pipeline, cfg, shape, activations: KeptActivationMeter, steps: int) -> torch.Tensor:
+def stage_report_row(pipeline: Pipeline, cfg, shape, activations: ActivationMeter, steps: int) -> torch.Tensor:
     """This rank's numbers for the per-stage table: layers, micro-batches kept by the schedule,
     activation bytes at the schedule's peak and p2p bytes sent per step, each measured and predicted."""
     per_micro_batch = [predicted_chunk_activation_bytes(chunk.module, cfg, shape.micro_batch_size, shape.seq_len)
                        for chunk in pipeline.chunks]
     return torch.tensor([sum(len(chunk.module.layer_ids) for chunk in pipeline.chunks),
-                         peak_live_micro_batches(pipeline.program), activations.peak_kept_bytes,
+                         peak_live_micro_batches(pipeline.program), activations.peak_bytes,
                          peak_live_micro_batches(pipeline.program, per_micro_batch),
                          comm.meter.get("isend", "pp").payload_bytes / steps,
                          predicted_p2p_traffic(pipeline, shape.grad_accum)[("isend", "pp")]], dtype=torch.float64)
 
 
-def log_zero_bubble_formula(timelines, pp: int, n_micro: int) -> None:
-    """The measured bubble next to ZB-H1's formula from this run's own mean F, B and W times, and next
-    to what 1F1B's formula gives for the same times (its backward is B + W)."""
-    def mean_ms(kind):
-        durations = [end - start for events in timelines for action, start, end in events if action.kind == kind]
-        return sum(durations) / len(durations) * 1e3
-
-    t_f, t_b, t_w = mean_ms("F"), mean_ms("B"), mean_ms("W")
-    log0(f"mean ms: F {t_f:.2f}, B {t_b:.2f}, W {t_w:.2f}")
-    log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) "
-         f"= {zero_bubble_formula(pp, n_micro, t_f, t_b, t_w):.3f}   1F1B's (p-1)/m = {(pp - 1) / n_micro:.3f}   "
-         f"(exact when m >= p, W is no longer than F or B, and every stage has a core of its own)")
+def log_bubble_formula(timelines, schedule: str, pp: int, n_micro: int, virtual_stages: int) -> None:
+    """The measured bubble next to the schedule's formula."""
+    formula = "(p-1)/(v*m)" if schedule == "interleaved" else "(p-1)/m"
+    log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
+         f"{bubble_formula(schedule, pp, n_micro, virtual_stages):.3f}   "
+         f"(the formula assumes equal stages, each on its own core)")
 
 
-def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
-    """The timeline and its bubble, every stage's activations and sends, then the shared rows of
-    stage 0's rank: its memory and its traffic (p2p, its stage's gradients over dp, the loss summed
-    over pp and dp, the squared norm over pp)."""
+def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder,
+           log_bubble=log_bubble_formula) -> None:
+    """The timeline and its bubble (log_bubble: 03_zero_bubble.py passes its own formula), every
+    stage's activations and sends, then the shared rows of stage 0's rank: its memory and its
+    traffic (p2p, its stage's gradients over dp, the loss summed over pp and dp, the squared norm
+    over pp)."""
     cfg, shape, pp, m, v = plan.cfg, plan.shape, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages
     training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
     row = stage_report_row(pipeline, cfg, shape, run.activations, run.steps)
@@ -936,12 +696,7 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     log0(render_timeline(timelines))
     busy_ms = [sum(end - start for _, start, end in events) * 1e3 for events in timelines]
     log0(f"busy ms per stage: {', '.join(f'{ms:.1f}' for ms in busy_ms)}")
-    formula = "(p-1)/(v*m)" if args.schedule == "interleaved" else "(p-1)/m"
-    if args.schedule == "zero-bubble":
-        log_zero_bubble_formula(timelines, pp, m)
-    else:
-        log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula {formula} = "
-             f"{bubble_formula(args.schedule, pp, m, v):.3f}   (the formula assumes equal stages, each on its own core)")
+    log_bubble(timelines, args.schedule, pp, m, v)
 
     log0("\n== every stage: activations at the schedule's peak; p2p sent per step (a boundary carries m "
          "activations forward and m gradients back, b x s x h each) ==")
@@ -950,9 +705,6 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
     for stage, (layers, kept, *megabytes) in enumerate(r.tolist() for r in stages):
         log0(f"{stage:<7}{int(layers):>7}{int(kept):>20}" + "".join(
             f"{value / 1e6:>{width}.3f}" for value, width in zip(megabytes, (13, 14, 9, 11))))
-    if args.schedule == "zero-bubble":
-        log0("(zero-bubble: measured counts the inputs and output gradients waiting for W; predicted counts each "
-             "micro-batch whole from its F to its W, more than W keeps)")
     if v > 1:
         log0(f"(interleaved: micro-batches are counted per chunk, each 1/{v} of a stage: stage 0 keeps "
              f"{stages[0][1].item() / v:.1f} stages' worth, where 1F1B keeps {pp})")
@@ -967,14 +719,15 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
 # ============================================================================ main
 
 
-def add_schedule_flags(parser) -> None:
-    """--schedule and --virtual-stages: this lesson's flags, which lessons 04-07 take too (their
-    default needs resolve_virtual_stages after parsing)."""
-    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b",
+def add_schedule_flags(parser, schedules=SCHEDULES, default: str = "1f1b") -> None:
+    """--schedule and --virtual-stages: this lesson's flags, which 03_zero_bubble.py and lesson 07
+    take too, with zero-bubble among the schedules (their default needs resolve_virtual_stages
+    after parsing)."""
+    parser.add_argument("--schedule", choices=tuple(schedules), default=default,
                         help="with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one "
-                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank; zero-bubble, 1f1b with "
-                             "each backward split into input and weight gradients, the latter moved into the bubble "
-                             "(ZB-H1)")
+                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank; zero-bubble "
+                             "(03_zero_bubble.py), 1f1b with each backward split into input and weight gradients, the "
+                             "latter moved into the bubble (ZB-H1)")
     parser.add_argument("--virtual-stages", metavar="V", type=int, default=argparse.SUPPRESS,
                         help="model chunks per rank for --schedule interleaved (default: 2 there, else 1)")
 
@@ -985,30 +738,40 @@ def resolve_virtual_stages(args):
     return args
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
+def parse_args(argv=None, schedules=SCHEDULES, default_schedule: str = "1f1b",
+               title: str = "Lesson 03: pipeline parallelism"):
+    parser = argparse.ArgumentParser(description=f"{title} (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
-    add_schedule_flags(parser)
+    add_schedule_flags(parser, schedules, default_schedule)
     parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
                         help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
     add_training_flags(parser, micro_batch_size=4, grad_accum=8, steps=30)
     return resolve_virtual_stages(parser.parse_args(argv))
 
 
+def saved_activation_meter(pipeline: Pipeline) -> ActivationMeter:
+    """What autograd saves for backward on this rank's chunks (03_zero_bubble.py adds what waits for W)."""
+    return ActivationMeter(*pipeline.chunks)
+
+
 def main(argv=None):
-    args = parse_args(argv)
-    plan = plan_run(args, validate)
+    run(parse_args(argv))
+
+
+def run(args, pipeline_class=Pipeline, activation_meter=saved_activation_meter, log_bubble=log_bubble_formula):
+    """Train and report, with this file's Pipeline; 03_zero_bubble.py runs it with its own pipeline,
+    its meter of what waits for W and its bubble formula."""
+    plan = plan_run(args, partial(validate, schedules=pipeline_class.schedules))
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
-    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20),
-                                args.schedule)
+    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
-    optimizer = build_optimizer(modules, args.lr)
     compute_dtype = autocast_dtype(args.dtype, device)
-    pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                        activation_shape(cfg, shape), device, compute_dtype)
+    pipeline = pipeline_class(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
+                              activation_shape(cfg, shape), device, compute_dtype)
+    optimizer = build_optimizer(modules, args.lr)
     settings = StepSettings(device, compute_dtype, args.max_grad_norm)
     log0(f"lesson 03: pipeline parallel, {args.schedule}, {plan.grid.picture().splitlines()[0]}, "
          f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
@@ -1016,13 +779,13 @@ def main(argv=None):
 
     # Both observe a late step from outside: the saved-tensor hooks and a wrapper around the
     # pipeline's forward_step / backward_step.
-    activations, timeline = KeptActivationMeter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
+    activations, timeline = activation_meter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
     throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
                        grid.dp_rank, device, meters=(activations, timeline), meter_step=step_to_meter(args),
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
                        cfg=cfg)
     report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
-                      device, throughput.steps), pipeline, plan, args, grid, timeline)
+                      device, throughput.steps), pipeline, plan, args, grid, timeline, log_bubble)
     shutdown()
 
 

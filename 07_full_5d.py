@@ -45,8 +45,9 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
 Around the composition, what a real run needs: `--plan` (07_memory_plan.py: will a layout fit,
 and which layouts do, before launch), checkpoints that resume in any layout (--save-dir,
 --resume), the GPU fast paths (flash attention, a fused ring block, fused AdamW, --compile).
-FP8 matmuls: --fp8 (07_fp8.py). Lesson 03's zero-bubble schedule (--schedule zero-bubble) with tp, cp,
-experts and ZeRO-0/1: every block's weight gradients wait for W (defer_block_weight_gradients).
+FP8 matmuls: --fp8 (07_fp8.py). Lesson 03's zero-bubble schedule (03_zero_bubble.py, --schedule
+zero-bubble) with tp, cp, experts and ZeRO-0/1: every block's weight gradients wait for W
+(defer_block_weight_gradients).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
 
 Run it:
@@ -104,6 +105,7 @@ from picotron_like.train import (DataParallelModel, StepResult, StepSettings, ad
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
+zero_bubble = load_lesson("03_zero_bubble")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
@@ -344,15 +346,17 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
     b, s, h = pipeline_parallel.activation_shape(cfg, shape)
     tokens = s // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
     chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
-    return pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
-                                      device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+    pipeline_class = zero_bubble.ZeroBubblePipeline if schedule == "zero-bubble" else pipeline_parallel.Pipeline
+    return pipeline_class(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
+                          device, precision.param_dtype, boundary_dtype=precision.param_dtype)
 
 
 # ============================================================================ the technique: zero-bubble's W through the composition
 #
-# Lesson 03's zero-bubble schedule splits each backward into B (the gradient of the stage's input,
-# which the previous stage waits for) and W (the weights' gradients, run later in the bubble): its
-# linears leave (x, dy) in the chunk's W queue during B, and W computes dW = dy^T x. Two seams:
+# Lesson 03's zero-bubble schedule (03_zero_bubble.py) splits each backward into B (the gradient of
+# the stage's input, which the previous stage waits for) and W (the weights' gradients, run later in
+# the bubble): its linears leave (x, dy) in the chunk's W queue during B, and W computes dW = dy^T x.
+# Two seams:
 #
 #   03 x 02  lesson 02's column- and row-parallel linears defer their dW the same way. f and g, the
 #            all-reduces over tp, stay in B, where the input's gradient needs them, and W has no
@@ -390,7 +394,7 @@ class GainDeferringGradient(torch.autograd.Function):
         return grad_output * ctx.gain, None, None
 
 
-class GainGradient(pipeline_parallel.WeightGradient):
+class GainGradient(zero_bubble.WeightGradient):
     """A norm's W for one micro-batch: dg = sum over tokens of dy * x_hat, what autograd's product
     rule gives the gain in one device's backward."""
 
@@ -411,20 +415,20 @@ class NormDeferringGain:
 
 class ColumnLinearDeferringWeightGradient(tensor_parallel.ColumnParallelLinear):
     def forward(self, x):
-        return pipeline_parallel.LinearDeferringWeightGradient.apply(x, (self.weight, self.bias),
-                                                                     self.pending_weight_gradients)
+        return zero_bubble.LinearDeferringWeightGradient.apply(x, (self.weight, self.bias),
+                                                               self.pending_weight_gradients)
 
 
 class RowLinearDeferringWeightGradient(tensor_parallel.RowParallelLinear):
     def forward(self, x):
-        partial_sums = pipeline_parallel.LinearDeferringWeightGradient.apply(x, (self.weight, None),
-                                                                             self.pending_weight_gradients)
+        partial_sums = zero_bubble.LinearDeferringWeightGradient.apply(x, (self.weight, None),
+                                                                       self.pending_weight_gradients)
         out = self.exit_region(partial_sums)
         return out if self.bias is None else out + self.bias
 
 
 # what zero-bubble swaps in: lesson 03's deferring nn.Linear, and these for lesson 02's layers and the norms
-DEFERRED_LINEARS = {**pipeline_parallel.DEFERRED_LINEARS,
+DEFERRED_LINEARS = {**zero_bubble.DEFERRED_LINEARS,
                     tensor_parallel.ColumnParallelLinear: ColumnLinearDeferringWeightGradient,
                     tensor_parallel.RowParallelLinear: RowLinearDeferringWeightGradient}
 DEFERRED_NORMS = {norm: type(NormDeferringGain.__name__ + norm.__name__, (NormDeferringGain, norm), {})
@@ -435,7 +439,7 @@ def defer_block_weight_gradients(chunk) -> None:
     """03 x 02, 06: the chunk's linears (lesson 02's too) and its blocks' norms defer their weight
     gradients to the chunk's W queue, so that every parameter of a block, outside the routed
     experts, gets its gradient in W (checked: a parameter left to B would break ZeRO's count)."""
-    pending = pipeline_parallel.defer_weight_gradients(chunk, DEFERRED_LINEARS)
+    pending = zero_bubble.defer_weight_gradients(chunk, DEFERRED_LINEARS)
     deferring = (*DEFERRED_LINEARS.values(), *DEFERRED_NORMS.values())
     for block in chunk.layers:
         for norm in (block.attn_norm, block.mlp_norm):
@@ -790,7 +794,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
     pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages,
-                                               shape.grad_accum)
+                                               shape.grad_accum, schedules=zero_bubble.SCHEDULES)
     checkpoints.check_flags(args)
     checkpoint_to_resume(args, cfg, shape)
 
@@ -1428,7 +1432,7 @@ def parse_args(argv=None):
     zero.add_zero_flags(parser)
     add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
-    pipeline_parallel.add_schedule_flags(parser)
+    pipeline_parallel.add_schedule_flags(parser, zero_bubble.SCHEDULES)
     context_parallel.add_context_parallel_flags(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tp_pp_vs_torch as timing  # noqa: E402  (the timing, loss check and stage wrapper of the 1F1B comparison)
 
 pipeline_parallel = load_lesson("03_pipeline_parallel")
+zero_bubble = load_lesson("03_zero_bubble")
 CPU = torch.device("cpu")
 SEED = timing.SEED
 
@@ -73,10 +74,12 @@ def parse_args():
 
 
 def ours(cfg, grid, schedule: str, shape: BatchShape):
-    """Lesson 03's pipeline as its main builds it at --dp 1 (zero-bubble: deferring linears)."""
-    chunks = pipeline_parallel.build_model_chunks(cfg, SEED, grid, CPU, 1, 25 * 2**20, schedule)
-    pipeline = pipeline_parallel.Pipeline(chunks, grid, schedule, shape.grad_accum, 1,
-                                          (shape.micro_batch_size, shape.seq_len, cfg.hidden), CPU)
+    """Lesson 03's pipeline as its main builds it at --dp 1 (zero-bubble: 03_zero_bubble.py's, whose
+    linears defer their weight gradients)."""
+    chunks = pipeline_parallel.build_model_chunks(cfg, SEED, grid, CPU, 1, 25 * 2**20)
+    pipeline_class = zero_bubble.ZeroBubblePipeline if schedule == "zero-bubble" else pipeline_parallel.Pipeline
+    pipeline = pipeline_class(chunks, grid, schedule, shape.grad_accum, 1,
+                              (shape.micro_batch_size, shape.seq_len, cfg.hidden), CPU)
     return timing.pipeline_step(pipeline), lambda: TimelineRecorder(pipeline, grid.pp_group, CPU)
 
 
@@ -171,7 +174,7 @@ def measured_bubble(recorder_of_step, step_fn, batch, group, formula: str, repea
     t_f, t_b, t_w = mean_ms("F"), mean_ms("B"), mean_ms("W")
     predicted = {"1f1b": f"(p-1)/m = {(pp - 1) / m:.3f}",
                  "zero-bubble": f"(p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) = "
-                                f"{pipeline_parallel.zero_bubble_formula(pp, m, t_f, t_b, t_w):.3f}"}.get(formula, "-")
+                                f"{zero_bubble.zero_bubble_formula(pp, m, t_f, t_b, t_w):.3f}"}.get(formula, "-")
     return f"{statistics.median(bubbles):.3f}  formula {predicted}  (F {t_f:.1f}, B {t_b:.1f}, W {t_w:.1f} ms)"
 
 

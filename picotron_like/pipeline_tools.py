@@ -184,14 +184,14 @@ class TimelineRecorder:
     """Times a pipeline's compute actions from outside: (action, start, end) in seconds.
 
     While entered, it wraps the pipeline instance's per-action methods (by default
-    ``forward_step``, ``backward_step`` and ``weight_step``, whose first argument is the action): the pipeline
-    itself keeps no clock. Entering waits on a barrier of the pipeline group, so every stage starts
+    ``forward_step`` and ``backward_step``, whose first argument is the action; zero-bubble's W runs
+    through the latter): the pipeline itself keeps no clock. Entering waits on a barrier of the pipeline group, so every stage starts
     its clock as the barrier releases it and the rows line up across processes and machines
     without sharing a clock. On CUDA each action is synchronised, or the clock would time the
     kernel launches instead of the kernels.
     """
 
-    methods = ("forward_step", "backward_step", "weight_step")
+    methods = ("forward_step", "backward_step")
 
     def __init__(self, pipeline, group, device: torch.device):
         self.pipeline, self.group, self.device = pipeline, group, device

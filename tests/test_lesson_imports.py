@@ -3,8 +3,9 @@
 A lesson reaches another lesson only through load_lesson("NN_name") (a file name that starts with
 a digit cannot be imported with an import statement), so the calls in a file's syntax tree are its
 lesson imports. The rule: lessons 02-06 each teach their technique with data parallelism as the only
-other axis, so they may load lesson 01 and nothing else; lesson 07 (07_full_5d.py and its memory
-plan) is the one place where techniques compose; the shared package knows no lesson.
+other axis, so they may load lesson 01 and nothing else (a lesson's continuation, such as
+03_zero_bubble.py, may load its own lesson too); lesson 07 (07_full_5d.py and its siblings) is the
+one place where techniques compose; the shared package knows no lesson.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from picotron_like.lessons import REPO_ROOT, load_lesson
 
 LESSONS = sorted(path.stem for path in REPO_ROOT.glob("0[1-7]_*.py"))
 TECHNIQUE_LESSONS = [name for name in LESSONS if name[:2] in {"02", "03", "04", "05", "06"}]
+# a lesson's main file: the first of its number (03_pipeline_parallel; 03_zero_bubble continues it)
+FIRST_OF_EACH_NUMBER = {min(name for name in TECHNIQUE_LESSONS if name[:2] == number[:2]) for number in TECHNIQUE_LESSONS}
 
 
 def loaded_lessons(path) -> set[str]:
@@ -38,8 +41,8 @@ def loaded_lessons(path) -> set[str]:
 
 
 def test_every_lesson_is_found():
-    assert LESSONS == ["01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel", "04_context_parallel",
-                       "05_expert_parallel", "06_zero", "07_fp8", "07_full_5d", "07_memory_plan"]
+    assert LESSONS == ["01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel", "03_zero_bubble",
+                       "04_context_parallel", "05_expert_parallel", "06_zero", "07_fp8", "07_full_5d", "07_memory_plan"]
 
 
 def test_lesson_01_stands_alone():
@@ -49,7 +52,13 @@ def test_lesson_01_stands_alone():
 @pytest.mark.parametrize("name", TECHNIQUE_LESSONS)
 def test_a_technique_lesson_loads_only_data_parallelism(name):
     loaded = loaded_lessons(REPO_ROOT / f"{name}.py")
-    assert loaded <= {"01_data_parallel"}, f"{name} composes {sorted(loaded - {'01_data_parallel'})}: that is lesson 07's"
+    own_lesson = {lesson for lesson in TECHNIQUE_LESSONS if lesson[:2] == name[:2] and lesson != name}
+    allowed = {"01_data_parallel"} | (own_lesson if name not in FIRST_OF_EACH_NUMBER else set())
+    assert loaded <= allowed, f"{name} composes {sorted(loaded - allowed)}: that is lesson 07's"
+
+
+def test_a_continuation_loads_its_own_lesson():
+    assert loaded_lessons(REPO_ROOT / "03_zero_bubble.py") == {"03_pipeline_parallel"}
 
 
 def test_lesson_07_composes_every_technique():

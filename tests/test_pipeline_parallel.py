@@ -1,6 +1,7 @@
 """Lesson 03 proven: pipeline-parallel training on real gloo ranks against one device.
 
-Equality. Every pipelined run (AFAB, 1F1B, interleaved; pp = 2, 3 and 4; with and without dp)
+Equality. Every pipelined run (AFAB, 1F1B, interleaved, and zero-bubble from the lesson's continuation
+03_zero_bubble.py; pp = 2, 3 and 4; with and without dp)
 trains the reference GPT on the same global batches as one device. A stage runs exactly
 the reference's float operations on each micro-batch; what differs is the order of a few sums (the
 loss summed token by token and then over micro-batches and ranks, the data-parallel gradient sum,
@@ -63,6 +64,7 @@ from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 
 lesson = load_lesson("03_pipeline_parallel")
+zero_bubble = load_lesson("03_zero_bubble")
 
 BASE = replace(get_config("tiny"), hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 CFG_8 = replace(BASE, n_layers=8)          # pp=4 x v=2: one layer per chunk
@@ -217,7 +219,7 @@ class RecordedSteps(TimelineRecorder):
     the per-step methods, extended to each exchange, so that its events read as a communication
     program (each exchange's transfers, each action)."""
 
-    methods = ("exchange", "forward_step", "backward_step", "weight_step")
+    methods = ("exchange", "forward_step", "backward_step")
 
     @property
     def steps(self) -> list:
@@ -236,7 +238,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
     """Step-0 gradients (before and after clipping), per-step losses and gradient norms, final parameters,
     and the schedule's measurements, every one observed from outside the pipeline."""
     grid = ProcessGrid(grid_shape)
-    chunks = lesson.build_model_chunks(cfg, SEED, grid, CPU, v, bucket_bytes=64 * 1024, schedule=schedule)
+    chunks = lesson.build_model_chunks(cfg, SEED, grid, CPU, v, bucket_bytes=64 * 1024)
     optimizer = optimizer_for(nn.ModuleList(chunk.module for chunk in chunks))
     data = batches(micro, n_micro, grid_shape.dp)
 
@@ -246,10 +248,14 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
         return data.step_batch(step, grid.dp_rank)
 
     boundary = lesson.activation_shape(cfg, data.shape)
-    pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
+    if schedule == "zero-bubble":     # 03_zero_bubble.py: its Pipeline, and its meter of what waits for W
+        pipeline = zero_bubble.ZeroBubblePipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
+        meter = zero_bubble.KeptActivationMeter(pipeline)
+    else:
+        pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
+        meter = lesson.saved_activation_meter(pipeline)
 
-    with (lesson.KeptActivationMeter(pipeline) as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran,
-          CountedFlops() as flops):
+    with meter as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran, CountedFlops() as flops:
         pipeline.forward_backward(step_batch(0))
     for chunk in chunks:
         chunk.finish_gradient_synchronization()
@@ -275,7 +281,9 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
             "devices": dict(comm.meter.devices),
             "sent": comm.meter.get("isend", "pp").payload_bytes / STEPS,
             "boundary_elements": torch.Size(boundary).numel(),
-            "peak_bytes": activations.peak_bytes, "kept_bytes": activations.peak_kept_bytes,
+            # saved for backward; kept between actions (the W queues too: zero-bubble's meter)
+            "peak_bytes": getattr(activations, "peak_saved_bytes", activations.peak_bytes),
+            "kept_bytes": activations.peak_bytes,
             "flops": flops.total,
             "chunk_bytes": [lesson.predicted_chunk_activation_bytes(chunk.module, cfg, micro, SEQ) for chunk in chunks],
             "program": pipeline.program, "ran": ran.steps,
@@ -426,7 +434,7 @@ def test_weight_gradients_split_off_without_computing_anything_twice():
     inside the stage; the deferred linears' B + W compute each matmul once, as one backward does."""
     def stage_flops(split: str) -> int:
         stage = lesson.build_stage_chunks(CFG_5, SEED, 2, 1)[0]
-        pending = lesson.defer_weight_gradients(stage) if split == "deferred" else None
+        pending = zero_bubble.defer_weight_gradients(stage) if split == "deferred" else None
         x = torch.randn(2, SEQ, CFG_5.hidden, requires_grad=True)
         targets = torch.randint(0, CFG_5.vocab_size, (2, SEQ))
         with CountedFlops() as flops:
@@ -454,7 +462,7 @@ def test_zero_bubble_schedule_simulated():
     times = ((1, 1, 1), (1, 1.2, 0.8), (1, 2, 0.5), (1, 0.8, 0.8), (1.5, 1, 1))
     for (t_f, t_b, t_w), pp in itertools.product(times, range(2, 7)):
         for m in range(1, 3 * pp + 1):
-            programs = lesson.pipeline_programs("zero-bubble", pp, m)
+            programs = lesson.pipeline_programs("zero-bubble", pp, m, schedules=zero_bubble.SCHEDULES)
             timelines = simulate_pipeline(programs, t_f, t_b, weight_time=t_w)
             where = f"pp={pp} m={m} times={t_f, t_b, t_w}"
             for events in timelines:
@@ -465,7 +473,7 @@ def test_zero_bubble_schedule_simulated():
             if m < pp:
                 continue
             measured = bubble_fraction(timelines)
-            assert measured == pytest.approx(lesson.zero_bubble_formula(pp, m, t_f, t_b, t_w)), where
+            assert measured == pytest.approx(zero_bubble.zero_bubble_formula(pp, m, t_f, t_b, t_w)), where
             one_f_one_b = simulate_pipeline(lesson.pipeline_programs("1f1b", pp, m), t_f, t_b + t_w)
             assert measured < bubble_fraction(one_f_one_b), where
 

@@ -1,0 +1,345 @@
+"""
+Lesson 03, continued: zero-bubble pipelining (ZB-H1), each backward split in two to fill the bubble.
+
+    torchrun --nproc_per_node=2 03_zero_bubble.py --pp 2 --micro-batches 8    # CPU, ~20 s: the bubble next to 1F1B's
+    torchrun --nproc_per_node=4 03_zero_bubble.py --pp 2 --dp 2               # two pipelines, dp x pp
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --tp 2 --zero-stage 1 --schedule zero-bubble --grad-accum 4
+
+The problem. Lesson 03's 1F1B idles (p-1)(T_F + T_B) per stage and step while the pipe fills and
+drains, however the forwards and backwards are ordered: a stage's backward of micro-batch i needs
+the gradient from the stage after it, which needs that stage's backward first.
+
+The idea. A backward is two computations with different customers: B, the gradient of the stage's
+input, which the previous stage waits for, and W, the gradients of the stage's weights, which
+nobody needs before the optimizer step. Run B at once and W later, in the time the stage would
+otherwise sit idle (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"; ZB-H1 is their schedule
+with 1F1B's memory). On 4 stages with 8 micro-batches, F, B and W one unit each (the simulator in
+picotron_like.pipeline_tools; forward: the digit, B: the letter, W: its capital, '.': idle):
+
+    1F1B         stage 0 |0123......aa4bb5cc6dd7ee.ff.gg.hh|     33 units (the backward is B + W)
+                 stage 1 |.012....aa3bb4cc5dd6ee7ff.gg.hh..|
+                 stage 2 |..01..aa2bb3cc4dd5ee6ff7gg.hh....|
+                 stage 3 |...0aa1bb2cc3dd4ee5ff6gg7hh......|
+
+    zero-bubble  stage 0 |0123...aA4bB5cC6dD7eEfFgGhH|           27 units: stage r holds r W's back,
+    (ZB-H1)      stage 1 |.012..a3bA4cB5dC6eD7fEgFhGH|           so gradients go upstream sooner,
+                 stage 2 |..01.a2b3cA4dB5eC6fD7gEhFGH|           and the W's fill the cool-down
+                 stage 3 |...0a1b2c3dA4eB5fC6gD7hEFGH|
+
+In a transformer almost all of W is the linear layers' dW = dy^T x, so that is what this file
+splits off: a linear layer's backward computes dx now and leaves (x, dy) in its chunk's W queue.
+Everything else is lesson 03: the same stages, the same point-to-point exchange, the same
+communication program (a W talks to nobody, so B's gradient is sent while W computes).
+
+The price.
+    compute: none extra; every backward operation still runs once (a test counts the FLOPs). The
+             bubble per stage falls from (p-1)/m to (p-1)(T_F + T_B - T_W) / (m (T_F + T_B + T_W)),
+             a third of it when the three take as long; exact when m >= p and W is no longer than
+             F or B, so that every W fits a gap.
+    memory:  a micro-batch stays alive from its F to its W, but after B it keeps only the linears'
+             inputs and output gradients; stage r never holds more than p micro-batches, 1F1B's
+             first stage's peak.
+    communication: none extra. What does not split this way (a layer whose backward makes dW
+             itself: lesson 02's sequence-parallel linears, lesson 05's experts, a recomputed
+             block) keeps its whole backward in B; lesson 07 refuses those with zero-bubble.
+
+What to look for: the loss falls exactly as on one device, equal to 1F1B's; the measured bubble
+sits next to the formula from the run's own mean F, B and W times and next to 1F1B's; the memory
+table counts what waits in the W queues (which no saved-tensor hook sees), the first stage at
+1F1B's peak. On a CPU where two ranks share cores the step gets no faster: an idle rank already
+lends its core to the other one (benchmarks/zero_bubble.py measures it).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from picotron_like.lessons import load_lesson
+from picotron_like.metrics import ActivationMeter, log0
+from picotron_like.pipeline_tools import bubble_fraction
+
+pipeline_parallel = load_lesson("03_pipeline_parallel")
+Action = pipeline_parallel.Action
+
+
+# ============================================================================ the technique: B and W, one backward in two
+#
+# A linear layer's backward, split (dW costs as many FLOPs as the layer's forward):
+#
+#     linear forward:   y  = x W^T                  keeps x
+#     B (now):          dx = dy W                   keeps x and dy for W, sends dx upstream
+#     W (when told):    dW = dy^T x                 accumulates into W.grad, frees x and dy
+#
+# How, and why this way: each linear layer's backward computes dx and hands (x, dy) to the chunk's
+# PendingWeightGradients; W turns them into dW later. The alternative, splitting the autograd graph
+# (autograd.grad for the input, then again for the weights), runs the part of backward that both
+# need twice unless the graph is cut at every weight's consumer; the explicit layer does every
+# backward operation exactly once (a test counts the FLOPs against 1F1B's). Everything else (norm
+# gains, the embedding, the attention core) keeps its ordinary backward inside B. A layer with a
+# custom backward of its own (lesson 02's sequence-parallel linears, lesson 05's experts, a fully
+# recomputed block) is not split; lesson 07 refuses those with zero-bubble.
+
+
+class LinearDeferringWeightGradient(torch.autograd.Function):
+    """y = x W^T + b whose backward is B alone: dx now, (x, dy) left in `pending` for W.
+
+    The weight and bias come in inside a tuple, so autograd draws no edge to them: B must not touch
+    them at all, because autograd would still run their post-accumulate hooks with no gradient, and
+    the data-parallel wrappers would count them ready before W. Under autocast the matmul runs in
+    the autocast dtype as F.linear's would, and x and W are kept in that dtype, so W computes dW
+    from the very tensors the undivided backward would have used."""
+
+    @staticmethod
+    def forward(ctx, x, weight_and_bias: tuple, pending: "PendingWeightGradients"):
+        weight, bias = weight_and_bias
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight_used = x.to(dtype), weight.to(dtype)
+        else:
+            weight_used = weight
+        ctx.save_for_backward(x, weight_used)
+        ctx.weight, ctx.bias, ctx.pending = weight, bias, pending
+        return F.linear(x, weight_used, None if bias is None else bias.to(weight_used.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight_used = ctx.saved_tensors
+        ctx.pending.keep(WeightGradient(ctx.weight, ctx.bias, x, grad_output))
+        return grad_output @ weight_used if ctx.needs_input_grad[0] else None, None, None
+
+
+@dataclass(frozen=True)
+class WeightGradient:
+    """One linear layer's W for one micro-batch: what B left behind."""
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    input: torch.Tensor
+    grad_output: torch.Tensor
+
+    def compute(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        grad_output = self.grad_output.flatten(0, -2)
+        grads = [(self.weight, (grad_output.t() @ self.input.flatten(0, -2)).to(self.weight.dtype))]
+        if self.bias is not None:
+            grads.append((self.bias, grad_output.sum(0).to(self.bias.dtype)))
+        return grads
+
+
+class PendingWeightGradients:
+    """A chunk's W queue: the micro-batches whose B has run and whose W has not."""
+
+    def __init__(self):
+        self.pending: dict[int, list[WeightGradient]] = {}
+        self.collecting = None          # the micro-batch whose B is running
+
+    @contextmanager
+    def input_gradient(self, micro_batch: int):
+        """B: while autograd runs the chunk's backward, its linears leave their W here."""
+        self.pending[micro_batch], self.collecting = [], micro_batch
+        try:
+            yield
+        finally:
+            self.collecting = None
+
+    def keep(self, weight_gradient: WeightGradient) -> None:
+        if self.collecting is None:
+            # A backward outside a zero-bubble B would drop these weights' gradients silently.
+            raise RuntimeError("a linear layer deferring its weight gradient ran backward outside a zero-bubble B")
+        self.pending[self.collecting].append(weight_gradient)
+
+    def weight_gradients(self, micro_batch: int) -> None:
+        """W: every deferred dW of the micro-batch, accumulated into .grad through autograd (one call),
+        so that the data-parallel wrappers' post-accumulate hooks fire exactly as in a backward."""
+        pairs = [pair for weight_gradient in self.pending.pop(micro_batch) for pair in weight_gradient.compute()]
+        if pairs:
+            params, grads = zip(*pairs)
+            torch.autograd.backward(params, grads)
+
+
+class DeferredWeightGradientLinear(nn.Linear):
+    """nn.Linear whose weight gradient waits for W (defer_weight_gradients converts a stage's linears)."""
+
+    def forward(self, x):
+        return LinearDeferringWeightGradient.apply(x, (self.weight, self.bias), self.pending_weight_gradients)
+
+
+DEFERRED_LINEARS = {nn.Linear: DeferredWeightGradientLinear}
+
+
+def defer_weight_gradients(stage: nn.Module, deferred_classes=None) -> PendingWeightGradients:
+    """Make a stage's linear layers defer their weight gradients to one W queue, stage.pending_weight_gradients.
+
+    deferred_classes maps a layer class to its deferring subclass (DEFERRED_LINEARS here; lesson 07
+    adds lesson 02's tensor-parallel linears). Only the class changes: the parameters, their names
+    and the hooks on them stay."""
+    pending = stage.pending_weight_gradients = PendingWeightGradients()
+    deferred_classes = deferred_classes or DEFERRED_LINEARS
+    for module in stage.modules():
+        if type(module) in deferred_classes:
+            module.__class__ = deferred_classes[type(module)]
+            module.pending_weight_gradients = pending
+    return pending
+
+
+# ============================================================================ the technique: the ZB-H1 schedule
+
+
+def zero_bubble_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: int = 1) -> list[tuple[Action, ...]]:
+    """ZB-H1: 1F1B's order with each backward split into B and W, and W moved into the bubble.
+
+    Stage r warms up as in 1F1B; in the steady state each B is followed by the W of the micro-batch
+    r places back (stage r holds back r W's: the last stage, which starts the backward chain, runs
+    its B's p-1 W's ahead and so sends gradients upstream sooner); in the cool-down, where 1F1B's
+    stages wait for gradients, each B is followed by one pending W and the rest close the step.
+    A micro-batch stays alive from its F to its W, and stage r never has more than p alive:
+    1F1B's first stage's peak. With m >= p and W no longer than F or B, the bubble is (p-1)(T_F + T_B - T_W)
+    per stage, where 1F1B's is (p-1)(T_F + T_B + T_W).
+    """
+    warmup = min(pp - pp_rank - 1, n_micro)
+    forwards = [Action("F", 0, i) for i in range(n_micro)]
+    input_grads = [Action("B", 0, i) for i in range(n_micro)]
+    weight_grads = iter([Action("W", 0, i) for i in range(n_micro)])
+    # warm-up: 1F1B's, p-1-r forwards
+    units = [(forward,) for forward in forwards[:warmup]]
+    # steady state: F, B, and from the (r+1)-th pair on, the W of the micro-batch r places back
+    for i, (forward, input_grad) in enumerate(zip(forwards[warmup:], input_grads)):
+        units += [(forward,), (input_grad,)]
+        if i >= pp_rank:
+            units.append((next(weight_grads),))
+    # cool-down: each B, then one pending W while the next gradient travels; the rest at the end
+    for input_grad in input_grads[n_micro - warmup:]:
+        units += [(input_grad,), (next(weight_grads),)]
+    return units + [(weight_grad,) for weight_grad in weight_grads]
+
+
+SCHEDULES = {**pipeline_parallel.SCHEDULES, "zero-bubble": zero_bubble_schedule}
+
+
+class ZeroBubblePipeline(pipeline_parallel.Pipeline):
+    """Lesson 03's Pipeline that also runs W: every B inside its chunk's W queue, every W from it.
+
+    Each chunk's linears must defer their weight gradients: a chunk that does not yet gets lesson
+    03's nn.Linear converted here (defer_weight_gradients); lesson 07 converts its chunks first,
+    lesson 02's layers and the norms included. The data-parallel switch is on for each chunk's
+    last B and its last W (Pipeline.last_of_kind): the norms' and embedding's gradients are
+    complete after the one, the linears' after the other."""
+
+    schedules = SCHEDULES
+
+    def __init__(self, chunks, *args, **kwargs):
+        for chunk in chunks:
+            if not hasattr(chunk.module, "pending_weight_gradients"):
+                defer_weight_gradients(chunk.module)
+        super().__init__(chunks, *args, **kwargs)
+        self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
+
+    def backward_step(self, action, is_chunks_last: bool, inputs, outputs, grads) -> None:
+        pending = self.pending_weight_gradients[action.chunk]
+        if action.kind == "W":      # the weight gradients the micro-batch's B left in the queue
+            self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
+            pending.weight_gradients(action.micro_batch)
+            return
+        with pending.input_gradient(action.micro_batch):
+            super().backward_step(action, is_chunks_last, inputs, outputs, grads)
+
+
+# ============================================================================ measuring the three challenges
+
+
+def zero_bubble_formula(pp: int, n_micro: int, forward_time: float, input_grad_time: float,
+                        weight_time: float) -> float:
+    """ZB-H1's idle / busy per stage, from the times of F, B and W: each of the p-1 steps of the
+    fill and drain costs T_F + T_B - T_W, where 1F1B's costs T_F + T_B + T_W (its whole backward).
+    Exact on the simulator's clock for m >= p when W is no longer than F or B (every W fits a gap)."""
+    step = forward_time + input_grad_time + weight_time
+    return (pp - 1) * (forward_time + input_grad_time - weight_time) / (n_micro * step)
+
+
+class KeptActivationMeter(ActivationMeter):
+    """The activations a rank keeps between its actions, zero-bubble's W queues included.
+
+    An ActivationMeter sees what autograd saves. Once B has run, autograd has let go of each
+    linear's input, but the W queue still holds it, and the output gradient beside it, until W:
+    memory no saved-tensor hook sees. This meter also reads the queues after every forward, B and
+    W (it wraps the pipeline's action methods from outside while entered), counts each storage once
+    with the saved ones, and keeps the peak of the sum as the meter's peak_bytes (what lesson 03's
+    report prints); peak_saved_bytes is the saved tensors' alone, what a plain ActivationMeter reads."""
+
+    actions = ("forward_step", "backward_step")
+
+    def __init__(self, pipeline: ZeroBubblePipeline):
+        super().__init__(*pipeline.chunks)
+        self.pipeline, self.peak_saved_bytes = pipeline, 0
+
+    def pack(self, tensor):
+        holder = super().pack(tensor)
+        self.peak_saved_bytes = max(self.peak_saved_bytes, self.live_bytes)
+        return holder
+
+    def kept_bytes(self) -> int:
+        queued = {}
+        for pending in self.pipeline.pending_weight_gradients:
+            for weight_gradient in (wg for waiting in pending.pending.values() for wg in waiting):
+                for storage in (weight_gradient.input.untyped_storage(), weight_gradient.grad_output.untyped_storage()):
+                    queued[storage.data_ptr()] = storage.nbytes()
+        return self.live_bytes + sum(nbytes for address, nbytes in queued.items() if address not in self._live)
+
+    def _sampled(self, action_method):
+        @functools.wraps(action_method)
+        def sampled(*args, **kwargs):
+            result = action_method(*args, **kwargs)
+            self.peak_bytes = max(self.peak_bytes, self.kept_bytes())
+            return result
+        return sampled
+
+    def __enter__(self):
+        # Another observer (the timeline) may have wrapped these methods already: wrap its wrappers
+        # and put them back on the way out.
+        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.actions}
+        for name in self.actions:
+            setattr(self.pipeline, name, self._sampled(getattr(self.pipeline, name)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, earlier in self._wrapped.items():
+            if earlier is None:
+                delattr(self.pipeline, name)
+            else:
+                setattr(self.pipeline, name, earlier)
+        return super().__exit__(*exc)
+
+
+def log_zero_bubble_formula(timelines, schedule: str, pp: int, n_micro: int, virtual_stages: int) -> None:
+    """The measured bubble next to ZB-H1's formula from this run's own mean F, B and W times, and next
+    to what 1F1B's formula gives for the same times (its backward is B + W); lesson 03's report
+    prints it in place of its own bubble line."""
+    def mean_ms(kind):
+        durations = [end - start for events in timelines for action, start, end in events if action.kind == kind]
+        return sum(durations) / len(durations) * 1e3
+
+    t_f, t_b, t_w = mean_ms("F"), mean_ms("B"), mean_ms("W")
+    log0(f"mean ms: F {t_f:.2f}, B {t_b:.2f}, W {t_w:.2f}")
+    log0(f"bubble (idle / busy): measured {bubble_fraction(timelines):.3f}   formula (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)) "
+         f"= {zero_bubble_formula(pp, n_micro, t_f, t_b, t_w):.3f}   1F1B's (p-1)/m = {(pp - 1) / n_micro:.3f}   "
+         f"(exact when m >= p, W is no longer than F or B, and every stage has a core of its own)")
+    log0("(in the table below, measured counts the inputs and output gradients waiting for W; predicted counts "
+         "each micro-batch whole from its F to its W, more than W keeps)")
+
+
+# ============================================================================ main
+
+
+def main(argv=None):
+    """Lesson 03's run (dp x pp) with --schedule zero-bubble: its Pipeline, this file's W and measures."""
+    args = pipeline_parallel.parse_args(argv, {"zero-bubble": zero_bubble_schedule}, "zero-bubble",
+                                        "Lesson 03, continued: zero-bubble pipeline parallelism")
+    pipeline_parallel.run(args, ZeroBubblePipeline, KeptActivationMeter, log_zero_bubble_formula)
+
+
+if __name__ == "__main__":
+    main()
