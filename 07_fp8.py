@@ -69,8 +69,11 @@ ranks takes its amax over all of them (an all-reduce MAX of one number, tensorwi
 amax along a reduction dimension that the layer splits (row-parallel layers split K: the forward's
 X and W; column-parallel layers split N: the input gradient's dY and W), and an mxfp8 block never
 straddles two ranks' shards (every split dimension a multiple of 32 per rank: a configuration
-rule). With ZeRO-3 (lesson 06) the weight is quantised after the gather, in the forward and again
-in the backward, from the full-precision weight ZeRO gathered: the same bytes on every layout.
+rule). Under sequence parallelism (lesson 02's shard-saving form, which lesson 07 runs) a column
+layer keeps only this rank's tokens: their FP8 copy is scaled along the tokens with the amax over
+tp, and backward all-gathers that copy (1 byte per element) instead of the shard. With ZeRO-3
+(lesson 06) the weight is quantised after the gather, in the forward and again in the backward,
+from the full-precision weight ZeRO gathered: the same bytes on every layout.
 
 The price, per linear layer of a block and micro-batch of T tokens:
     compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300); the
@@ -82,16 +85,17 @@ The price, per linear layer of a block and micro-batch of T tokens:
                 (mxfp8: one e8m0 byte per block of tokens). The weights stay as they were
                 (float32 master, bf16 copy): FP8 copies of them live only inside a matmul.
     traffic     tensorwise: one float per split tensor's amax; rowwise: one per row of a split
-                reduction; mxfp8: none
+                reduction; mxfp8: none. Sequence parallelism's backward all-gather of the kept
+                tokens moves T K bytes (mxfp8: + T K / 32) instead of 4 T K
 
 Proven (tests/test_fp8.py): each recipe's error within the bound, no inf or NaN, mxfp8's scales
 exact powers of two; the FP8 linear's forward and backward equal a float32 emulation bit for bit;
 50 steps of training within a bound of bf16's loss, a control without scales rejected by the same
-check; dp x tp equal to one device, and a row-parallel layer with outlier features equal to it only
-with the tp all-reduce of the amaxes; the
-kept activation bytes equal the formula. On CPU the tensorwise and rowwise matmuls run through
-torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), as it is on CUDA
-GPUs without MX tensor cores.
+check; dp x tp (with and without sequence parallelism) equal to one device, and a row-parallel
+layer with outlier features, or a sequence-parallel column layer with outlier tokens, equal to it
+only with the tp all-reduce of the amaxes; the kept activation bytes equal the formula. On CPU
+the tensorwise and rowwise matmuls run through torch._scaled_mm's CPU kernel; mxfp8 is emulated
+(dequantise, float32 matmul), as it is on CUDA GPUs without MX tensor cores.
 """
 
 from __future__ import annotations
@@ -106,12 +110,13 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, log0, model_flops_utilisation, peak_flops_of_name
+from picotron_like.metrics import ActivationMeter, add_traffic, log0, model_flops_utilisation, peak_flops_of_name
 from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token, get_config
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
 from picotron_like.train import StepSettings, build_optimizer, exit_with_error
 
 data_parallel = load_lesson("01_data_parallel")
+tensor_parallel = load_lesson("02_tensor_parallel")
 
 FP8_CHOICES = ("none", "tensorwise", "rowwise", "mxfp8")
 
@@ -182,16 +187,16 @@ def power_of_two_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
 
 def amax_over_shards(amax: torch.Tensor, group) -> torch.Tensor:
-    """The amax of a tensor (or of its rows) that the tp ranks hold in pieces: the largest of
-    theirs, so every rank scales with one device's amax."""
+    """The amax of a tensor (or of its rows) that the ranks of `group` hold in pieces: the largest
+    of theirs, so every rank scales with one device's amax."""
     comm.call(dist.all_reduce, amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
 
-def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_group=None) -> Quantised:
+def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_group=()) -> Quantised:
     """t (2-D) in `fmt` with `recipe`'s scales for a matmul that sums over `axis`. `shards_group`:
-    the tp group when the scale's amax spans elements of other ranks (the caller knows when:
-    Fp8Matmuls), else None."""
+    the groups (tp, cp or both) whose ranks hold other elements that the scale's amax spans (the
+    caller knows which: Fp8Layer.groups_for), else empty."""
     x = t.float()
     if not recipe.scaled:
         return Quantised(x.clamp(-fmt.max, fmt.max).to(fmt.dtype), torch.ones((), device=t.device), axis, None)
@@ -202,8 +207,8 @@ def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_
         data = (blocks / scale.unsqueeze(axis + 1)).clamp(-fmt.max, fmt.max).flatten(axis, axis + 1)
         return Quantised(data.to(fmt.dtype), scale.to(torch.float8_e8m0fnu), axis, recipe.block)
     amax = x.abs().amax() if recipe.name == "tensorwise" else x.abs().amax(dim=axis, keepdim=True)
-    if shards_group is not None:
-        amax = amax_over_shards(amax, shards_group)
+    for group in shards_group:          # a MAX over tp, then over cp: the MAX over both
+        amax = amax_over_shards(amax, group)
     scale = power_of_two_scale(amax, fmt)
     return Quantised((x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale, axis, None)
 
@@ -262,14 +267,14 @@ class Fp8Layer:
     tp_group: object = None
     split_dim: int | None = None
 
-    def group_for(self, sharded_dims: set[int], axis: int):
-        """The tp group over which an operand's amax must be taken, or None: tensorwise when any
-        dimension of it is split, rowwise when its reduction `axis` is; mxfp8 never (its blocks
-        lie within a shard: fp8_problems)."""
+    def groups_for(self, tp_split: set[int], axis: int) -> tuple:
+        """The groups over which an operand's amax must be taken, given the dimensions `tp_split`
+        of it that tp splits: tensorwise when any is, rowwise when its reduction `axis` is; mxfp8
+        never (its blocks lie within a shard: fp8_problems)."""
         if self.tp_group is None or not self.recipe.scaled or self.recipe.block is not None:
-            return None
-        spanning = bool(sharded_dims) if self.recipe.name == "tensorwise" else axis in sharded_dims
-        return self.tp_group if spanning else None
+            return ()
+        spanning = bool(tp_split) if self.recipe.name == "tensorwise" else axis in tp_split
+        return (self.tp_group,) if spanning else ()
 
 
 class SharedInputQuantisation:
@@ -296,11 +301,35 @@ class SharedInputQuantisation:
 def quantised_input(x2d: torch.Tensor, layer: Fp8Layer) -> tuple[Quantised, Quantised]:
     """X [T, K] for the forward (scaled along K) and the copy kept for the weight gradient
     (scaled along T); tensorwise, one scale serves both, so they are one tensor."""
-    sharded = {1} if layer.split_dim == 1 else set()
-    forward = quantise(x2d, 1, E4M3, layer.recipe, layer.group_for(sharded, 1))
+    tp_split = {1} if layer.split_dim == 1 else set()        # row-parallel: K split
+    forward = quantise(x2d, 1, E4M3, layer.recipe, layer.groups_for(tp_split, 1))
     if layer.recipe.name == "tensorwise" or not layer.recipe.scaled:
         return forward, forward
-    return forward, quantise(x2d, 0, E4M3, layer.recipe, layer.group_for(sharded, 0))
+    return forward, quantise(x2d, 0, E4M3, layer.recipe, layer.groups_for(tp_split, 0))
+
+
+def forward_matmul(x_forward: Quantised, weight: torch.Tensor, layer: Fp8Layer, out_dtype) -> torch.Tensor:
+    """Y = X W^T over K, the weight scaled along K (its in-features: split by a row-parallel layer)."""
+    w_split = {layer.split_dim} if layer.split_dim is not None else set()
+    w = quantise(weight, 1, E4M3, layer.recipe, layer.groups_for(w_split, 1))
+    return scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
+
+
+def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype, x_tokens) -> tuple:
+    """dX = dY W over N and dW = dY^T X over T (2-D), each operand quantised along its reduction
+    dimension; `x_tokens()` returns the kept copy of X scaled along T, asked for between the two
+    (where a shard-saving layer waits for the all-gather that travelled while dX was computed)."""
+    recipe = layer.recipe
+    dy = grad.reshape(-1, grad.shape[-1])
+    fmt = recipe.gradient_format if recipe.scaled else E5M2
+    dy_split = {1} if layer.split_dim == 0 else set()          # column-parallel: N split
+    w_split = {layer.split_dim} if layer.split_dim is not None else set()
+    dy_rows = quantise(dy, 1, fmt, recipe, layer.groups_for(dy_split, 1))
+    w_columns = quantise(weight, 0, E4M3, recipe, layer.groups_for(w_split, 0))
+    grad_input = scaled_matmul(dy_rows, w_columns, recipe, x_dtype)
+    dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
+        quantise(dy, 0, fmt, recipe, layer.groups_for(dy_split, 0))
+    return grad_input, scaled_matmul(dy_tokens.t(), x_tokens(), recipe, weight.dtype)
 
 
 class Fp8Matmuls(torch.autograd.Function):
@@ -311,9 +340,7 @@ class Fp8Matmuls(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, layer: Fp8Layer, shared: SharedInputQuantisation, out_dtype):
         x_forward, x_kept = shared.of(x, partial(_quantised_input_2d, layer=layer))
-        w_sharded = {layer.split_dim} if layer.split_dim is not None else set()
-        w = quantise(weight, 1, E4M3, layer.recipe, layer.group_for(w_sharded, 1))
-        y = scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
+        y = forward_matmul(x_forward, weight, layer, out_dtype)
         ctx.save_for_backward(x_kept.data, x_kept.scale, weight)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.kept_axis = layer, x.shape, x.dtype, x_kept.axis
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -321,19 +348,9 @@ class Fp8Matmuls(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         data, scale, weight = ctx.saved_tensors
-        layer, recipe = ctx.layer, ctx.layer.recipe
-        x_kept = Quantised(data, scale, ctx.kept_axis, recipe.block)
-        dy = grad.reshape(-1, grad.shape[-1])
-        fmt = recipe.gradient_format if recipe.scaled else E5M2
-        dy_sharded = {1} if layer.split_dim == 0 else set()          # column-parallel: N split
-        w_sharded = {layer.split_dim} if layer.split_dim is not None else set()
-        dy_rows = quantise(dy, 1, fmt, recipe, layer.group_for(dy_sharded, 1))
-        w_columns = quantise(weight, 0, E4M3, recipe, layer.group_for(w_sharded, 0))
-        grad_input = scaled_matmul(dy_rows, w_columns, recipe, ctx.x_dtype).view(ctx.x_shape)
-        dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
-            quantise(dy, 0, fmt, recipe, layer.group_for(dy_sharded, 0))
-        grad_weight = scaled_matmul(dy_tokens.t(), x_kept, recipe, weight.dtype)
-        return grad_input, grad_weight, None, None, None
+        x_kept = Quantised(data, scale, ctx.kept_axis, ctx.layer.recipe.block)
+        grad_input, grad_weight = fp8_gradients(grad, weight, ctx.layer, ctx.x_dtype, lambda: x_kept)
+        return grad_input.view(ctx.x_shape), grad_weight, None, None, None
 
 
 def _quantised_input_2d(x: torch.Tensor, layer: Fp8Layer) -> tuple[Quantised, Quantised]:
@@ -351,7 +368,11 @@ class Fp8Forward:
     layer, or its row layer (whose exit_region, g, sums the partial outputs over tp)."""
 
     def forward(self, x):
-        y = Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
+        if isinstance(x, tensor_parallel.SequenceParallelInput):      # lesson 02's shard-saving column layer
+            y = Fp8MatmulsSavingSequenceShard.apply(x.full, x.shard, self.weight, self.fp8, self.fp8_input,
+                                                    output_dtype(x.full))
+        else:
+            y = Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
         exit_region = getattr(self, "exit_region", None)
         y = y if exit_region is None else exit_region(y)
         return y if self.bias is None else y + self.bias
@@ -399,12 +420,92 @@ def apply_fp8(model, recipe: str, tp_group=None):
     return model
 
 
+# ============================================================================ the technique: with sequence parallelism
+
+# Lesson 07 runs sequence parallelism in lesson 02's memory-optimal form: a column-parallel layer
+# multiplies the gathered sequence and keeps only this rank's tokens of it, gathering them again in
+# backward. In FP8 the forward operand is the gathered sequence scaled along K, as without sequence
+# parallelism (a token's scales are its own, and every tp rank holds the whole token); the copy kept
+# for the weight gradient is this rank's tokens scaled along T, whose scales span every rank's
+# tokens: their amax is taken over tp (rowwise: one float per in-feature; tensorwise: one), and an
+# mxfp8 block of 32 tokens must lie within one rank's part (a configuration rule). Backward gathers
+# that FP8 copy, 1 byte per element (and mxfp8's scales, one byte per 32), where lesson 02 gathers
+# the shard in its own dtype: a quarter of float32's bytes, half of bf16's.
+
+
+class Fp8SequenceRegather:
+    """Backward's all-gather of the kept FP8 copy of this rank's tokens, once for all the layers
+    that read one input (q, k, v; gate, up): lesson 02's SequenceRegather for the codes and, for
+    mxfp8, for the block scales, each moved as bytes (gloo has no float8 types)."""
+
+    def __init__(self, group, blocks: bool):
+        self.codes = tensor_parallel.SequenceRegather(group)
+        self.scales = tensor_parallel.SequenceRegather(group) if blocks else None
+
+    def add_reader(self) -> None:
+        for regather in (self.codes, self.scales):
+            if regather is not None:
+                regather.readers += 1
+
+    def start(self, kept: Quantised, sequences: int) -> None:
+        """Start gathering every rank's copy; as [sequences, tokens, K], lesson 02's gather puts
+        each sequence's tokens back in order."""
+        self.codes.start(as_sequence_bytes(kept.data, sequences))
+        if self.scales is not None:
+            self.scales.start(as_sequence_bytes(kept.scale, sequences))
+
+    def result(self, kept: Quantised) -> Quantised:
+        """Every rank's tokens, scaled along T: the scales are the kept copy's (one device's after
+        the amax all-reduce), or for mxfp8 every rank's blocks' gathered with the codes."""
+        data = self.codes.result().flatten(0, 1).view(kept.data.dtype)
+        scale = kept.scale if self.scales is None else self.scales.result().flatten(0, 1).view(kept.scale.dtype)
+        return Quantised(data, scale, 0, kept.block)
+
+
+def as_sequence_bytes(t: torch.Tensor, sequences: int) -> torch.Tensor:
+    return t.view(torch.uint8).view(sequences, -1, t.shape[-1])
+
+
+def quantised_sequence_input(full: torch.Tensor, shard: torch.Tensor, layer: Fp8Layer) -> tuple:
+    """The gathered sequence [T, K] scaled along K for the forward, this rank's tokens [T / tp, K]
+    scaled along T for the weight gradient (tp splits the tokens: their amax spans the tp group),
+    and the all-gather that brings every rank's copy back in backward."""
+    forward = quantise(full.reshape(-1, full.shape[-1]), 1, E4M3, layer.recipe, layer.groups_for(set(), 1))
+    kept = quantise(shard.reshape(-1, shard.shape[-1]), 0, E4M3, layer.recipe, layer.groups_for({0}, 0))
+    return forward, kept, Fp8SequenceRegather(layer.tp_group, kept.block is not None)
+
+
+class Fp8MatmulsSavingSequenceShard(torch.autograd.Function):
+    """Fp8Matmuls for lesson 02's shard-saving column layer (its LinearSavingSequenceShard in FP8):
+    multiplies the gathered sequence `full`, keeps the FP8 copy of this rank's tokens `shard`, and
+    in backward gathers every rank's copy while the input gradient is computed."""
+
+    @staticmethod
+    def forward(ctx, full, shard, weight, layer: Fp8Layer, shared: SharedInputQuantisation, out_dtype):
+        x_forward, x_kept, regather = shared.of(full, partial(quantised_sequence_input, shard=shard, layer=layer))
+        regather.add_reader()
+        y = forward_matmul(x_forward, weight, layer, out_dtype)
+        ctx.save_for_backward(x_kept.data, x_kept.scale, weight)
+        ctx.layer, ctx.regather, ctx.x_shape, ctx.x_dtype = layer, regather, full.shape, full.dtype
+        return y.view(*full.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scale, weight = ctx.saved_tensors
+        kept = Quantised(data, scale, 0, ctx.layer.recipe.block)
+        ctx.regather.start(kept, ctx.x_shape[0])
+        grad_input, grad_weight = fp8_gradients(grad, weight, ctx.layer, ctx.x_dtype,
+                                                lambda: ctx.regather.result(kept))
+        return grad_input.view(ctx.x_shape), None, grad_weight, None, None, None
+
+
 # ============================================================================ configuration rules
 
 
 def fp8_problems(cfg, grid, args) -> list[str]:
     """What --fp8 does not compose with, and mxfp8's block rule: every dimension a matmul sums
-    over, as one rank holds it, a multiple of 32 (a block never straddles two tp shards)."""
+    over, as one rank holds it, a multiple of 32 (a block never straddles two tp shards; under
+    sequence parallelism the kept tokens of one sequence on one tp rank, too)."""
     recipe = getattr(args, "fp8", "none")
     if recipe == "none":
         return []
@@ -412,9 +513,6 @@ def fp8_problems(cfg, grid, args) -> list[str]:
     if grid.cp > 1:
         problems.append(f"--fp8 {recipe} with --cp {grid.cp}: the weight gradient's scales are taken over the tokens, "
                         f"which cp splits (an amax over cp is not composed here); use --cp 1")
-    if getattr(args, "sequence_parallel", False):
-        problems.append(f"--fp8 {recipe} with --sequence-parallel: lesson 02's shard-saving column layers keep "
-                        f"their own input (an FP8 copy of the shard is not composed here); drop --sequence-parallel")
     if getattr(args, "schedule", None) == "zero-bubble":
         problems.append(f"--fp8 {recipe} with --schedule zero-bubble: lesson 03 defers the linears' weight gradients "
                         f"through layers of its own (an FP8 deferred dW is not composed here); use 1f1b or interleaved")
@@ -423,6 +521,8 @@ def fp8_problems(cfg, grid, args) -> list[str]:
         widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
                   "n_kv_heads * head_dim / tp": cfg.n_kv_heads * d // tp,
                   "micro-batch-size * seq-len (tokens)": args.micro_batch_size * args.seq_len}
+        if getattr(args, "sequence_parallel", False):
+            widths["seq-len / tp (one sequence's tokens a tp rank keeps)"] = args.seq_len // tp
         if not cfg.n_experts or cfg.n_shared_experts:
             widths["ffn_hidden / tp"] = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
         problems += [f"--fp8 mxfp8: {name} = {value} is not a multiple of {MX_BLOCK}: mxfp8 scales blocks of "
@@ -455,24 +555,26 @@ def kept_scale_bytes(recipe: str, tokens: int, width: int) -> int:
 
 
 def kept_bytes_difference(cfg, recipe: str, tokens: int, tp: int, compute_dtype: torch.dtype,
-                          n_layers: int, recompute: str = "none") -> int:
+                          n_layers: int, recompute: str = "none", sequence_parallel: bool = False) -> int:
     """What --fp8 changes in one micro-batch's kept activations (lesson 07's formula plus this):
     per block, each input read only by FP8 layers is kept as an FP8 copy (1 byte) and its scales
     instead of in the compute dtype (e bytes): attention's input (h, read by q, k, v), o_proj's (n_heads
-    d / tp), a dense MLP's input (h) and down_proj's (f / tp). An MoE's shared expert adds an FP8
-    copy of its input (the router and the experts keep the input itself) and swaps down_proj's.
-    Full recomputation keeps each block's input alone: no change."""
+    d / tp), a dense MLP's input (h) and down_proj's (f / tp); with sequence parallelism the column
+    layers' inputs (h) are this rank's tokens / tp, as lesson 02 keeps them. An MoE's shared expert
+    adds an FP8 copy of its input (the router and the experts keep the input itself) and swaps
+    down_proj's. Full recomputation keeps each block's input alone: no change."""
     if recipe == "none" or recompute == "full":
         return 0
     e, h, d = compute_dtype.itemsize, cfg.hidden, cfg.head_dim
-    attention = [(h, True), (cfg.n_heads * d // tp, True)]
+    column_tokens = tokens // tp if sequence_parallel else tokens
+    attention = [(h, True, column_tokens), (cfg.n_heads * d // tp, True, tokens)]
     if not cfg.n_experts:
-        mlp = [(h, True), (cfg.ffn_hidden // tp, True)]
+        mlp = [(h, True, column_tokens), (cfg.ffn_hidden // tp, True, tokens)]
     else:
         shared = cfg.n_shared_experts * cfg.ffn_hidden // tp
-        mlp = [(h, False), (shared, True)] if cfg.n_shared_experts else []
-    per_block = sum(tokens * width * (1 - e * replaced) + kept_scale_bytes(recipe, tokens, width)
-                    for width, replaced in attention + mlp)
+        mlp = [(h, False, tokens), (shared, True, tokens)] if cfg.n_shared_experts else []
+    per_block = sum(kept * width * (1 - e * replaced) + kept_scale_bytes(recipe, kept, width)
+                    for width, replaced, kept in attention + mlp)
     return n_layers * per_block
 
 
@@ -514,12 +616,13 @@ def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks
 
 
 def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
-                           recompute: str = "none") -> dict:
+                           recompute: str = "none", sequence_parallel: bool = False) -> dict:
     """The all-reduce MAX bytes per step that keep the scales one device's under tp (float32
     amaxes). tensorwise: a column layer's (q, k, v, gate, up) W forward, dY and W backward; a row
     layer's (o, down) X and W forward, W backward: one float each. rowwise: a row layer's X (T
-    floats) and W (N) forward, a column layer's dY (T) and W (K) backward. Full recomputation
-    sends the forward's again."""
+    floats) and W (N) forward, a column layer's dY (T) and W (K) backward. With sequence
+    parallelism, the kept copy of each block norm's output (this rank's tokens): one float
+    (tensorwise) or h (rowwise) in the forward. Full recomputation sends the forward's again."""
     if recipe not in ("tensorwise", "rowwise") or tp == 1:
         return {}
     h, d = cfg.hidden, cfg.head_dim
@@ -532,8 +635,24 @@ def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int,
         forward, backward = len(column) + 2 * len(row), 2 * len(column) + len(row)
     else:
         forward, backward = sum(tokens + n for n, _ in row), sum(tokens + k for _, k in column)
+    if sequence_parallel:       # attention's norm and the MLP's: the kept tokens' amax spans the tp ranks
+        forward += (1 + mlp) * (1 if recipe == "tensorwise" else h)
     forwards = 2 if recompute == "full" else 1
     return {("all_reduce", "tp"): 4 * (forwards * forward + backward) * n_layers * n_micro}
+
+
+def predicted_fp8_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
+                          recompute: str = "none", sequence_parallel: bool = False) -> dict:
+    """What --fp8 changes in tp's traffic per step: the amaxes' all-reduces (predicted_amax_traffic)
+    and, with sequence parallelism, the all-gather of each block norm's output in backward, which
+    moves the kept FP8 copy (1 byte per element, and mxfp8's scales: one per 32) where lesson 02
+    counts 4 bytes per element."""
+    traffic = predicted_amax_traffic(cfg, recipe, tokens, tp, n_micro, n_layers, recompute, sequence_parallel)
+    if recipe == "none" or tp == 1 or not sequence_parallel:
+        return traffic
+    gathered = tokens * cfg.hidden
+    fp8_bytes = gathered + (gathered // MX_BLOCK if recipe == "mxfp8" else 0)
+    return add_traffic(traffic, {("all_gather_single", "tp"): 2 * n_layers * n_micro * (fp8_bytes - 4 * gathered)})
 
 
 def quantisation_errors(model, batch_tokens) -> dict:

@@ -124,12 +124,13 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
     grouped = uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1.
-    # Made on the device: the host draws the reference values one tensor at a time (reference_init)
-    # and never holds the model (32 GB per rank for the 8b preset, 8 ranks per node).
-    with torch.device(device):
+    # Built on the meta device (shapes, no values) and cut there by the lessons below, so that no
+    # rank holds more than its share (the 8b preset whole: 32 GB per rank, 8 ranks per node).
+    with torch.device("meta"):
         chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank,
                                                        args.virtual_stages)
                   if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
+    reference = ReferenceTensors.of(chunks, cfg, args.seed)
     for chunk in chunks:
         if grid.tp_size > 1:            # 02: attention heads, MLP width and vocabulary over tp
             split_over_tensor_parallel(chunk, grid, cfg, args.sequence_parallel)
@@ -968,7 +969,7 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                model.precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
-                                                model.precision.param_dtype, layers, recompute)
+                                                model.precision.param_dtype, layers, recompute, args.sequence_parallel)
 
     parts = model_parts(model, pipeline)
     sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
@@ -1184,9 +1185,10 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                                     routing, steps)
     if inner is None:
         return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    amaxes = fp8.predicted_amax_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
-                                        shape.grad_accum, len(model.module.layers), args.recompute)
-    return add_traffic(predicted, inner, inner_extra or {}, amaxes)
+    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
+                                            shape.grad_accum, len(model.module.layers), args.recompute,
+                                            args.sequence_parallel)
+    return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic)
 
 
 def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,

@@ -151,7 +151,7 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         # --fp8: FP8 copies of the blocks' matmul inputs instead of bf16 ones (07_fp8.py)
         kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len, tp, precision.param_dtype, layers,
-                                          args.recompute)
+                                          args.recompute, args.sequence_parallel)
         if cfg.n_experts and args.recompute != "full":
             tokens = micro * shape.seq_len // grid.cp
             routed = cfg.experts_per_token * tokens
@@ -272,8 +272,10 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
         traffic = tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
             n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None, save_sequence_shard=True)
-        amaxes = fp8.predicted_amax_traffic(cfg, args.fp8, micro * shape.seq_len, tp, m, n_layers, args.recompute)
-        exposed += wire_bytes(add_traffic(on_axis(traffic, "tp"), amaxes), tp) / bandwidth(grid.group_ranks(("tp",)))
+        fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, micro * shape.seq_len, tp, m, n_layers, args.recompute,
+                                                args.sequence_parallel)
+        tp_traffic = add_traffic(on_axis(traffic, "tp"), fp8_traffic)
+        exposed += wire_bytes(tp_traffic, tp) / bandwidth(grid.group_ranks(("tp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
         traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,
                                                         shape.seq_len, cp, "ulysses", m, e)

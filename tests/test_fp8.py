@@ -187,7 +187,10 @@ def test_fifty_steps_of_each_recipe_track_bf16_and_unscaled_fp8_does_not():
 
 LAYOUTS = {"tensorwise ZeRO-3 selective": ("tensorwise", 3, "selective"),
            "rowwise ZeRO-1 full": ("rowwise", 1, "full"),
-           "mxfp8 ZeRO-2 none": ("mxfp8", 2, "none")}
+           "mxfp8 ZeRO-2 none": ("mxfp8", 2, "none"),
+           # lesson 02's shard-saving column layers keep an FP8 copy of this rank's tokens (amax over tp)
+           "tensorwise sequence-parallel ZeRO-1 none": ("tensorwise", 1, "none", True),
+           "rowwise sequence-parallel ZeRO-3 selective": ("rowwise", 3, "selective", True)}
 
 
 def data(dp: int) -> TokenBatches:
@@ -221,13 +224,14 @@ def one_device(recipe: str) -> dict:
     return result
 
 
-def dp_tp_run(recipe: str, stage: int, recompute: str, dp: int = 2) -> dict:
+def dp_tp_run(recipe: str, stage: int, recompute: str, sequence_parallel: bool = False, dp: int = 2) -> dict:
     full_5d = load_lesson("07_full_5d")
     grid = ProcessGrid(GridShape(dp=dp, tp=2))
     batches = data(grid.dp_size)
     args = full_5d.parse_args(["--dp", str(dp), "--tp", "2", "--zero-stage", str(stage), "--recompute", recompute,
                                "--fp8", recipe, "--seq-len", str(SEQ), "--micro-batch-size", str(MICRO),
-                               "--grad-accum", str(batches.shape.grad_accum), "--seed", str(SEED), "--lr", str(LR)])
+                               "--grad-accum", str(batches.shape.grad_accum), "--seed", str(SEED), "--lr", str(LR)]
+                              + ["--sequence-parallel"] * sequence_parallel)
     full_5d.validate(CFG, grid.shape, batches.shape, args, grid.shape.world_size)
     model, _ = full_5d.parallelize(CFG, grid, args, CPU)
     optimizer = full_5d.zero.build_sharded_optimizer(model, LR)
@@ -240,9 +244,9 @@ def dp_tp_run(recipe: str, stage: int, recompute: str, dp: int = 2) -> dict:
     for step in range(STEPS):
         with meter if step == 0 else nullcontext():
             losses.append(full_5d.train_step(model, optimizer, batches.step_batch(step, grid.dp_rank), settings).loss)
-    predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, MICRO, SEQ, recompute, 2)
+    predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, MICRO, SEQ, recompute, 2, sequence_parallel)
                       + full_5d.fp8.kept_bytes_difference(CFG, recipe, MICRO * SEQ, 2, torch.float32, CFG.n_layers,
-                                                          recompute))
+                                                          recompute, sequence_parallel))
     # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone
     planned_kept = load_lesson("07_memory_plan").planned_memory(CFG, args, grid.shape, 1, batches.shape,
                                                                 model.precision, 0)[0]["activations"]
@@ -291,7 +295,7 @@ def test_dp_x_tp_with_fp8_zero_and_recompute_equals_one_device_with_fp8():
     plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags."""
     references = {recipe: one_device(recipe) for recipe in RECIPES}
     for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
-        for name, (recipe, _, _) in LAYOUTS.items():
+        for name, (recipe, *_) in LAYOUTS.items():
             result = runs[name]
             found = differences(result, references[recipe])
             assert all(found[key] <= TOLERANCES[key] for key in found), f"rank {rank} {name}: {found}"
@@ -450,7 +454,8 @@ def test_compiled_blocks_equal_eager_ones():
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "2", "--fp8", "mxfp8", "--micro-batch-size", "1", "--seq-len", "48"], "not a multiple of 32"),
     (["--cp", "2", "--fp8", "rowwise"], "--fp8 rowwise with --cp 2"),
-    (["--tp", "2", "--sequence-parallel", "--fp8", "tensorwise"], "with --sequence-parallel"),
+    (["--tp", "2", "--sequence-parallel", "--fp8", "mxfp8", "--seq-len", "32", "--micro-batch-size", "2"],
+     "seq-len / tp"),
 ])
 def test_what_fp8_does_not_compose_is_one_error_before_any_group(flags, words):
     full_5d = load_lesson("07_full_5d")
@@ -524,3 +529,72 @@ def test_the_amax_all_reduce_over_tp_is_what_makes_a_split_layer_one_device():
                 torch.testing.assert_close(runs[(recipe, True)][key], value, rtol=0, atol=1e-6 * value.abs().max(),
                                            msg=f"{recipe} rank {rank} {key}")
             assert not torch.allclose(runs[(recipe, False)]["y"], expected["y"], rtol=1e-3, atol=0), recipe
+
+
+# Under sequence parallelism (lesson 07's tp) a column-parallel layer keeps an FP8 copy of this
+# rank's tokens for its weight gradient, scaled along the tokens, which the tp ranks split: here rank
+# 0's tokens (the first half of each sequence) are ~2^-14, rank 1's ~2^6, and rank 0's output
+# gradients 2^10 times rank 1's, so that both halves matter to dW = dY^T X. One device's scale per
+# in-feature flushes rank 0's tokens to zero; without the all-reduce the ranks' scales differ (rank
+# 0's keeps its tokens) and no one scale reads the gathered copy as one device's.
+SP_SEQUENCES, SP_SEQ = 2, 64        # 32 tokens of each sequence per tp rank: whole mxfp8 blocks
+
+
+def outlier_tokens() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(4)
+    halves = torch.cat([torch.full((SP_SEQ // 2, 1), 2.0 ** -14), torch.full((SP_SEQ // 2, 1), 64.0)])
+    x = torch.randn(SP_SEQUENCES, SP_SEQ, 64, generator=generator) * halves
+    grad_halves = torch.cat([torch.full((SP_SEQ // 2, 1), 2.0 ** 10), torch.full((SP_SEQ // 2, 1), 1.0)])
+    grad_y = 1e-3 * torch.randn(SP_SEQUENCES, SP_SEQ, 64, generator=generator) * grad_halves
+    return x, 0.02 * torch.randn(64, 64, generator=generator), grad_y
+
+
+def sequence_parallel_column_fp8(recipe: str, amax_over_tp: bool) -> dict:
+    """Lesson 02's shard-saving column layer over 2 tp ranks with FP8 by `recipe`, fed as its
+    norm feeds it (this rank's tokens, gathered): its output, the gradient of this rank's tokens
+    and its weight gradient."""
+    lesson, tensor_parallel = fp8(), load_lesson("02_tensor_parallel")
+    lesson.amax_over_shards = lesson.__dict__.setdefault("_amax_over_shards", lesson.amax_over_shards) \
+        if amax_over_tp else (lambda amax, group: amax)
+    group = ProcessGrid(GridShape(tp=2)).tp_group
+    rank = torch.distributed.get_rank(group)
+    x, weight, grad_y = outlier_tokens()
+    full = torch.nn.Linear(64, 64, bias=False)
+    full.weight = torch.nn.Parameter(weight)
+    layer = tensor_parallel.ShardSavingColumnLinear(full, group)
+    lesson.to_fp8([layer], lesson.RECIPES[recipe], group)
+    x_shard = x.chunk(2, dim=1)[rank].clone().requires_grad_()
+    y = layer(tensor_parallel.SequenceParallelInput(x_shard, group))
+    y.backward(grad_y.chunk(2, dim=2)[rank])
+    return {"y": y.detach(), "dx": x_shard.grad, "dw": layer.weight.grad}
+
+
+def sequence_parallel_both_ways() -> dict:
+    return {(recipe, reduced): sequence_parallel_column_fp8(recipe, reduced)
+            for recipe in RECIPES for reduced in (True, False) if reduced or recipe != "mxfp8"}
+
+
+def test_the_amax_all_reduce_over_tp_makes_a_sequence_parallel_layers_kept_tokens_one_devices():
+    """A shard-saving column layer (sequence parallelism as lesson 07 runs it) on 2 tp ranks, each
+    recipe: output, input gradient and weight gradient equal the whole layer on one device with the
+    amax of the kept tokens taken over tp (mxfp8: blocks of 32 tokens within a rank's part, no
+    all-reduce), and the weight gradient does not without it (tensorwise, rowwise)."""
+    lesson = fp8()
+    x, weight, grad_y = outlier_tokens()
+    per_rank = run_ranks(2, sequence_parallel_both_ways, timeout_s=60)
+    for recipe in RECIPES:
+        linear = torch.nn.Linear(64, 64, bias=False)
+        linear.weight = torch.nn.Parameter(weight.clone())
+        lesson.to_fp8([linear], lesson.RECIPES[recipe], None)
+        x_whole = x.clone().requires_grad_()
+        y = linear(x_whole)
+        y.backward(grad_y)
+        for rank, runs in enumerate(per_rank):
+            expected = {"y": y.detach().chunk(2, dim=2)[rank], "dx": x_whole.grad.chunk(2, dim=1)[rank],
+                        "dw": linear.weight.grad.chunk(2, dim=0)[rank]}
+            for key, value in expected.items():
+                # float32 rounding of the tp sum's order, relative to the tensor's largest element
+                torch.testing.assert_close(runs[(recipe, True)][key], value, rtol=0, atol=1e-6 * value.abs().max(),
+                                           msg=f"{recipe} rank {rank} {key}")
+            if recipe != "mxfp8":
+                assert not torch.allclose(runs[(recipe, False)]["dw"], expected["dw"], rtol=1e-4, atol=0), recipe
