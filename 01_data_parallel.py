@@ -231,7 +231,7 @@ def train_step(model: DataParallelModel, optimizer, batch: StepBatch, settings: 
     optimizer.step()
     model.zero_grad(set_to_none=False)
     comm.call(dist.all_reduce, loss, group=model.dp_group)
-    return StepResult(loss.item(), grad_norm)
+    return StepResult(loss, grad_norm)      # tensors: the shared loop reads them a step later
 
 
 @torch.no_grad()

@@ -335,14 +335,21 @@ def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
 
 
 @torch.no_grad()
-def update_router_biases(parts, group, rate: float) -> None:
+def update_router_biases(parts, group, rate: float, grad_norm: torch.Tensor) -> None:
     """Auxiliary-loss-free balancing after the optimizer step: every rank that routed different
     tokens must move the bias by the same total load, or the replicas of the router drift apart.
-    `parts`: this rank's modules holding MoE layers (lesson 07: its pipeline chunks)."""
+    `parts`: this rank's modules holding MoE layers (lesson 07: its pipeline chunks).
+
+    A step the shared loop skipped (a non-finite `grad_norm`, the same on every rank) moves no
+    bias and keeps counting its load, as if it had not run. That is decided on the device (the
+    rate times 0 or 1), so the host waits for nothing."""
+    stepped = torch.isfinite(grad_norm)
     for layer in (layer for part in parts for layer in moe_layers(part)):
         load = layer.expert_load.clone()
         comm.call(dist.all_reduce, load, group=group)
-        layer.update_router_bias(rate, load)
+        counted = layer.expert_load.clone()
+        layer.update_router_bias(rate * stepped, load)
+        layer.expert_load.copy_(torch.where(stepped, layer.expert_load, counted))
 
 
 def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings: StepSettings,
@@ -351,11 +358,9 @@ def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings:
     wrapper. After the optimizer step, the router biases move (auxiliary-loss-free balancing);
     the aux and z losses of the step go to the log."""
     result = data_parallel.train_step(model, optimizer, batch, settings)
-    # A step the shared loop skipped (non-finite gradient norm) moves nothing, the biases included;
-    # the norm is global, so every rank makes the same choice and the loads' all-reduce stays matched.
-    if bias_update_rate and math.isfinite(result.grad_norm):
-        update_router_biases([model.module], model.dp_group, bias_update_rate)
-    return result if balancing_log is None else replace(result, extra=balancing_log.step_values())
+    if bias_update_rate:
+        update_router_biases([model.module], model.dp_group, bias_update_rate, result.values["grad_norm"])
+    return result if balancing_log is None else result.with_extra(balancing_log.step_values())
 
 
 def evaluate(model: ExpertDataParallel, batch: StepBatch, settings: StepSettings) -> float:

@@ -477,7 +477,7 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, precision, replicate=stage == 0, group_of=group_of)
 
 
-def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> float:
+def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> torch.Tensor:
     """The shared gradient clipping (train.clip_grad_norm_) on this rank's master pieces: each rank
     sums the squares of its own gradient shard, an all-reduce over the shard group (and lesson
     07's other axes: settings.norm_groups) sums the ranks, and every rank scales its pieces by the
@@ -506,7 +506,7 @@ def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings
     model.step(optimizer)
     model.zero_grad()
     comm.call(dist.all_reduce, loss, group=model.dp_group)
-    return StepResult(loss.item(), grad_norm)
+    return StepResult(loss, grad_norm)      # tensors: the shared loop reads them a step later
 
 
 def evaluate(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> float:

@@ -95,12 +95,12 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, MeteredRun, ModelStates,
                                     RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                     predicted_activation_bytes, step_bookkeeping_traffic)
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers, reference_init
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
-from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 batch_shape, exit_with_error, follow_time_budget, plan_run, traffic_not_counted,
-                                 train)
+from picotron_like.train import (AfterStep, DataParallelModel, StepResult, StepSettings, add_parallel_flags,
+                                 add_training_flags, batch_shape, exit_with_error, follow_time_budget, plan_run,
+                                 traffic_not_counted, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -495,11 +495,12 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
         model = model_or_pipeline
         loss = data_parallel.forward_backward(model, batch, settings)
     result = zero.finish_step(model, optimizer, loss, settings)
-    if bias_update_rate and math.isfinite(result.grad_norm):
-        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate)
+    if bias_update_rate:
+        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate,
+                                             result.values["grad_norm"])
     if balancing_log is None:
         return result
-    return replace(result, extra=balancing_log.step_values())
+    return result.with_extra(balancing_log.step_values())
 
 
 def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> float:
@@ -720,13 +721,14 @@ def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                        "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages}}
 
-    def after_step(step: int, last: bool) -> None:
-        done = step + 1
-        if last or (args.save_every and done % args.save_every == 0):
-            info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
-            checkpoints.save(args.save_dir, done, slices, optimizer, info, args.keep_last)
+    def due(step: int, last: bool) -> bool:
+        return last or bool(args.save_every and (step + 1) % args.save_every == 0)
 
-    return after_step
+    def save(step: int, last: bool) -> None:
+        info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
+        checkpoints.save(args.save_dir, step + 1, slices, optimizer, info, args.keep_last)
+
+    return AfterStep(due, save)
 
 
 # ============================================================================ the technique: Hugging Face weights in
@@ -1404,23 +1406,28 @@ def training_sampler(args, cfg, grid: ProcessGrid, model, settings: StepSettings
         return None
     choice = sampling.Sampling(args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
 
-    def after_step(step: int, last: bool) -> None:
-        if last or (step + 1) % args.sample_every == 0:
-            text = sample_text(model, grid, settings, *prompt, choice)
-            log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
+    def due(step: int, last: bool) -> bool:
+        return last or (step + 1) % args.sample_every == 0
 
-    return after_step
+    def sample(step: int, last: bool) -> None:
+        text = sample_text(model, grid, settings, *prompt, choice)
+        log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
+
+    return AfterStep(due, sample)
 
 
-def one_after_another(*hooks):
-    """train()'s after_step: each hook given (None: absent) in turn."""
+def one_after_another(*hooks: AfterStep | None) -> AfterStep | None:
+    """train()'s after_step: each hook given (None: absent) in turn, where it is due."""
     hooks = [hook for hook in hooks if hook is not None]
 
-    def after_step(step: int, last: bool) -> None:
+    def due(step: int, last: bool) -> bool:
+        return any(hook.due(step, last) for hook in hooks)
+
+    def run(step: int, last: bool) -> None:
         for hook in hooks:
             hook(step, last)
 
-    return after_step if hooks else None
+    return AfterStep(due, run) if hooks else None
 
 
 # ============================================================================ main

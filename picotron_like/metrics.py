@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, fields, replace
@@ -413,7 +412,7 @@ class BalancingLog:
         layers = [layer for part in parts for layer in moe_layers(part)]
         self.names = [name for name, attribute in (("aux", "aux_loss_coef"), ("z", "z_loss_coef"))
                       if any(getattr(layer, attribute) for layer in layers)]
-        # summed on the model's device, reduced there and read once a step (step_values)
+        # summed and reduced on the model's device; the shared loop reads them with the step's figures
         self.device = next(parts[0].parameters()).device if parts else torch.device("cpu")
         self.groups, self.totals = groups, torch.zeros(len(self.names), device=self.device)
         for layer in layers if self.names else ():
@@ -427,13 +426,14 @@ class BalancingLog:
         values = {"aux": layer.last_aux_loss, "z": layer.last_z_loss}
         self.totals += torch.stack([values[name] for name in self.names]).detach()
 
-    def step_values(self) -> dict:
+    def step_values(self) -> dict[str, torch.Tensor]:
+        """The step's sums, 0-dim tensors on the model's device (StepResult's extra values)."""
         if not self.names:
             return {}
         totals, self.totals = self.totals, torch.zeros(len(self.names), device=self.device)
         for group in self.groups:
             comm.call(dist.all_reduce, totals, group=group)
-        return dict(zip(self.names, totals.tolist()))
+        return dict(zip(self.names, totals.unbind()))
 
 
 # ----------------------------------------------------------------------------- compute
@@ -494,7 +494,8 @@ class StepMemory:
 
     def read(self) -> dict[str, int]:
         """{"max_memory_allocated_bytes": ...} on CUDA, {"max_rss_bytes": ...} where the OS reports
-        it, {} otherwise. Call after the step (Throughput.end_step synchronises CUDA first)."""
+        it, {} otherwise. Call once the step's work is queued: the CUDA allocator counts on the host, as it
+        hands out memory, so the reading needs no wait for the device."""
         if self.device.type == "cuda":
             return {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device)}
         try:
@@ -518,18 +519,6 @@ class Throughput:
         self.skipped_steps = 0   # steps whose gradient norm was not finite (set by train.train)
         self.peak_flops = None   # the device's peak FLOP/s for MFU, --peak-tflops included (set by train.train)
         self.metered_tokens, self.metered_seconds = 0, 0.0   # the metered steps' after the warm-up
-        self._start = None
-
-    def start_step(self) -> None:
-        self._start = time.perf_counter()
-
-    def end_step(self, tokens: int, device: torch.device, metered: bool = False) -> float:
-        """Close the step; returns its duration in seconds."""
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - self._start
-        self.record(tokens, elapsed, metered)
-        return elapsed
 
     def record(self, tokens: int, seconds: float, metered: bool = False) -> None:
         self.steps += 1

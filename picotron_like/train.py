@@ -18,7 +18,8 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 - the step contract: every lesson's ``train_step(model, optimizer, batch, settings) -> StepResult``,
   with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
   tokens and divided by the global batch's target count (``StepBatch.n_targets``);
-- ``train``: the loop (learning rate, step, one log line per step, throughput), which also skips
+- ``train``: the loop (learning rate, step, one log line per step, printed a step late so that the
+  host never waits for the device: ``LaggedStepLog``; throughput), which also skips
   a step whose gradient norm is not finite (``NonFiniteStepGuard``), writes ``--metrics``,
   runs ``--val-every`` validation through a lesson's ``evaluate(batch) -> float``, logs each
   step's memory and MFU, and traces a few steps with ``--profile``.
@@ -36,7 +37,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -152,7 +153,6 @@ class NonFiniteStepGuard:
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.skipped_steps = 0
         self._norm = None                       # the last norm noted (a tensor), None: none this step
         self._stepped = False
 
@@ -182,11 +182,12 @@ class NonFiniteStepGuard:
             return self._step(*args, **kwargs)
         return None
 
-    def step_was_skipped(self) -> bool:
-        """Whether the step just run was skipped (read after it); resets for the next step."""
-        skipped = self._stepped and self._norm is not None and not math.isfinite(float(self._norm))
+    def step_was_skipped(self) -> torch.Tensor | bool:
+        """Whether the step just run was skipped, without reading it: a bool tensor on the norm's
+        device (the shared loop reads it with the step's other figures, a step later), or False
+        when no norm was noted or no step taken. Resets for the next step."""
+        skipped = ~torch.isfinite(self._norm) if self._stepped and self._norm is not None else False
         self._norm, self._stepped = None, False
-        self.skipped_steps += skipped
         return skipped
 
 
@@ -244,15 +245,35 @@ class StepSettings:
                               enabled=self.compute_dtype != torch.float32)
 
 
-@dataclass(frozen=True)
 class StepResult:
-    loss: float         # the global batch's mean loss over its targets, the same on every rank
-    grad_norm: float    # the whole model's gradient norm, before clipping
-    extra: dict = field(default_factory=dict)   # more values for the log line, e.g. {"aux": 0.01}
+    """A step's figures: the global batch's mean loss over its targets (the same on every rank), the
+    whole model's gradient norm before clipping, and more values for the log line ({"aux": ...}).
 
-    def __post_init__(self):
-        # clip_grad_norm_'s norm is a device tensor: read here, when the step's work is queued
-        object.__setattr__(self, "grad_norm", float(self.grad_norm))    # frozen: set once, here
+    A train_step hands them over as it has them, tensors on the device (a number works too): on a
+    GPU they are still being computed when the step returns, and the step reads nothing to the
+    host. `values` holds them as given. Reading `.loss`, `.grad_norm` or `.extra` makes the host
+    wait for them (the tests read them so); the shared loop instead copies them to the host
+    without waiting and reads them one step later (StepFigures, LaggedStepLog).
+    """
+
+    def __init__(self, loss, grad_norm, extra: dict | None = None):
+        self.values = {"loss": loss, "grad_norm": grad_norm, **(extra or {})}
+        self.extra_names = tuple(extra or {})
+
+    @property
+    def loss(self) -> float:
+        return float(self.values["loss"])
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.values["grad_norm"])
+
+    @property
+    def extra(self) -> dict[str, float]:
+        return {name: float(self.values[name]) for name in self.extra_names}
+
+    def with_extra(self, extra: dict) -> "StepResult":
+        return StepResult(self.values["loss"], self.values["grad_norm"], extra)
 
 
 # ----------------------------------------------------------------------------- the flags every lesson shares
@@ -770,6 +791,142 @@ def follow_time_budget(args, written_settings: dict) -> None:
         args.steps, args.planned_steps = planned, planned
 
 
+class StepFigures:
+    """One step's figures on their way to the host, and the step's duration, without making the
+    host wait for the device: on a GPU, two timing events around the step's work and a copy of its
+    values into page-locked memory are queued behind it, and read() waits for them only when
+    called, a step later, while the device computes the next step. On a CPU the work is done when
+    the step returns: the values are at hand and the host clock times the step."""
+
+    def __init__(self, device: torch.device):
+        """Start the step's clock (before its first operation is queued)."""
+        self.device, self.on_gpu = device, device.type == "cuda"
+        if self.on_gpu:
+            self.started, self.finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.started.record()
+        else:
+            self.started = time.perf_counter()
+
+    def copy(self, values: dict) -> None:
+        """Stop the clock and start copying `values` (tensors, numbers) to the host."""
+        if self.on_gpu:
+            self.finished.record()
+        else:
+            self.seconds = time.perf_counter() - self.started
+        self.names = list(values)
+        self.numbers = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
+        tensors = [value for value in values.values() if isinstance(value, torch.Tensor)]
+        # float64 holds every float32 and bfloat16 value and every Python float exactly
+        stacked = (torch.stack([t.detach().reshape(()).to(self.device, torch.float64) for t in tensors]) if tensors
+                   else torch.zeros(0, dtype=torch.float64))
+        if self.on_gpu:
+            self.host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = stacked
+
+    def read(self) -> tuple[dict[str, float], float]:
+        """The values, in the order given, and the step's seconds: a wait, on a GPU, for the step's end."""
+        if self.on_gpu:
+            self.copied.synchronize()
+            self.seconds = self.started.elapsed_time(self.finished) / 1e3
+        copied = iter(self.host.tolist())
+        return {name: self.numbers[name] if name in self.numbers else next(copied) for name in self.names}, self.seconds
+
+
+@dataclass
+class LoggedStep:
+    """What the loop knows of a step when its work is queued; its figures reach the host later."""
+
+    step: int
+    lr: float
+    figures: StepFigures
+    memory: dict                        # StepMemory's reading (the allocator's counters are the host's own)
+    metered: bool                       # the meters watched it (Throughput keeps it apart)
+    started_s: float | None = None      # the run's first step: seconds since the process started, at its start
+    val_loss: float | None = None       # the validation after it, if one ran
+
+
+class LaggedStepLog:
+    """Step N's line is printed once step N+1 is queued: the host reads step N's figures while the
+    device computes step N+1, so it never waits for one step to end before queueing the next.
+    (Printing each line at its step's end would make the host wait for the device every step: the
+    device then idles while the host queues the next step's kernels.) Lines the loop prints in
+    between (say) wait behind the pending line, and flush() prints it at once where what follows
+    needs it (a checkpoint, the end): the output reads as if each line came at its step's end, the
+    same lines in the same order. The metrics file's record is written with the line; Throughput
+    and the count of skipped steps are kept there too, since they need the step's seconds and flag.
+    Leaving the block (an error included) prints what is pending."""
+
+    def __init__(self, throughput: Throughput, metrics: "MetricsFile", tokens: int,
+                 mfu_of: Callable[[float], float | None]):
+        self.throughput, self.metrics, self.tokens, self.mfu_of = throughput, metrics, tokens, mfu_of
+        self.pending: LoggedStep | None = None
+        self.notes: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.flush()
+        return False
+
+    def add(self, logged: LoggedStep) -> None:
+        """A step's work is queued: print the step before it."""
+        self.flush()
+        self.pending = logged
+
+    def say(self, message: str) -> None:
+        """Print a line after the pending step's line."""
+        if self.pending is None:
+            log0(message)
+        else:
+            self.notes.append(message)
+
+    def flush(self) -> None:
+        """Print the pending step's line (waiting for its figures) and what was said after it."""
+        if self.pending is not None:
+            self._print(self.pending)
+            self.pending = None
+        for note in self.notes:
+            log0(note)
+        self.notes.clear()
+
+    def _print(self, logged: LoggedStep) -> None:
+        values, seconds = logged.figures.read()
+        skipped = bool(values.pop("skipped"))
+        loss, grad_norm = values.pop("loss"), values.pop("grad_norm")
+        self.throughput.record(self.tokens, seconds, logged.metered)
+        self.throughput.skipped_steps += skipped
+        mfu = self.mfu_of(seconds)
+        log_step(logged.step, StepResult(loss, grad_norm, values), self.tokens, seconds, logged.lr, skipped, mfu,
+                 logged.memory)
+        if logged.started_s is not None:
+            log0(f"time to the first step: {logged.started_s + seconds:.1f} s since this process started "
+                 f"(imports, start-up, building and sharding the model, this step)")
+        self.metrics.write({"step": logged.step, "loss": loss, "grad_norm": grad_norm, "lr": logged.lr,
+                            "tokens_per_s": self.tokens / seconds, "seconds": seconds, "skipped": skipped,
+                            **({"mfu": mfu} if mfu is not None else {}), **logged.memory, **values,
+                            **({"val_loss": logged.val_loss} if logged.val_loss is not None else {})})
+
+
+@dataclass(frozen=True)
+class AfterStep:
+    """Work after some of the steps (a checkpoint, a sample): `run(step, last)` on the steps
+    `due(step, last)` names. train() prints the step's line before it (the line lags a step
+    otherwise: LaggedStepLog), so the output keeps its order and a checkpoint's step is on record.
+    A plain function given to train() as after_step counts as due after every step."""
+
+    due: Callable[[int, bool], bool]
+    run: Callable[[int, bool], None]
+
+    def __call__(self, step: int, last: bool) -> None:
+        if self.due(step, last):
+            self.run(step, last)
+
+
 def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: int, device: torch.device,
           prepare_batch: Callable | None = None, meters=(), meter_step: int = 0,
           evaluate: Callable | None = None, val_batches: TokenBatches | None = None,
@@ -791,8 +948,11 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
     (StepMemory) and, given the model's `cfg` on a GPU of known peak (or --peak-tflops), its MFU;
     --profile DIR records a few steps with torch.profiler (step_profiler). A resumed run starts
     at `start_step` (the learning rate and the data follow from the step alone) and appends to the
-    metrics file; `after_step(step, last)` runs after each step, once it is logged (checkpoints:
-    `last` is true for the run's final step, also when the ranks agreed to stop early: AgreedStop).
+    metrics file; `after_step(step, last)` runs after each step an AfterStep says it is due (a
+    plain function: every step), once the step is logged (checkpoints: `last` is true for the
+    run's final step, also when the ranks agreed to stop early: AgreedStop). A step's line and
+    record come once the next step is queued (LaggedStepLog): the loop reads nothing to the host
+    while a step of its own is queued but the figures of the step before.
     With --max-minutes the run ends inside its time budget (TimeBudget; `clock` reads the seconds
     since the process started).
     """
@@ -809,7 +969,13 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                          planned=getattr(args, "planned_steps", None) is not None)
               if getattr(args, "max_minutes", None) is not None else None)
     final_val_loss = None
+
+    def mfu_of(seconds: float) -> float | None:
+        return (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
+                if model_flops is not None and throughput.peak_flops else None)
+
     with NonFiniteStepGuard(optimizer) as guard, AgreedStop() as stop, \
+            LaggedStepLog(throughput, metrics, tokens, mfu_of) as log, \
             profiler if profiler is not None else nullcontext():
         data_pass = batches.epoch_at(start_step)
         step = start_step
@@ -818,58 +984,52 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             set_learning_rate(optimizer, lr)
             if batches.epoch_at(step) > data_pass:
                 data_pass = batches.epoch_at(step)
-                log0(f"note: step {step} starts pass {data_pass + 1} over the data ({batches.n_tokens:,} tokens): "
-                     f"every window again, in a new order")
+                log.say(f"note: step {step} starts pass {data_pass + 1} over the data ({batches.n_tokens:,} tokens): "
+                        f"every window again, in a new order")
             batch = batches.step_batch(step, dp_rank)
             if prepare_batch is not None:
                 batch = prepare_batch(batch)
             batch = on_device(batch, device)
             memory.start_step()
-            throughput.start_step()
             metered = bool(meters) and step == meter_step
+            started_s = seconds_since_process_start() if step == start_step else None
+            figures = StepFigures(device)
             with ExitStack() as observing:
                 for meter in meters if metered else ():
                     observing.enter_context(meter)
                 result = step_fn(batch)
-            seconds = throughput.end_step(tokens, device, metered)
-            skipped = guard.step_was_skipped()
-            mfu = (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
-                   if model_flops is not None and throughput.peak_flops else None)
-            step_memory = memory.read()
-            log_step(step, result, tokens, seconds, lr, skipped, mfu, step_memory)
-            if step == start_step:
-                log0(f"time to the first step: {seconds_since_process_start():.1f} s since this process started "
-                     f"(imports, start-up, building and sharding the model, this step)")
+            figures.copy({**result.values, "skipped": guard.step_was_skipped()})
+            log.add(LoggedStep(step, lr, figures, memory.read(), metered, started_s))   # prints the step before
             if budget is not None:
                 budget.note_step()
                 if budget.estimate_due():
                     args.steps = args.planned_steps = budget.planned_steps(step + 1, args.steps)
-                    log0(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
-                         f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
-                         f"the learning rate decays to step {args.steps - 1}")
+                    log.say(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
+                            f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
+                            f"the learning rate decays to step {args.steps - 1}")
                 elif budget.spent():
                     stop.request_stop()
             try:
                 stopping = stop.after_step()
             except PeerLost as error:
+                # This step's line is not printed: under NCCL its work may wait for the lost rank forever.
                 print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
                 sys.stdout.flush()
                 os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
             last = stopping or step == args.steps - 1
-            record = {"step": step, "loss": result.loss, "grad_norm": result.grad_norm, "lr": lr,
-                      "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
-                      **({"mfu": mfu} if mfu is not None else {}), **step_memory, **result.extra}
             # The final validation is skipped only on a scheduler's signal: its grace period is short.
             if val_every and ((step + 1) % val_every == 0 or (last and not stop.agreed_signal.startswith("SIG"))):
                 with traffic_not_counted(), budget.timing("validation") if budget else nullcontext():
-                    record["val_loss"] = final_val_loss = validation_loss(evaluate, val_batches, args.val_batches,
-                                                                          dp_rank, prepare_batch, device)
-                log0(f"step {step:>4} | val loss {record['val_loss']:.4f}")
-            metrics.write(record)
+                    log.pending.val_loss = final_val_loss = validation_loss(evaluate, val_batches, args.val_batches,
+                                                                            dp_rank, prepare_batch, device)
+                log.say(f"step {step:>4} | val loss {final_val_loss:.4f}")
+            acting = after_step is not None and (not isinstance(after_step, AfterStep) or after_step.due(step, last))
+            if acting or last:
+                log.flush()     # this step's line now: it comes before its checkpoint, and at the end
             if profiler is not None:
                 profiler.step()
             started = time.perf_counter()
-            if after_step is not None:
+            if acting:
                 try:
                     with budget.timing("checkpoint") if budget else nullcontext():
                         after_step(step, last)
@@ -887,5 +1047,4 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
              f"{budget.clock():.1f} s of {budget.budget_s:.0f} s"
              + (f"; final val loss {final_val_loss:.4f}" if final_val_loss is not None else ""))
     metrics.close()
-    throughput.skipped_steps = guard.skipped_steps
     return throughput

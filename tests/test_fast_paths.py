@@ -36,7 +36,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
-from picotron_like.train import adamw_implementation, build_optimizer, on_device
+from picotron_like.train import StepFigures, adamw_implementation, build_optimizer, on_device
 
 context_parallel = load_lesson("04_context_parallel")
 
@@ -176,6 +176,26 @@ def test_the_loop_puts_each_step_batch_on_its_device_without_waiting(device):
         for there, here in zip(moved.micro_batches, batch.micro_batches, strict=True):
             assert all(t.device.type == "cuda" and torch.equal(t.cpu(), h) for t, h in zip(there, here, strict=True))
         assert moved.n_targets == batch.n_targets
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
+def test_a_steps_figures_reach_the_host_without_waiting_for_its_cuda_work(device):
+    """train.StepFigures, the lagged log line's copy: on a GPU, copy() returns while the step's work
+    (here 20 large matmuls) still runs, and read() then gives every value exactly (float32 tensors,
+    a flag, a Python number, in the order given) and the step's time from CUDA events; on a CPU the
+    same values and the host clock's time."""
+    where = torch.device(device)
+    figures = StepFigures(where)
+    x = torch.randn(4096, 4096, device=where) if device == "cuda" else torch.randn(64, 64)
+    for _ in range(20):
+        x = torch.tanh(x @ x / x.shape[0] ** 0.5)
+    loss = x.abs().mean()
+    figures.copy({"loss": loss, "grad_norm": 0.25, "skipped": ~torch.isfinite(loss), "aux": loss.double() / 3})
+    if device == "cuda":
+        assert not figures.copied.query(), "copy() waited for the step's work"
+    values, seconds = figures.read()
+    assert list(values) == ["loss", "grad_norm", "skipped", "aux"] and seconds > 0
+    assert values == {"loss": loss.item(), "grad_norm": 0.25, "skipped": 0.0, "aux": (loss.double() / 3).item()}
 
 
 # ----------------------------------------------------------------------------- --compile

@@ -483,3 +483,73 @@ def test_a_fused_adamw_skips_a_non_finite_step_on_the_device_without_a_host_read
         clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         assert not guard.step_was_skipped() and not torch.equal(model.weight, before["weight"])
+
+
+def lagged_loop(metrics_path: str) -> dict:
+    """Lesson 01 at dp 2 through the shared loop, AdamW fused as lesson 07's on CUDA (the CPU has one
+    too), with an extra value for the line (the loss again, a tensor as the balancing losses are).
+    Around each step: the host reads seen so far and the step lines printed so far. Then the same
+    steps on a second copy of the model outside the loop, each read as soon as it returns."""
+    train.adamw_implementation = lambda device: {"fused": True}
+    lesson = load_lesson("01_data_parallel")
+    grid = ProcessGrid(GridShape(dp=2))
+    settings = train.StepSettings(torch.device("cpu"))
+    batches = TokenBatches(builtin_corpus_paths()[0], LOOP_SHAPE, seed=3, vocab_size=LOOP_CFG.vocab_size)
+    printed, reads, marks = io.StringIO(), HostReads(), []
+
+    def model_and_optimizer():
+        model = lesson.wrap_data_parallel(GPT(LOOP_CFG, seed=3), grid.dp_group, "bucketed", 64 * 1024)
+        return model, build_optimizer(model.module, 3e-3)
+
+    def mark() -> tuple[int, int]:
+        return len(reads.sites), sum("| loss" in line for line in printed.getvalue().splitlines())
+
+    def step_fn(batch):
+        marks.append(mark())
+        result = lesson.train_step(*looped, batch, settings)
+        marks.append(mark())
+        return result.with_extra({"again": result.values["loss"]})
+
+    looped = model_and_optimizer()
+    args = argparse.Namespace(steps=LOOP_STEPS, lr=3e-3, warmup_steps=1, metrics=metrics_path)
+    with contextlib.redirect_stdout(printed), reads:
+        train.train(args, looped[1], step_fn, batches, grid.dp_rank, torch.device("cpu"))
+    marks.append(mark())
+    model, optimizer = model_and_optimizer()
+    unlagged = []
+    for step in range(LOOP_STEPS):
+        train.set_learning_rate(optimizer, learning_rate(step, 3e-3, 1, LOOP_STEPS))
+        result = lesson.train_step(model, optimizer, batches.step_batch(step, grid.dp_rank), settings)
+        unlagged.append((result.loss, result.grad_norm))
+    return dict(sites=reads.sites, marks=marks, printed=printed.getvalue(), unlagged=unlagged)
+
+
+def test_the_loop_reads_a_steps_figures_a_step_late_and_prints_the_same_lines(tmp_path):
+    """The loop makes no host read while a step of its own is queued but the lagged read of the
+    step before (one, all its figures at once), so on a GPU the host queues step N+1 while the
+    device computes step N; step N's line is printed once step N+1 is queued, and the last one at
+    the end. The lines and the metrics records are those of each step read at once: same steps,
+    same values (the loss, the norm, the extra value), in the same order."""
+    results = run_ranks(2, lagged_loop, str(tmp_path / "metrics.jsonl"))
+    lagged_read = ("tolist", "train.py:read")
+    agreement = ("item", "train.py:_wait")  # AgreedStop's flag: a CPU tensor that gloo carries, no device wait
+    for rank, result in enumerate(results):
+        sites, marks = result["sites"], result["marks"]
+        reads_at = [count for count, _ in marks]
+        for step in range(LOOP_STEPS):
+            assert sites[reads_at[2 * step]:reads_at[2 * step + 1]] == [], (rank, step)     # inside the step
+            between = sites[reads_at[2 * step + 1]:reads_at[2 * step + 2]]                 # the loop after it
+            # step 0: nothing before it to read, no agreement started yet; the last step's line is
+            # printed at the end, and the agreement it started is waited for as the loop ends
+            expected = [] if step == 0 else [lagged_read, agreement]
+            assert between == expected + ([lagged_read, agreement] if step == LOOP_STEPS - 1 else []), (rank, step)
+        if rank == 0:       # rank 0 prints: when step N starts, the lines of steps 0 .. N-2 are out
+            assert [lines for _, lines in marks[0::2]] == [max(0, step - 1) for step in range(LOOP_STEPS)] + [4]
+    lines = [line for line in results[0]["printed"].splitlines() if "| loss" in line]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for step, (line, record, (loss, norm)) in enumerate(zip(lines, records, results[0]["unlagged"], strict=True)):
+        lr = learning_rate(step, 3e-3, 1, LOOP_STEPS)
+        assert line.startswith(f"step {step:>4} | loss {loss:.4f} | grad norm {norm:7.3f} | lr {lr:.2e} | "
+                               f"again {loss:.4g} | "), line
+        assert (record["step"], record["loss"], record["grad_norm"], record["again"]) == (step, loss, norm, loss)
+    assert results[1]["printed"] == "" and results[1]["unlagged"] == results[0]["unlagged"]
