@@ -525,7 +525,7 @@ def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSe
     # over the pipeline and the chunks' gradient-reduction group give every rank the global loss.
     comm.call(dist.all_reduce, loss, group=pipeline.pp_group)
     comm.call(dist.all_reduce, loss, group=pipeline.chunks[0].dp_group)
-    return StepResult(loss.item(), grad_norm)
+    return StepResult(loss, grad_norm)
 
 
 @torch.no_grad()
