@@ -71,7 +71,10 @@ X and W; column-parallel layers split N: the input gradient's dY and W), and an 
 straddles two ranks' shards (every split dimension a multiple of 32 per rank: a configuration
 rule). Under sequence parallelism (lesson 02's shard-saving form, which lesson 07 runs) a column
 layer keeps only this rank's tokens: their FP8 copy is scaled along the tokens with the amax over
-tp, and backward all-gathers that copy (1 byte per element) instead of the shard. With ZeRO-3
+tp, and backward all-gathers that copy (1 byte per element) instead of the shard. Under context
+parallelism (lesson 04) a rank holds part of each sequence's tokens, so the scales along the tokens
+(the weight gradient's X and dY) take their amax over cp as well, and mxfp8's blocks of 32 tokens
+lie within one rank's piece of a sequence (a rule). With ZeRO-3
 (lesson 06) the weight is quantised after the gather, in the forward and again in the backward,
 from the full-precision weight ZeRO gathered: the same bytes on every layout.
 
@@ -91,9 +94,10 @@ The price, per linear layer of a block and micro-batch of T tokens:
 Proven (tests/test_fp8.py): each recipe's error within the bound, no inf or NaN, mxfp8's scales
 exact powers of two; the FP8 linear's forward and backward equal a float32 emulation bit for bit;
 50 steps of training within a bound of bf16's loss, a control without scales rejected by the same
-check; dp x tp (with and without sequence parallelism) equal to one device, and a row-parallel
-layer with outlier features, or a sequence-parallel column layer with outlier tokens, equal to it
-only with the tp all-reduce of the amaxes; the kept activation bytes equal the formula. On CPU
+check; dp x tp (with and without sequence parallelism) and cp x tp equal to one device, and a
+row-parallel layer with outlier features, or a sequence-parallel column layer with outlier tokens,
+equal to it only with the tp all-reduce of the amaxes (cp x tp: one device's codes only with the
+all-reduce over cp); the kept activation bytes equal the formula. On CPU
 the tensorwise and rowwise matmuls run through torch._scaled_mm's CPU kernel; mxfp8 is emulated
 (dequantise, float32 matmul), as it is on CUDA GPUs without MX tensor cores.
 """
@@ -260,21 +264,26 @@ def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.d
 
 @dataclass(frozen=True)
 class Fp8Layer:
-    """One linear layer's FP8 settings: the recipe, and which of its weight's dimensions lesson 02
-    split over `tp_group` (0: column-parallel, N split; 1: row-parallel, K split; None: whole)."""
+    """One linear layer's FP8 settings: the recipe, which of its weight's dimensions lesson 02
+    split over `tp_group` (0: column-parallel, N split; 1: row-parallel, K split; None: whole),
+    and `cp_group`, whose ranks hold the other tokens of the same sequences (lesson 04), or None."""
 
     recipe: Recipe
     tp_group: object = None
     split_dim: int | None = None
+    cp_group: object = None
 
-    def groups_for(self, tp_split: set[int], axis: int) -> tuple:
+    def groups_for(self, tp_split: set[int], axis: int, token_dim: int | None = 0) -> tuple:
         """The groups over which an operand's amax must be taken, given the dimensions `tp_split`
-        of it that tp splits: tensorwise when any is, rowwise when its reduction `axis` is; mxfp8
-        never (its blocks lie within a shard: fp8_problems)."""
-        if self.tp_group is None or not self.recipe.scaled or self.recipe.block is not None:
+        of it that tp splits and its `token_dim`, which cp splits (None: the weight has none):
+        tensorwise every group that splits a dimension, rowwise those that split its reduction
+        `axis`; mxfp8 none (its blocks lie within one rank's part: fp8_problems)."""
+        if not self.recipe.scaled or self.recipe.block is not None:
             return ()
-        spanning = bool(tp_split) if self.recipe.name == "tensorwise" else axis in tp_split
-        return (self.tp_group,) if spanning else ()
+        splits = [(dim, self.tp_group) for dim in sorted(tp_split) if self.tp_group is not None]
+        if token_dim is not None and self.cp_group is not None:
+            splits.append((token_dim, self.cp_group))
+        return tuple(group for dim, group in splits if self.recipe.name == "tensorwise" or dim == axis)
 
 
 class SharedInputQuantisation:
@@ -311,7 +320,7 @@ def quantised_input(x2d: torch.Tensor, layer: Fp8Layer) -> tuple[Quantised, Quan
 def forward_matmul(x_forward: Quantised, weight: torch.Tensor, layer: Fp8Layer, out_dtype) -> torch.Tensor:
     """Y = X W^T over K, the weight scaled along K (its in-features: split by a row-parallel layer)."""
     w_split = {layer.split_dim} if layer.split_dim is not None else set()
-    w = quantise(weight, 1, E4M3, layer.recipe, layer.groups_for(w_split, 1))
+    w = quantise(weight, 1, E4M3, layer.recipe, layer.groups_for(w_split, 1, token_dim=None))
     return scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
 
 
@@ -325,7 +334,7 @@ def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_d
     dy_split = {1} if layer.split_dim == 0 else set()          # column-parallel: N split
     w_split = {layer.split_dim} if layer.split_dim is not None else set()
     dy_rows = quantise(dy, 1, fmt, recipe, layer.groups_for(dy_split, 1))
-    w_columns = quantise(weight, 0, E4M3, recipe, layer.groups_for(w_split, 0))
+    w_columns = quantise(weight, 0, E4M3, recipe, layer.groups_for(w_split, 0, token_dim=None))
     grad_input = scaled_matmul(dy_rows, w_columns, recipe, x_dtype)
     dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
         quantise(dy, 0, fmt, recipe, layer.groups_for(dy_split, 0))
@@ -385,12 +394,12 @@ def fp8_class(module_class: type) -> type:
     return type("Fp8" + module_class.__name__, (Fp8Forward, module_class), {})
 
 
-def to_fp8(linears: list, recipe: Recipe, tp_group) -> None:
+def to_fp8(linears: list, recipe: Recipe, tp_group, cp_group=None) -> None:
     """Layers that read one input: each gets FP8's forward, and all share one quantisation of it."""
     shared = SharedInputQuantisation(len(linears))
     for linear in linears:
         split_dim = getattr(linear.weight, "tp_split_dim", None)
-        linear.fp8 = Fp8Layer(recipe, tp_group if split_dim is not None else None, split_dim)
+        linear.fp8 = Fp8Layer(recipe, tp_group if split_dim is not None else None, split_dim, cp_group)
         linear.fp8_input = shared
         linear.__class__ = fp8_class(type(linear))
 
@@ -407,16 +416,18 @@ def fp8_linear_groups(block) -> list[list]:
     return groups
 
 
-def apply_fp8(model, recipe: str, tp_group=None):
+def apply_fp8(model, recipe: str, tp_group=None, cp_group=None):
     """The blocks' linear layers of `model` (a GPT, a pipeline chunk, after lesson 02's split:
     their weights' tp_split_dim says how) with FP8 matmuls by `recipe`, in place; "none" leaves
-    the model as it is. Call it before ZeRO (06), recomputation and compiling (07), which all
-    wrap the layers from outside. Returns the model."""
+    the model as it is. `cp_group`: with context parallelism (lesson 04), the ranks that hold the
+    other tokens of this rank's sequences, over which the scales along the tokens take their amax.
+    Call it before ZeRO (06), recomputation and compiling (07), which all wrap the layers from
+    outside. Returns the model."""
     if recipe == "none":
         return model
     for block in model.layers:
         for linears in fp8_linear_groups(block):
-            to_fp8(linears, RECIPES[recipe], tp_group)
+            to_fp8(linears, RECIPES[recipe], tp_group, cp_group)
     return model
 
 
@@ -504,15 +515,13 @@ class Fp8MatmulsSavingSequenceShard(torch.autograd.Function):
 
 def fp8_problems(cfg, grid, args) -> list[str]:
     """What --fp8 does not compose with, and mxfp8's block rule: every dimension a matmul sums
-    over, as one rank holds it, a multiple of 32 (a block never straddles two tp shards; under
-    sequence parallelism the kept tokens of one sequence on one tp rank, too)."""
+    over, as one rank holds it, a multiple of 32, so that a block never straddles two ranks' parts:
+    tp's shards of the features; cp's pieces of a sequence (zigzag: two per rank) and, under
+    sequence parallelism, a tp rank's part of those tokens, each a run of one sequence's tokens."""
     recipe = getattr(args, "fp8", "none")
     if recipe == "none":
         return []
     problems = []
-    if grid.cp > 1:
-        problems.append(f"--fp8 {recipe} with --cp {grid.cp}: the weight gradient's scales are taken over the tokens, "
-                        f"which cp splits (an amax over cp is not composed here); use --cp 1")
     if getattr(args, "schedule", None) == "zero-bubble":
         problems.append(f"--fp8 {recipe} with --schedule zero-bubble: lesson 03 defers the linears' weight gradients "
                         f"through layers of its own (an FP8 deferred dW is not composed here); use 1f1b or interleaved")
@@ -521,8 +530,12 @@ def fp8_problems(cfg, grid, args) -> list[str]:
         widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
                   "n_kv_heads * head_dim / tp": cfg.n_kv_heads * d // tp,
                   "micro-batch-size * seq-len (tokens)": args.micro_batch_size * args.seq_len}
+        if grid.cp > 1:
+            pieces = 2 * grid.cp if getattr(args, "zigzag", False) else grid.cp
+            widths[f"seq-len / {pieces} (a piece of a sequence that a cp rank holds)"] = args.seq_len // pieces
         if getattr(args, "sequence_parallel", False):
-            widths["seq-len / tp (one sequence's tokens a tp rank keeps)"] = args.seq_len // tp
+            kept = args.seq_len // (grid.cp * tp)
+            widths["seq-len / (cp * tp) (the tokens of a sequence that a tp rank keeps)"] = kept
         if not cfg.n_experts or cfg.n_shared_experts:
             widths["ffn_hidden / tp"] = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
         problems += [f"--fp8 mxfp8: {name} = {value} is not a multiple of {MX_BLOCK}: mxfp8 scales blocks of "
@@ -616,14 +629,18 @@ def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks
 
 
 def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
-                           recompute: str = "none", sequence_parallel: bool = False) -> dict:
-    """The all-reduce MAX bytes per step that keep the scales one device's under tp (float32
-    amaxes). tensorwise: a column layer's (q, k, v, gate, up) W forward, dY and W backward; a row
-    layer's (o, down) X and W forward, W backward: one float each. rowwise: a row layer's X (T
-    floats) and W (N) forward, a column layer's dY (T) and W (K) backward. With sequence
-    parallelism, the kept copy of each block norm's output (this rank's tokens): one float
-    (tensorwise) or h (rowwise) in the forward. Full recomputation sends the forward's again."""
-    if recipe not in ("tensorwise", "rowwise") or tp == 1:
+                           recompute: str = "none", sequence_parallel: bool = False, cp: int = 1) -> dict:
+    """The all-reduce MAX bytes per step that keep the scales one device's under tp and cp (float32
+    amaxes; `tokens`: one micro-batch's tokens on this rank, seq / cp per sequence). Over tp,
+    tensorwise: a column layer's (q, k, v, gate, up) W forward, dY and W backward; a row layer's
+    (o, down) X and W forward, W backward: one float each. rowwise: a row layer's X (T floats) and W
+    (N) forward, a column layer's dY (T) and W (K) backward. With sequence parallelism, the kept
+    copy of each block norm's output (this rank's tokens): one float (tensorwise) or h (rowwise) in
+    the forward. Over cp, whose ranks split the tokens: each input's scales along T in the forward
+    (rowwise: its K as the rank holds it; tensorwise: one float, and one more for the kept tokens
+    under sequence parallelism), each layer's dY along T in the backward (rowwise: its N; tensorwise:
+    one). Full recomputation sends the forward's again."""
+    if recipe not in ("tensorwise", "rowwise"):
         return {}
     h, d = cfg.hidden, cfg.head_dim
     mlp = not cfg.n_experts or bool(cfg.n_shared_experts)
@@ -631,23 +648,35 @@ def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int,
     # (N, K) of the whole layer, for each column and each row layer of a block
     column = [(cfg.n_heads * d, h), (cfg.n_kv_heads * d, h), (cfg.n_kv_heads * d, h)] + [(f, h)] * 2 * mlp
     row = [(h, cfg.n_heads * d)] + [(h, f)] * mlp
-    if recipe == "tensorwise":
-        forward, backward = len(column) + 2 * len(row), 2 * len(column) + len(row)
-    else:
-        forward, backward = sum(tokens + n for n, _ in row), sum(tokens + k for _, k in column)
-    if sequence_parallel:       # attention's norm and the MLP's: the kept tokens' amax spans the tp ranks
-        forward += (1 + mlp) * (1 if recipe == "tensorwise" else h)
-    forwards = 2 if recompute == "full" else 1
-    return {("all_reduce", "tp"): 4 * (forwards * forward + backward) * n_layers * n_micro}
+    forwards, traffic = (2 if recompute == "full" else 1), {}
+    if tp > 1:
+        if recipe == "tensorwise":
+            forward, backward = len(column) + 2 * len(row), 2 * len(column) + len(row)
+        else:
+            forward, backward = sum(tokens + n for n, _ in row), sum(tokens + k for _, k in column)
+        if sequence_parallel:       # attention's norm and the MLP's: the kept tokens' amax spans the tp ranks
+            forward += (1 + mlp) * (1 if recipe == "tensorwise" else h)
+        traffic[("all_reduce", "tp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
+    if cp > 1:
+        # the in-features of each input (attention's, o_proj's, the MLP's, down_proj's), the out-features
+        # of each layer, as a tp rank holds them: a column layer splits N, a row layer K
+        inputs = [h, cfg.n_heads * d // tp] + [h, f // tp] * mlp
+        outputs = [n // tp for n, _ in column] + [n for n, _ in row]
+        if recipe == "tensorwise":
+            forward, backward = len(inputs) + (1 + mlp) * sequence_parallel, len(outputs)
+        else:
+            forward, backward = sum(inputs), sum(outputs)
+        traffic[("all_reduce", "cp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
+    return traffic
 
 
 def predicted_fp8_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
-                          recompute: str = "none", sequence_parallel: bool = False) -> dict:
-    """What --fp8 changes in tp's traffic per step: the amaxes' all-reduces (predicted_amax_traffic)
-    and, with sequence parallelism, the all-gather of each block norm's output in backward, which
-    moves the kept FP8 copy (1 byte per element, and mxfp8's scales: one per 32) where lesson 02
-    counts 4 bytes per element."""
-    traffic = predicted_amax_traffic(cfg, recipe, tokens, tp, n_micro, n_layers, recompute, sequence_parallel)
+                          recompute: str = "none", sequence_parallel: bool = False, cp: int = 1) -> dict:
+    """What --fp8 changes in tp's and cp's traffic per step: the amaxes' all-reduces
+    (predicted_amax_traffic) and, with sequence parallelism, the all-gather of each block norm's
+    output in backward, which moves the kept FP8 copy (1 byte per element, and mxfp8's scales: one
+    per 32) where lesson 02 counts 4 bytes per element."""
+    traffic = predicted_amax_traffic(cfg, recipe, tokens, tp, n_micro, n_layers, recompute, sequence_parallel, cp)
     if recipe == "none" or tp == 1 or not sequence_parallel:
         return traffic
     gathered = tokens * cfg.hidden

@@ -143,7 +143,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
                 split_experts_over_tensor_parallel(chunk, grid.tp_group)
             if grid.cp_size > 1:        # cp x balancing: the aux loss counts whole sequences
                 count_choices_over_context_parallel(chunk, grid.cp_group)
-        fp8.apply_fp8(chunk, args.fp8, grid.tp_group)   # 07_fp8: the blocks' matmuls in FP8, scales as one device's
+        # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens)
+        fp8.apply_fp8(chunk, args.fp8, grid.tp_group, grid.cp_group if grid.cp_size > 1 else None)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
                            args.reshard_after_forward, args.prefetch,
@@ -969,8 +970,9 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                args.sequence_parallel, grid.cp_size, stage,
                                                model.precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-        return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
-                                                model.precision.param_dtype, layers, recompute, args.sequence_parallel)
+        return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
+                                                grid.tp_size, model.precision.param_dtype, layers, recompute,
+                                                args.sequence_parallel)
 
     parts = model_parts(model, pipeline)
     sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
@@ -1186,9 +1188,9 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                                     routing, steps)
     if inner is None:
         return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len, grid.tp_size,
-                                            shape.grad_accum, len(model.module.layers), args.recompute,
-                                            args.sequence_parallel)
+    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
+                                            grid.tp_size, shape.grad_accum, len(model.module.layers), args.recompute,
+                                            args.sequence_parallel, grid.cp_size)
     return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic)
 
 

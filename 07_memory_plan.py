@@ -150,8 +150,8 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
                                                        precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         # --fp8: FP8 copies of the blocks' matmul inputs instead of bf16 ones (07_fp8.py)
-        kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len, tp, precision.param_dtype, layers,
-                                          args.recompute, args.sequence_parallel)
+        kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len // grid.cp, tp, precision.param_dtype,
+                                          layers, args.recompute, args.sequence_parallel)
         if cfg.n_experts and args.recompute != "full":
             tokens = micro * shape.seq_len // grid.cp
             routed = cfg.experts_per_token * tokens
@@ -268,14 +268,19 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     def on_axis(traffic: dict, axis: str) -> dict:
         return {key: value for key, value in add_traffic(traffic, recomputed).items() if key[1] == axis}
 
+    # --fp8: the amaxes' all-reduces over tp and cp, sequence parallelism's FP8 all-gather (07_fp8.py)
+    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, micro * shape.seq_len // cp, tp, m, n_layers,
+                                            args.recompute, args.sequence_parallel, cp)
+    fp8_on = {axis: {key: value for key, value in fp8_traffic.items() if key[1] == axis} for axis in ("tp", "cp")}
+
     if tp > 1:      # on the critical path: every block waits for its all-reduces
         traffic = tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
             n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None, save_sequence_shard=True)
-        fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, micro * shape.seq_len, tp, m, n_layers, args.recompute,
-                                                args.sequence_parallel)
-        tp_traffic = add_traffic(on_axis(traffic, "tp"), fp8_traffic)
+        tp_traffic = add_traffic(on_axis(traffic, "tp"), fp8_on["tp"])
         exposed += wire_bytes(tp_traffic, tp) / bandwidth(grid.group_ranks(("tp",)))
+    if fp8_on["cp"]:    # the scales along the tokens wait for their amax over cp
+        exposed += wire_bytes(fp8_on["cp"], cp) / bandwidth(grid.group_ranks(("cp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
         traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,
                                                         shape.seq_len, cp, "ulysses", m, e)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -185,20 +185,39 @@ def test_fifty_steps_of_each_recipe_track_bf16_and_unscaled_fp8_does_not():
 
 # ----------------------------------------------------------------------------- dp x tp equal to one device
 
-LAYOUTS = {"tensorwise ZeRO-3 selective": ("tensorwise", 3, "selective"),
-           "rowwise ZeRO-1 full": ("rowwise", 1, "full"),
-           "mxfp8 ZeRO-2 none": ("mxfp8", 2, "none"),
+@dataclass(frozen=True)
+class Fp8Layout:
+    """One run of lesson 07 with --fp8 `recipe` on 4 ranks (dp x tp 2 x cp), ZeRO `stage`, --recompute
+    `recompute`, and `flags`; `seq` and `micro` shape its micro-batches (one device runs the same)."""
+
+    recipe: str
+    stage: int
+    recompute: str
+    flags: tuple = ()
+    dp: int = 2
+    cp: int = 1
+    seq: int = SEQ
+    micro: int = MICRO
+
+
+LAYOUTS = {"tensorwise ZeRO-3 selective": Fp8Layout("tensorwise", 3, "selective"),
+           "rowwise ZeRO-1 full": Fp8Layout("rowwise", 1, "full"),
+           "mxfp8 ZeRO-2 none": Fp8Layout("mxfp8", 2, "none"),
            # lesson 02's shard-saving column layers keep an FP8 copy of this rank's tokens (amax over tp)
-           "tensorwise sequence-parallel ZeRO-1 none": ("tensorwise", 1, "none", True),
-           "rowwise sequence-parallel ZeRO-3 selective": ("rowwise", 3, "selective", True)}
+           "tensorwise sequence-parallel ZeRO-1 none": Fp8Layout("tensorwise", 1, "none", ("--sequence-parallel",)),
+           # cp 2 x tp 2: the scales along the tokens take their amax over cp. Ulysses computes each head's
+           # attention whole, as one device does; the ring's float32 sums differ from one device's and put
+           # FP8 rounding ties early (its layouts are proven with one device's codes replayed, below)
+           "tensorwise cp Ulysses ZeRO-1 full":
+               Fp8Layout("tensorwise", 1, "full", ("--cp-mode", "ulysses"), dp=1, cp=2)}
 
 
-def data(dp: int) -> TokenBatches:
-    return TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, SEQUENCES // (MICRO * dp), dp), seed=SEED,
+def data(dp: int, seq: int = SEQ, micro: int = MICRO) -> TokenBatches:
+    return TokenBatches(builtin_corpus_paths()[0], BatchShape(micro, seq, SEQUENCES // (micro * dp), dp), seed=SEED,
                         vocab_size=CFG.vocab_size)
 
 
-def one_device(recipe: str) -> dict:
+def one_device(recipe: str, seq: int = SEQ, micro: int = MICRO) -> dict:
     """The reference GPT with FP8 by `recipe`, trained on the global batch's micro-batches one by
     one (each its summed loss over the global batch's target count), clipped, AdamW."""
     torch.manual_seed(0)
@@ -206,7 +225,7 @@ def one_device(recipe: str) -> dict:
     optimizer = build_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
-    batches, result = data(1), {"losses": [], "grads": None}
+    batches, result = data(1, seq, micro), {"losses": [], "grads": None}
     for step in range(STEPS):
         batch = batches.step_batch(step, 0)
         loss = 0.0
@@ -224,14 +243,18 @@ def one_device(recipe: str) -> dict:
     return result
 
 
-def dp_tp_run(recipe: str, stage: int, recompute: str, sequence_parallel: bool = False, dp: int = 2) -> dict:
+def layout_run(layout: Fp8Layout) -> dict:
+    """`layout` through lesson 07's parallelize and train_step (cp's cut of each batch as its main
+    makes it): losses, step 0's gradients, the parameters after STEPS steps, and the kept
+    activations of the first step, measured, by lesson 07's formula plus FP8's, and planned."""
     full_5d = load_lesson("07_full_5d")
-    grid = ProcessGrid(GridShape(dp=dp, tp=2))
-    batches = data(grid.dp_size)
-    args = full_5d.parse_args(["--dp", str(dp), "--tp", "2", "--zero-stage", str(stage), "--recompute", recompute,
-                               "--fp8", recipe, "--seq-len", str(SEQ), "--micro-batch-size", str(MICRO),
-                               "--grad-accum", str(batches.shape.grad_accum), "--seed", str(SEED), "--lr", str(LR)]
-                              + ["--sequence-parallel"] * sequence_parallel)
+    grid = ProcessGrid(GridShape(dp=layout.dp, tp=2, cp=layout.cp))
+    batches = data(grid.dp_size, layout.seq, layout.micro)
+    args = full_5d.parse_args(["--dp", str(layout.dp), "--tp", "2", "--cp", str(layout.cp),
+                               "--zero-stage", str(layout.stage), "--recompute", layout.recompute,
+                               "--fp8", layout.recipe, "--seq-len", str(layout.seq),
+                               "--micro-batch-size", str(layout.micro), "--grad-accum", str(batches.shape.grad_accum),
+                               "--seed", str(SEED), "--lr", str(LR), *layout.flags])
     full_5d.validate(CFG, grid.shape, batches.shape, args, grid.shape.world_size)
     model, _ = full_5d.parallelize(CFG, grid, args, CPU)
     optimizer = full_5d.zero.build_sharded_optimizer(model, LR)
@@ -239,14 +262,18 @@ def dp_tp_run(recipe: str, stage: int, recompute: str, sequence_parallel: bool =
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, full_5d.zero.Precision(), MAX_GRAD_NORM)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     meter = ActivationMeter(model.module)
     losses = []
     for step in range(STEPS):
         with meter if step == 0 else nullcontext():
-            losses.append(full_5d.train_step(model, optimizer, batches.step_batch(step, grid.dp_rank), settings).loss)
-    predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, MICRO, SEQ, recompute, 2, sequence_parallel)
-                      + full_5d.fp8.kept_bytes_difference(CFG, recipe, MICRO * SEQ, 2, torch.float32, CFG.n_layers,
-                                                          recompute, sequence_parallel))
+            losses.append(full_5d.train_step(model, optimizer, cut(batches.step_batch(step, grid.dp_rank)),
+                                             settings).loss)
+    predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, layout.micro, layout.seq, layout.recompute, 2,
+                                                              args.sequence_parallel, layout.cp)
+                      + full_5d.fp8.kept_bytes_difference(CFG, layout.recipe, layout.micro * layout.seq // layout.cp,
+                                                          2, torch.float32, CFG.n_layers, layout.recompute,
+                                                          args.sequence_parallel))
     # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone
     planned_kept = load_lesson("07_memory_plan").planned_memory(CFG, args, grid.shape, 1, batches.shape,
                                                                 model.precision, 0)[0]["activations"]
@@ -256,7 +283,7 @@ def dp_tp_run(recipe: str, stage: int, recompute: str, sequence_parallel: bool =
 
 
 def every_layout() -> dict:
-    return {name: dp_tp_run(*layout) for name, layout in LAYOUTS.items()}
+    return {name: layout_run(layout) for name, layout in LAYOUTS.items()}
 
 
 def local(result: dict, full: torch.Tensor, name: str) -> torch.Tensor:
@@ -288,16 +315,18 @@ def differences(result: dict, reference: dict) -> dict:
 TOLERANCES = {"losses": 1e-5, "grads": 1e-6, "params": 1e-3, "params_max": 1e-1 * LR}
 
 
-def test_dp_x_tp_with_fp8_zero_and_recompute_equals_one_device_with_fp8():
-    """dp 2 x tp 2 through lesson 07's parallelize, each recipe with a ZeRO stage and recompute
-    mode: losses, step 0's gradients and the parameters after 3 AdamW steps equal one device's
-    with the same recipe. The kept activations of each rank's first step equal lesson 07's formula
-    plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags."""
-    references = {recipe: one_device(recipe) for recipe in RECIPES}
-    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
-        for name, (recipe, *_) in LAYOUTS.items():
+def test_dp_x_tp_x_cp_with_fp8_zero_and_recompute_equals_one_device_with_fp8():
+    """dp 2 x tp 2 and cp 2 x tp 2 (Ulysses) through lesson 07's parallelize, each recipe with a
+    ZeRO stage and recompute mode, with and without sequence parallelism: losses, step 0's
+    gradients and the parameters after 3 AdamW steps equal one device's with the same recipe and
+    micro-batches. The kept activations of each rank's first step equal
+    lesson 07's formula plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags."""
+    shapes = {(layout.recipe, layout.seq, layout.micro) for layout in LAYOUTS.values()}
+    references = {shape: one_device(*shape) for shape in shapes}
+    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=400)):
+        for name, layout in LAYOUTS.items():
             result = runs[name]
-            found = differences(result, references[recipe])
+            found = differences(result, references[(layout.recipe, layout.seq, layout.micro)])
             assert all(found[key] <= TOLERANCES[key] for key in found), f"rank {rank} {name}: {found}"
             measured, predicted, planned = result["kept"]
             assert measured == predicted == planned, f"rank {rank} {name}: kept bytes {result['kept']}"
@@ -372,7 +401,7 @@ def tp_with_and_without_replay(one_device_log_path) -> dict:
         for name, replay in (("as_is", None), ("replayed", one_device_log)):
             log = []
             lesson.quantise = recording(quantise, log, replay)
-            runs[name] = dp_tp_run("rowwise", 1, "none", dp=1)
+            runs[name] = layout_run(Fp8Layout("rowwise", 1, "none", dp=1))
             assert len(log) == len(one_device_log), f"{name}: {len(log)} quantisations, one device {len(one_device_log)}"
             runs[name]["quantisations"] = against_one_device(one_device_log, log, tp_rank)
     finally:
@@ -430,6 +459,132 @@ def test_dp1_x_tp2_with_one_devices_fp8_codes_equals_one_device_at_float32_toler
         f"the control: ties {ties}, without the replay {as_is:.3g}, with it {replayed:.3g}"
 
 
+# ----------------------------------------------------------------------------- cp: every quantisation one device's part
+
+# With ring attention the attention's output and gradients differ from one device's SDPA by float32
+# rounding, so a value at an FP8 rounding midpoint may round the other way from the first micro-batch
+# on (measured: x / s = 57.9999962 on a cp rank, 58.0000038 on one device, an o_proj input at step
+# 0), and a row whose values are small against the tensor's (a rowwise scale per token of dY) turns
+# that rounding into other codes, or another scale where its amax lies at a power-of-two boundary.
+# So the composition is proven on one device's inputs: each quantisation of a cp 2 x tp 2 run is fed
+# one device's input of the same call, cut to this rank's part (its tokens, by the zigzag or contiguous
+# split and sequence parallelism's tp part; tp's split features), and must give one device's codes
+# and scales, cut the same way, bit for bit: the amaxes over cp and tp at work. The run's own input
+# to each call is checked to be that part to float32 rounding, and the run then equals one device at
+# lesson 02's float32 tolerances. The control: without the amax all-reduce over cp, scales differ.
+REPLAYED = {"rowwise ring zigzag sequence-parallel ZeRO-1":
+                Fp8Layout("rowwise", 1, "none", ("--sequence-parallel",), dp=1, cp=2),
+            # mxfp8's blocks of 32 tokens within a cp rank's piece of a sequence: 64 tokens, contiguous
+            "mxfp8 ring contiguous ZeRO-2":
+                Fp8Layout("mxfp8", 2, "none", ("--no-zigzag",), dp=1, cp=2, seq=64, micro=1)}
+
+
+def token_rows(layout: Fp8Layout, cp_rank: int, tp_rank: int) -> dict[int, torch.Tensor]:
+    """One device's row, in a micro-batch's [micro * seq] tokens, of each token this rank holds
+    (cp's part) and of each token it keeps under sequence parallelism (tp's part of those), by count."""
+    split = load_lesson("04_context_parallel").SequenceSplit(layout.cp, "--no-zigzag" not in layout.flags)
+    positions = split.positions(cp_rank, layout.seq)
+    rows = {}
+    for part in (positions, positions.chunk(2)[tp_rank]):
+        rows[layout.micro * len(part)] = torch.cat([sequence * layout.seq + part for sequence in range(layout.micro)])
+    return rows
+
+
+def part_of(t: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, full_shape) -> torch.Tensor:
+    """A rank's part of one device's input, codes or scales: rows and columns by index, a scale per
+    block of 32 by its block's index, a scale that spans a dimension (size 1) whole."""
+    for dim, index, size in ((0, rows, full_shape[0]), (1, cols, full_shape[1])):
+        if t.dim() == 0 or t.shape[dim] == 1 and size > 1:
+            continue
+        t = t.index_select(dim, index if t.shape[dim] == size else index[::32] // 32)
+    return t
+
+
+def on_one_devices_inputs(quantise, one_device_log: list, rows_by_count: dict, tp_rank: int, found: dict):
+    """07_fp8's `quantise` fed one device's input of the same call (the same place in the order),
+    cut to this rank's part: the rows and columns closest to the rank's own input (its tokens or
+    tp's rows, tp's columns). Into `found`: the calls, the largest distance of the rank's own input
+    from that part (relative to its largest element), the calls whose codes or scales are not one
+    device's part bit for bit."""
+
+    def candidates(full_shape, shape):
+        rows = [torch.arange(full_shape[0])] if full_shape[0] == shape[0] else []
+        rows += [torch.arange(full_shape[0]).chunk(2)[tp_rank]] if full_shape[0] == 2 * shape[0] else []
+        rows += [rows_by_count[shape[0]]] if shape[0] in rows_by_count and shape[0] < full_shape[0] else []
+        cols = torch.arange(full_shape[1])
+        cols = [cols if full_shape[1] == shape[1] else cols.chunk(2)[tp_rank]]
+        return [(r, c) for r in rows for c in cols]
+
+    def fed_one_devices_input(t, axis, fmt, recipe, shards_group=()):
+        x_one, data_one, scale_one, _ = one_device_log[found["calls"]]
+        found["calls"] += 1
+        x = t.detach().float()
+        distance, rows, cols = min(((((part_of(x_one, r, c, x_one.shape) - x).abs().max()
+                                      / x_one.abs().max().clamp(min=1e-30)).item(), r, c)
+                                    for r, c in candidates(x_one.shape, x.shape)), key=lambda candidate: candidate[0])
+        found["input"] = max(found["input"], distance)
+        q = quantise(part_of(x_one, rows, cols, x_one.shape).to(t.dtype), axis, fmt, recipe, shards_group)
+        found["not_one_devices"] += not (torch.equal(q.data.float(), part_of(data_one, rows, cols, x_one.shape))
+                                         and torch.equal(q.scale.float(), part_of(scale_one, rows, cols, x_one.shape)))
+        return q
+
+    return fed_one_devices_input
+
+
+def cp_on_one_devices_inputs(one_device_log_paths: dict) -> dict:
+    """Each of REPLAYED with its quantisations fed one device's inputs; the first again without the
+    amax all-reduce over cp (the control)."""
+    lesson, coords = fp8(), GridShape(dp=1, tp=2, cp=2).coords_of(torch.distributed.get_rank())
+    quantise, amax_over_shards, runs = lesson.quantise, lesson.amax_over_shards, {}
+
+    def over_tp_only(amax, group):        # a cp group's ranks share this rank's tp coordinate
+        ranks = torch.distributed.get_process_group_ranks(group)
+        return amax if all(rank % 2 == coords["tp"] for rank in ranks) else amax_over_shards(amax, group)
+
+    try:
+        for index, (name, layout) in enumerate(REPLAYED.items()):
+            one_device_log = torch.load(one_device_log_paths[name])
+            for with_cp_amax in (True, False)[:2 if index == 0 else 1]:
+                found = {"calls": 0, "input": 0.0, "not_one_devices": 0}
+                lesson.amax_over_shards = amax_over_shards if with_cp_amax else over_tp_only
+                lesson.quantise = on_one_devices_inputs(quantise, one_device_log,
+                                                        token_rows(layout, coords["cp"], coords["tp"]), coords["tp"],
+                                                        found)
+                runs[(name, with_cp_amax)] = layout_run(layout) | {"found": found}
+                assert found["calls"] == len(one_device_log), f"{name}: {found}, one device {len(one_device_log)}"
+    finally:
+        lesson.quantise, lesson.amax_over_shards = quantise, amax_over_shards
+    return runs
+
+
+def test_cp2_x_tp2_quantises_one_devices_inputs_to_one_devices_codes_and_then_equals_one_device(monkeypatch, tmp_path):
+    """cp 2 x tp 2 through lesson 07 with ring attention (rowwise with zigzag and sequence
+    parallelism; mxfp8 contiguous): every quantisation's own input is one device's part of the same
+    call to float32 rounding; fed that part, it gives one device's codes and scales bit for bit (the
+    scales along the tokens take their amax over cp, the kept tokens' over tp too; mxfp8's blocks lie
+    within a rank's tokens); and the run equals one device at lesson 02's float32 tolerances. Without
+    the amax all-reduce over cp, codes or scales are not one device's (the control)."""
+    paths, references = {}, {}
+    for name, layout in REPLAYED.items():
+        log = []
+        monkeypatch.setattr(fp8(), "quantise", recording(fp8().quantise, log))
+        references[name] = one_device(layout.recipe, layout.seq, layout.micro)
+        monkeypatch.undo()
+        paths[name] = tmp_path / f"{layout.recipe}.pt"
+        torch.save(log, paths[name])
+    strict = TOLERANCES | {"params": 0.0, "params_max": 1e-2 * LR}
+    for rank, runs in enumerate(run_ranks(4, cp_on_one_devices_inputs, paths, timeout_s=400)):
+        for (name, with_cp_amax), result in runs.items():
+            found = result["found"]
+            assert found["input"] <= SAME_TENSOR, f"rank {rank} {name}: {found}"
+            if with_cp_amax:
+                assert found["not_one_devices"] == 0, f"rank {rank} {name}: {found}"
+                differ = differences(result, references[name])
+                assert all(differ[key] <= strict[key] for key in differ), f"rank {rank} {name}: {differ}"
+            else:
+                assert found["not_one_devices"] > 0, f"the control, rank {rank} {name}: {found}"
+
+
 # ----------------------------------------------------------------------------- compile, and the rules
 
 
@@ -453,14 +608,15 @@ def test_compiled_blocks_equal_eager_ones():
 
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "2", "--fp8", "mxfp8", "--micro-batch-size", "1", "--seq-len", "48"], "not a multiple of 32"),
-    (["--cp", "2", "--fp8", "rowwise"], "--fp8 rowwise with --cp 2"),
+    (["--cp", "2", "--fp8", "mxfp8", "--seq-len", "64"], "a piece of a sequence that a cp rank holds"),
+    (["--pp", "2", "--schedule", "zero-bubble", "--fp8", "rowwise"], "--fp8 rowwise with --schedule zero-bubble"),
     (["--tp", "2", "--sequence-parallel", "--fp8", "mxfp8", "--seq-len", "32", "--micro-batch-size", "2"],
-     "seq-len / tp"),
+     "the tokens of a sequence that a tp rank keeps"),
 ])
 def test_what_fp8_does_not_compose_is_one_error_before_any_group(flags, words):
     full_5d = load_lesson("07_full_5d")
     args = full_5d.parse_args(flags)
-    grid = GridShape(dp=1, tp=args.tp, cp=args.cp)
+    grid = GridShape(dp=1, tp=args.tp, cp=args.cp, pp=args.pp)
     with pytest.raises(ConfigError, match=words):
         full_5d.validate(get_config("tiny"), grid, full_5d.batch_shape(args, 1), args, grid.world_size)
 
