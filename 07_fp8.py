@@ -97,9 +97,11 @@ exact powers of two; the FP8 linear's forward and backward equal a float32 emula
 check; dp x tp (with and without sequence parallelism) and cp x tp equal to one device, and a
 row-parallel layer with outlier features, or a sequence-parallel column layer with outlier tokens,
 equal to it only with the tp all-reduce of the amaxes (cp x tp: one device's codes only with the
-all-reduce over cp); the kept activation bytes equal the formula. On CPU
-the tensorwise and rowwise matmuls run through torch._scaled_mm's CPU kernel; mxfp8 is emulated
-(dequantise, float32 matmul), as it is on CUDA GPUs without MX tensor cores.
+all-reduce over cp); the kept activation bytes equal the formula. On CPU the tensorwise and
+rowwise matmuls run through torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32
+matmul), as it is on CUDA GPUs without MX tensor cores. On Blackwell (sm_100+) mxfp8 goes to
+torch._scaled_mm's block-scaled kernel (mx_kernel_runs, swizzled_block_scales); no GPU has run that
+path yet: benchmarks/fp8_mx_kernel_check.py compares it with the emulation where one has it.
 """
 
 from __future__ import annotations
@@ -222,18 +224,60 @@ def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_
 
 def has_scaled_mm(recipe: Recipe, device: torch.device) -> bool:
     """torch._scaled_mm multiplies tensorwise and rowwise FP8 on the CPU and on CUDA from sm_89
-    (Ada, Hopper); mxfp8 needs Blackwell's block-scaled tensor cores and a swizzled scale layout,
-    and is emulated here everywhere (see scaled_matmul)."""
-    if not recipe.scaled:
+    (Ada, Hopper), and mxfp8 on CUDA where mx_kernel_runs; elsewhere scaled_matmul emulates it."""
+    if not recipe.scaled or device.type not in ("cpu", "cuda"):
         return False
-    return (recipe.block is None if device.type == "cpu" else
-            device.type == "cuda" and runs_on_fp8_tensor_cores(recipe.name, torch.cuda.get_device_capability(device)))
+    if device.type == "cpu":
+        return recipe.block is None
+    capability = torch.cuda.get_device_capability(device)
+    if recipe.block is not None:
+        return mx_kernel_runs(capability, str(torch.__version__), torch.version.cuda)
+    return runs_on_fp8_tensor_cores(recipe.name, capability)
 
 
 def runs_on_fp8_tensor_cores(recipe: str, capability: tuple[int, int]) -> bool:
     """Whether `recipe`'s matmuls run on the FP8 tensor cores of a GPU of this compute capability
-    (so at its FP8 peak): tensorwise and rowwise from sm_89; mxfp8 is emulated on every GPU."""
-    return recipe in ("tensorwise", "rowwise") and capability >= (8, 9)
+    (so at its FP8 peak): tensorwise and rowwise from sm_89, mxfp8 from sm_100 (Blackwell's MX
+    tensor cores; with a torch that has the kernel, mx_kernel_runs)."""
+    return capability >= ((10, 0) if recipe == "mxfp8" else (8, 9)) and recipe in RECIPES
+
+
+def version_numbers(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string: "2.11.0+cu130" -> (2, 11), "12.8" -> (12, 8)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def mx_kernel_runs(capability: tuple[int, int], torch_version: str, cuda_version: str | None) -> bool:
+    """Whether torch._scaled_mm multiplies mxfp8 (e4m3 codes, an e8m0 scale per 32 along K) on a GPU
+    of this compute capability, with this torch built against this CUDA: cuBLAS's block-scaled kernel
+    runs on Blackwell's MX tensor cores (sm_100 and later), torch calls it when both scales are
+    float8_e8m0fnu from 2.7 on, and cuBLAS has it from CUDA 12.8. A CPU build (no CUDA) has none."""
+    return (capability >= (10, 0) and cuda_version is not None and version_numbers(torch_version) >= (2, 7)
+            and version_numbers(cuda_version) >= (12, 8))
+
+
+def swizzled_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A [rows, K / 32] matrix of e8m0 scales in the layout the block-scaled kernel reads (torch's
+    SWIZZLE_32_4_4, cuBLAS's block scaling factors layout), flattened: padded to tiles of 128 rows by
+    4 blocks, the tiles row after row, and within a tile the 512 bytes ordered by (row % 32, row // 32,
+    block), so that the scales of the rows one warp multiplies lie side by side. The padding's bytes
+    scale rows and blocks the matmul does not have."""
+    rows, blocks = scale.shape
+    padded = torch.zeros(-(-rows // 128) * 128, -(-blocks // 4) * 4, dtype=torch.uint8, device=scale.device)
+    padded[:rows, :blocks] = scale.view(torch.uint8)
+    # [row tile, row // 32 in the tile, row % 32, block tile, block % 4] -> tiles, then (row % 32, row // 32, block)
+    tiles = padded.view(padded.shape[0] // 128, 4, 32, padded.shape[1] // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(-1).view(torch.float8_e8m0fnu)
+
+
+def mx_scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, K] @ b [K, N], both mxfp8 with blocks along K (a's scales [M, K / 32], b's [K / 32, N]),
+    through the block-scaled kernel: a row-major, b column-major, each operand's scales as rows of
+    K / 32 in the swizzled layout; the kernel writes bf16."""
+    out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(), scale_a=swizzled_block_scales(a.scale),
+                           scale_b=swizzled_block_scales(b.scale.t().contiguous()), out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
 
 
 def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
@@ -244,6 +288,8 @@ def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.d
     with torch.autocast(a.data.device.type, enabled=False):
         if not has_scaled_mm(recipe, a.data.device):
             return (a.dequantise() @ b.dequantise()).to(out_dtype)
+        if recipe.block is not None:
+            return mx_scaled_mm(a, b, out_dtype)
         # CUDA's rowwise kernel writes bf16 only; the CPU's writes any float dtype
         kernel_dtype = torch.bfloat16 if a.data.is_cuda and recipe.name == "rowwise" else out_dtype
         scale_a, scale_b = a.scale, b.scale
@@ -547,7 +593,7 @@ def fp8_problems(cfg, grid, args) -> list[str]:
 def add_fp8_flag(parser) -> None:
     parser.add_argument("--fp8", choices=FP8_CHOICES, default="none",
                         help="the blocks' linear layers with FP8 matmuls (07_fp8.py): tensorwise, rowwise or mxfp8 "
-                             "scales (mxfp8 emulated where the GPU has no MX tensor cores, and on the CPU)")
+                             "scales (mxfp8 emulated where the GPU has no MX kernel, and on the CPU)")
 
 
 # ============================================================================ measuring the three challenges
@@ -619,7 +665,7 @@ def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks
     if not (bf16_peak and fp8_peak):
         log0(line + ("" if device.type == "cuda" else " (a CPU has no FP8 peak: no MFU)"))
         return
-    if not runs_on_fp8_tensor_cores(recipe, torch.cuda.get_device_capability(device)):
+    if not has_scaled_mm(RECIPES[recipe], device):
         log0(line + ", emulated on this GPU (float32 matmuls of the dequantised values): no FP8 peak applies")
         return
     attainable = attainable_peak_flops(bf16_peak, fp8_peak, share)

@@ -81,10 +81,14 @@ plans=$!
 # The CUDA-only tests, and one multi-rank file: the gloo proofs must run on the CPU on a GPU machine.
 run tests-cuda 120 python3 -m pytest -q -k cuda tests/test_fast_paths.py
 run tests-gloo-on-gpu-machine 120 python3 -m pytest -q tests/test_topology.py
+# mxfp8 through the GPU's block-scaled kernel (torch._scaled_mm, e8m0 scales, swizzled) against lesson
+# 07's exact emulation, each matmul of an FP8 layer: one pass/FAIL line, or "not available" before
+# Blackwell (or with a torch that lacks the kernel), where lesson 07 emulates mxfp8.
+run fp8-mx-kernel 60 python3 benchmarks/fp8_mx_kernel_check.py
 
 # FP8 (07_fp8.py) next to bf16 with --compile: rowwise on sm_89+ (Hopper: the issue's 1.1x goal), and
-# where the GPU has MX tensor cores (sm_100+) mxfp8, which lesson 07 emulates on every GPU (float32
-# matmuls of the dequantised values): that row proves the path on CUDA and prices the emulation.
+# where the GPU has MX tensor cores (sm_100+) mxfp8, on the block-scaled kernel where fp8-mx-kernel
+# above found it (else emulated: float32 matmuls of the dequantised values, and the row prices that).
 # The table's "vs bf16" column divides each FP8 row's tokens/s by its bf16 twin's (07-1b-compile).
 fp8_runs=07-1b-fp8-rowwise-compile
 [ "$(python3 -c 'import torch; print(torch.cuda.get_device_capability(0)[0])')" -ge 10 ] && fp8_runs+=" 07-1b-fp8-mxfp8-compile"

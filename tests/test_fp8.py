@@ -10,6 +10,7 @@ the tensor one call multiplies, so a micro-batch of other sequences is another t
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.lessons import load_lesson
+from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
@@ -36,6 +37,14 @@ RECIPES = ("tensorwise", "rowwise", "mxfp8")
 
 def fp8():
     return load_lesson("07_fp8")
+
+
+def load_check(name: str):
+    """A script of benchmarks/ as a module."""
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ----------------------------------------------------------------------------- the quantiser
@@ -754,3 +763,65 @@ def test_the_amax_all_reduce_over_tp_makes_a_sequence_parallel_layers_kept_token
                                            msg=f"{recipe} rank {rank} {key}")
             if recipe != "mxfp8":
                 assert not torch.allclose(runs[(recipe, False)]["dw"], expected["dw"], rtol=1e-4, atol=0), recipe
+
+
+# ----------------------------------------------------------------------------- the mxfp8 kernel on CUDA: which GPUs, which layout
+
+# (compute capability, torch.__version__, torch.version.cuda) -> whether torch._scaled_mm multiplies mxfp8
+MX_KERNEL_CASES = [((10, 0), "2.11.0+cu130", "13.0", True),      # B200/B300 with the GPU image's torch
+                   ((10, 3), "2.7.0+cu128", "12.8", True),       # the first torch and CUDA with the kernel
+                   ((12, 0), "2.13.0+cu130", "13.0", True),      # Blackwell GeForce (TN layout: ours)
+                   ((9, 0), "2.13.0+cu130", "13.0", False),      # H100/H200: no MX tensor cores
+                   ((10, 0), "2.6.0+cu126", "12.6", False),      # torch and CUDA before the kernel
+                   ((10, 0), "2.8.0+cu126", "12.6", False),      # torch with it, built against an older CUDA
+                   ((10, 0), "2.13.0+cpu", None, False)]         # a CPU build
+
+
+def test_the_mxfp8_kernel_is_chosen_by_compute_capability_and_torch_version():
+    """mx_kernel_runs, a pure function of the GPU's compute capability and torch's build, picks
+    torch._scaled_mm's block-scaled kernel on Blackwell with torch 2.7+ and CUDA 12.8+, the exact
+    emulation everywhere else, the CPU included; the plan prices mxfp8 at the FP8 peak from sm_100."""
+    lesson = fp8()
+    for capability, torch_version, cuda_version, expected in MX_KERNEL_CASES:
+        assert lesson.mx_kernel_runs(capability, torch_version, cuda_version) is expected, (capability, torch_version)
+    assert not lesson.has_scaled_mm(lesson.RECIPES["mxfp8"], CPU) and lesson.has_scaled_mm(lesson.RECIPES["rowwise"], CPU)
+    assert [lesson.runs_on_fp8_tensor_cores("mxfp8", c) for c in ((9, 0), (10, 0))] == [False, True]
+
+
+def test_swizzled_block_scales_put_each_scale_where_the_block_scaled_kernel_reads_it():
+    """swizzled_block_scales against the layout written out element by element (cuBLAS's block
+    scaling factors layout): scale (r, c) of a [rows, K/32] matrix at byte ((r // 128) * C4 + c // 4)
+    * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4, with C4 the blocks padded to 4 over 4; the
+    matrix padded to 128 rows and 4 blocks (torch._scaled_mm's expected size), e8m0 as it was."""
+    lesson = fp8()
+    rows, blocks = 200, 6                       # neither a multiple of 128 nor of 4: both padded
+    codes = torch.randint(100, 150, (rows, blocks), dtype=torch.uint8)
+    swizzled = lesson.swizzled_block_scales(codes.view(torch.float8_e8m0fnu))
+    assert swizzled.dtype == torch.float8_e8m0fnu and swizzled.numel() == 256 * 8
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(blocks), indexing="ij")
+    where = (r // 128 * 2 + c // 4) * 512 + r % 32 * 16 + r % 128 // 32 * 4 + c % 4
+    assert torch.equal(swizzled.view(torch.uint8)[where], codes)
+    assert (swizzled.view(torch.uint8).bincount(minlength=256)[100:150].sum() == rows * blocks)
+
+
+def test_the_kernel_checks_bound_holds_for_a_bf16_result_and_not_for_one_wrong_block_scale(monkeypatch):
+    """benchmarks/fp8_mx_kernel_check.py's bound, on the CPU with the kernel's result stood in by
+    the emulation rounded to bf16 (what a correct kernel may give): within it, and tight (over half
+    of it used); a block of 32 read with the wrong scale (what a wrongly swizzled scale gives) is not."""
+    lesson, check = fp8(), load_check("fp8_mx_kernel_check")
+    monkeypatch.setattr(check, "TOKENS", 256)
+    monkeypatch.setattr(check, "IN_FEATURES", 128)
+    monkeypatch.setattr(check, "OUT_FEATURES", 192)
+    operands = check.layer_operands(lesson, CPU)
+    read_scale = {}         # a block's scale as the stand-in kernel reads it: a's own, or a wrong one
+
+    def bf16_result(a, b, dtype):
+        return (replace(a, **read_scale).dequantise() @ b.dequantise()).to(torch.bfloat16).to(dtype)
+
+    monkeypatch.setattr(lesson, "mx_scaled_mm", bf16_result)
+    shares = [check.worst_share_of_bound(lesson, a, b) for a, b in operands.values()]
+    assert all(0.5 < share <= 1 for share in shares), shares
+    a, b = operands["forward"]
+    read_scale["scale"] = a.scale.clone()
+    read_scale["scale"][0, 0] = (a.scale[0, 0].float() * 2).to(a.scale.dtype)
+    assert check.worst_share_of_bound(lesson, a, b) > 1

@@ -216,7 +216,8 @@ def test_the_plan_counts_fp8_copies_fp8_peaks_and_the_amax_all_reduces(capsys):
     matmul inputs as FP8 copies (kept_bytes_difference less than without, exactly), computes
     fp8_matmul_flops_per_token of its FLOPs at the FP8 peak (twice bf16's on an H200) and the rest
     at bf16's, and adds tp's amax all-reduces (predicted_amax_traffic) to tp's exposed traffic.
-    Where the matmuls are emulated (an A100; mxfp8 on any GPU) they count at the bf16 rate."""
+    Where the matmuls are emulated (an A100; mxfp8 before Blackwell) they count at the bf16 rate;
+    mxfp8 on a B300 (the block-scaled kernel, 07_fp8.mx_kernel_runs) at the FP8 peak, as rowwise."""
     full_5d, plan = lesson(), memory_plan()
     fp8, cfg = plan.fp8, get_config("1b")
     shape, grid, precision = BatchShape(1, 2048, 4, 1), GridShape(tp=2), full_5d.zero.Precision(torch.bfloat16)
@@ -236,9 +237,11 @@ def test_the_plan_counts_fp8_copies_fp8_peaks_and_the_amax_all_reduces(capsys):
     amaxes = fp8.predicted_amax_traffic(cfg, "rowwise", 2048, 2, 4, cfg.n_layers)
     assert amaxes and rowwise.seconds["communication"] - bf16.seconds["communication"] == pytest.approx(
         plan.wire_bytes(amaxes, 2) / (plan.GPUS["H200"].nvlink_gbps * 1e9), rel=1e-9)
-    for recipe, gpu in (("rowwise", "A100-80GB"), ("mxfp8", "B300")):
+    for recipe, gpu in (("rowwise", "A100-80GB"), ("mxfp8", "H200")):
         assert planned(recipe, gpu).seconds["compute"] == pytest.approx(planned("none", gpu).seconds["compute"],
                                                                         rel=1e-12), (recipe, gpu)
+    assert planned("mxfp8", "B300").seconds["compute"] == planned("rowwise", "B300").seconds["compute"] \
+        < planned("none", "B300").seconds["compute"]
     full_5d.main(["--plan", "--preset", "1b", "--gpus", "2", "--tp", "2", "--gpu", "H200", "--seq-len", "2048",
                   "--micro-batch-size", "1", "--grad-accum", "4", "--fp8", "rowwise", "--plan-top", "2"])
     out = capsys.readouterr().out
