@@ -284,10 +284,12 @@ class ZeroDataParallel(nn.Module):
 
     def gradients_to_master(self) -> None:
         """This rank's summed gradient shard as the float32 gradients of its master pieces (in
-        float32 a view, no copy), which clipping scales and AdamW steps with."""
+        float32 a view, no copy; in bf16 one cast per unit, not one per piece), which clipping
+        scales and AdamW steps with."""
         for unit in self.units:
+            grad_shard = unit.grad_shard.to(torch.float32)
             for piece in unit.pieces:
-                piece.master.grad = unit.grad_shard[piece.lo: piece.hi].to(torch.float32)
+                piece.master.grad = grad_shard[piece.lo: piece.hi]
 
     def step(self, optimizer) -> None:
         """AdamW on this rank's shard of the float32 master (its gradients dropped after: they are
