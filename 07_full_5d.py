@@ -76,7 +76,9 @@ import argparse
 import copy
 import itertools
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import asdict, astuple, dataclass, replace
 from functools import lru_cache, partial
@@ -145,6 +147,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
                 count_choices_over_context_parallel(chunk, grid.cp_group)
         # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens)
         fp8.apply_fp8(chunk, args.fp8, grid.tp_group, grid.cp_group if grid.cp_size > 1 else None)
+    # this lesson: each parameter the reference's values of what this rank holds of it, on the device
+    materialise_held_parameters(chunks, ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
                            args.reshard_after_forward, args.prefetch,
@@ -602,6 +606,78 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
     return model
 
 
+# ============================================================================ the technique: materialising the rank's share
+
+
+@dataclass(frozen=True)
+class ReferenceTensors:
+    """The reference GPT's tensors as reference_init defines them: the config and seed that give
+    their values, and each one's whole shape."""
+
+    cfg: object
+    seed: int
+    shapes: dict
+
+    @classmethod
+    def of(cls, cfg, seed: int) -> "ReferenceTensors":
+        return cls(cfg, seed, checkpoints.reference_shapes(cfg))
+
+    def box(self, name: str, offsets: tuple, shape, device) -> torch.Tensor:
+        """Elements [offsets, offsets + shape) of tensor `name`, on `device`. The whole tensor is
+        drawn on the CPU and dropped: its generator's one stream defines every value, a slice
+        cannot be drawn alone."""
+        whole = reference_init(name, self.shapes[name], self.cfg, self.seed)
+        held = whole[tuple(slice(start, start + size) for start, size in zip(offsets, shape))]
+        if held.numel() < whole.numel():    # a copy of the slice alone, which lets the whole tensor go
+            held = held.clone(memory_format=torch.contiguous_format)
+        return held.to(device)
+
+
+def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid: ProcessGrid, device) -> None:
+    """Give the chunks, built on the meta device and cut there by lessons 02-05 and 07_fp8, their
+    values on `device`: each parameter those of the box of the reference tensor it holds
+    (reference_offsets, the rule checkpoints reshard by), each buffer the reference's zeros
+    (an MoE layer's router_bias and expert_load). The run starts from exactly the parameters of a
+    model built whole and then cut (tests/test_full_5d_materialise.py), but a rank never holds
+    its whole stage, on the host or on the device.
+
+    Speed: reference_init draws a tensor on one CPU thread (1e8 normals ~0.75 s), each from a
+    generator of its own, and torch releases the GIL while it draws: a pool draws as many
+    tensors at once as this rank has cores (drawing_threads). The host holds the whole tensors
+    being drawn, one per thread.
+
+    Identity: torch.utils.swap_tensors gives each parameter object its values and keeps the
+    object, which the modules and the lessons' wrappers refer to, but it drops what the earlier
+    lessons attached to it: attributes (02's tp_split_dim and tp_replicated) and gradient hooks
+    (02's sum over tp of a replicated gain's gradient under sequence parallelism) stay with the
+    meta tensor. Both are put back (put_values_in). ZeRO (06) attaches its hooks after this."""
+    named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
+
+    def held_values(name: str, param) -> torch.Tensor:
+        return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape, device)
+
+    with ThreadPoolExecutor(drawing_threads()) as pool:
+        for (_, param), values in zip(named, pool.map(held_values, *zip(*named))):
+            put_values_in(param, values)
+    for buffer in (buffer for chunk in chunks for buffer in chunk.buffers()):
+        torch.utils.swap_tensors(buffer, torch.zeros_like(buffer, device=device))
+
+
+def put_values_in(param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    """`param`, a meta tensor, holds `values` from now on, with its attributes and gradient hooks."""
+    attributes, gradient_hooks = dict(param.__dict__), param._backward_hooks
+    torch.utils.swap_tensors(param, torch.nn.Parameter(values, requires_grad=param.requires_grad))
+    param.__dict__.update(attributes)
+    if gradient_hooks:
+        param._backward_hooks = gradient_hooks      # the setter registers them on the new tensor
+
+
+def drawing_threads() -> int:
+    """This rank's share of the cores it may run on: a node's ranks draw at the same time."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 # ============================================================================ the technique: checkpoints
 
 
@@ -623,23 +699,18 @@ def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
     any other layout.
 
     Names: every lesson keeps the reference's (03 numbers a stage's layers as the whole model).
-    Boxes: lesson 02 cut a split parameter into tp equal parts along its tp_split_dim, tp rank r
-    keeping part r; lesson 05 gave ep rank r experts [r E/ep, (r+1) E/ep) along dim 0. Elements:
-    lesson 06's master shards hold a flat range of each box (master_pieces). Replicas are written
+    Boxes: reference_offsets. Elements: lesson 06's master shards hold a flat range of each box
+    (master_pieces). Replicas are written
     once: a norm gain every tp rank holds (by tp rank 0), a unit ZeRO-0 keeps whole on each rank
     of its group (by the group's rank 0), the router biases (by dp, cp and tp rank 0)."""
     slices = []
     for unit, name, shape, start, master in master_pieces(model):
         param = unit.params[unit.names.index(name)]
-        offsets = [0] * len(shape)
-        if getattr(param, "tp_split_dim", None) is not None:
-            offsets[param.tp_split_dim] = grid.tp_rank * shape[param.tp_split_dim]
-        if expert_parallel.is_expert_parameter(name):
-            offsets[0] = grid.ep_rank * shape[0]
+        offsets = reference_offsets(name, param, shape, grid)
         whole_on_every_rank = unit.shard_numel == unit.padded_numel and group_size(unit.group) > 1
         write = ((grid.tp_rank == 0 or not getattr(param, "tp_replicated", False))
                  and (not whole_on_every_rank or group_rank(unit.group) == 0))
-        slices.append(checkpoints.HeldSlice(name, tuple(offsets), tuple(shape), start, start + master.numel(),
+        slices.append(checkpoints.HeldSlice(name, offsets, tuple(shape), start, start + master.numel(),
                                             master, write))
     persistent = model.module.state_dict().keys()
     first_replica = grid.dp_rank == grid.cp_rank == grid.tp_rank == 0
@@ -648,6 +719,19 @@ def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
             slices.append(checkpoints.HeldSlice(name, (0,) * buffer.dim(), tuple(buffer.shape), 0, buffer.numel(),
                                                 buffer, first_replica))
     return slices
+
+
+def reference_offsets(name: str, param, shape, grid: ProcessGrid) -> tuple[int, ...]:
+    """Where this rank's tensor `name`, of `shape` as the rank holds it, begins in the reference
+    tensor of that name: lesson 02 cut a split parameter into tp equal parts along its
+    tp_split_dim, tp rank r keeping part r; lesson 05 gave ep rank r experts [r E/ep, (r+1) E/ep)
+    along dim 0."""
+    offsets = [0] * len(shape)
+    if getattr(param, "tp_split_dim", None) is not None:
+        offsets[param.tp_split_dim] = grid.tp_rank * shape[param.tp_split_dim]
+    if expert_parallel.is_expert_parameter(name):
+        offsets[0] = grid.ep_rank * shape[0]
+    return tuple(offsets)
 
 
 def run_identity(args, shape) -> dict:
