@@ -126,9 +126,9 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
     grouped = uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1.
-    # Made on the device: the host draws the reference values one tensor at a time (reference_init)
-    # and never holds the model (32 GB per rank for the 8b preset, 8 ranks per node).
-    with torch.device(device):
+    # Built on the meta device (shapes, no values) and cut there by the lessons below, so that no
+    # rank holds more than its share (the 8b preset whole: 32 GB per rank, 8 ranks per node).
+    with torch.device("meta"):
         chunks = (pipeline_parallel.build_stage_chunks(cfg, args.seed, grid.pp_size, grid.pp_rank,
                                                        args.virtual_stages)
                   if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
