@@ -424,7 +424,7 @@ class Fp8Forward:
 
     def forward(self, x):
         if isinstance(x, tensor_parallel.SequenceParallelInput):      # lesson 02's shard-saving column layer
-            y = Fp8MatmulsSavingSequenceShard.apply(x.full, x.shard, self.weight, self.fp8, self.fp8_input,
+            y = Fp8MatmulsSavingSequenceShard.apply(x.full, self.weight, self.fp8, quantised_once(x, self.fp8),
                                                     output_dtype(x.full))
         else:
             y = Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
@@ -532,14 +532,25 @@ def quantised_sequence_input(full: torch.Tensor, shard: torch.Tensor, layer: Fp8
     return forward, kept, Fp8SequenceRegather(layer.tp_group, kept.block is not None)
 
 
+def quantised_once(x, layer: Fp8Layer) -> tuple:
+    """quantised_sequence_input of one norm's output (a SequenceParallelInput), made by the first
+    layer that reads it and kept on it for the others (q, k, v; gate, up): one quantisation, one
+    amax all-reduce and one all-gather per norm output. The norm makes a new object every forward,
+    so this holds under --compile too, where SharedInputQuantisation quantises per layer."""
+    if not hasattr(x, "fp8_quantised"):
+        with torch.no_grad():
+            x.fp8_quantised = quantised_sequence_input(x.full, x.shard, layer)
+    return x.fp8_quantised
+
+
 class Fp8MatmulsSavingSequenceShard(torch.autograd.Function):
     """Fp8Matmuls for lesson 02's shard-saving column layer (its LinearSavingSequenceShard in FP8):
-    multiplies the gathered sequence `full`, keeps the FP8 copy of this rank's tokens `shard`, and
-    in backward gathers every rank's copy while the input gradient is computed."""
+    multiplies the gathered sequence `full` (quantised: quantised_once's), keeps the FP8 copy of this
+    rank's tokens, and in backward gathers every rank's copy while the input gradient is computed."""
 
     @staticmethod
-    def forward(ctx, full, shard, weight, layer: Fp8Layer, shared: SharedInputQuantisation, out_dtype):
-        x_forward, x_kept, regather = shared.of(full, partial(quantised_sequence_input, shard=shard, layer=layer))
+    def forward(ctx, full, weight, layer: Fp8Layer, quantised: tuple, out_dtype):
+        x_forward, x_kept, regather = quantised
         regather.add_reader()
         y = forward_matmul(x_forward, weight, layer, out_dtype)
         ctx.save_for_backward(x_kept.data, x_kept.scale, weight)
@@ -553,7 +564,7 @@ class Fp8MatmulsSavingSequenceShard(torch.autograd.Function):
         ctx.regather.start(kept, ctx.x_shape[0])
         grad_input, grad_weight = fp8_gradients(grad, weight, ctx.layer, ctx.x_dtype,
                                                 lambda: ctx.regather.result(kept))
-        return grad_input.view(ctx.x_shape), None, grad_weight, None, None, None
+        return grad_input.view(ctx.x_shape), grad_weight, None, None, None
 
 
 # ============================================================================ configuration rules
