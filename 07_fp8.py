@@ -525,8 +525,8 @@ def as_sequence_bytes(t: torch.Tensor, sequences: int) -> torch.Tensor:
 
 def quantised_sequence_input(full: torch.Tensor, shard: torch.Tensor, layer: Fp8Layer) -> tuple:
     """The gathered sequence [T, K] scaled along K for the forward, this rank's tokens [T / tp, K]
-    scaled along T for the weight gradient (tp splits the tokens: their amax spans the tp group),
-    and the all-gather that brings every rank's copy back in backward."""
+    scaled along T for the weight gradient (tp splits the tokens: their amax spans the tp group, and
+    the cp group where cp splits them too), and the all-gather that brings every rank's copy back."""
     forward = quantise(full.reshape(-1, full.shape[-1]), 1, E4M3, layer.recipe, layer.groups_for(set(), 1))
     kept = quantise(shard.reshape(-1, shard.shape[-1]), 0, E4M3, layer.recipe, layer.groups_for({0}, 0))
     return forward, kept, Fp8SequenceRegather(layer.tp_group, kept.block is not None)
