@@ -622,15 +622,14 @@ class ReferenceTensors:
     def of(cls, cfg, seed: int) -> "ReferenceTensors":
         return cls(cfg, seed, checkpoints.reference_shapes(cfg))
 
-    def box(self, name: str, offsets: tuple, shape, device) -> torch.Tensor:
-        """Elements [offsets, offsets + shape) of tensor `name`, on `device`. The whole tensor is
-        drawn on the CPU and dropped: its generator's one stream defines every value, a slice
-        cannot be drawn alone."""
+    def box(self, name: str, offsets: tuple, shape) -> torch.Tensor:
+        """Elements [offsets, offsets + shape) of tensor `name`, on the CPU. The whole tensor is
+        drawn and dropped: its generator's one stream defines every value, a slice cannot be drawn
+        alone."""
         whole = reference_init(name, self.shapes[name], self.cfg, self.seed)
         held = whole[tuple(slice(start, start + size) for start, size in zip(offsets, shape))]
-        if held.numel() < whole.numel():    # a copy of the slice alone, which lets the whole tensor go
-            held = held.clone(memory_format=torch.contiguous_format)
-        return held.to(device)
+        # A copy of the slice alone lets the whole tensor go.
+        return held.clone(memory_format=torch.contiguous_format) if held.numel() < whole.numel() else held
 
 
 def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid: ProcessGrid, device) -> None:
@@ -654,11 +653,13 @@ def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid:
     named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
 
     def held_values(name: str, param) -> torch.Tensor:
-        return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape, device)
+        return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape)
 
+    # The pool only draws on the CPU; the copies to the device stay on this thread, whose current
+    # CUDA device is the rank's (init_distributed set it), so no other thread touches CUDA.
     with ThreadPoolExecutor(drawing_threads()) as pool:
         for (_, param), values in zip(named, pool.map(held_values, *zip(*named))):
-            put_values_in(param, values)
+            put_values_in(param, values.to(device))
     for buffer in (buffer for chunk in chunks for buffer in chunk.buffers()):
         torch.utils.swap_tensors(buffer, torch.zeros_like(buffer, device=device))
 
