@@ -118,10 +118,11 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 # ============================================================================ the technique: the plan
 
 
-def parallelize(cfg, grid: ProcessGrid, args, device):
+def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = False):
     """This rank's model and, with pp > 1, the pipeline that runs it: one lesson's entry point per
     line, in the order their assumptions need. Each works on whatever the line before produced, a
-    whole GPT or one pipeline chunk; the seams where two techniques meet are the next section."""
+    whole GPT or one pipeline chunk; the seams where two techniques meet are the next section.
+    values_to_load: a checkpoint or a Hub folder gives every value next (nothing is drawn)."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
     grouped = uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
@@ -148,7 +149,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device):
         # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens)
         fp8.apply_fp8(chunk, args.fp8, grid.tp_group, grid.cp_group if grid.cp_size > 1 else None)
     # this lesson: each parameter the reference's values of what this rank holds of it, on the device
-    materialise_held_parameters(chunks, ReferenceTensors.of(cfg, args.seed), grid, device)
+    materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
                            args.reshard_after_forward, args.prefetch,
@@ -632,7 +633,8 @@ class ReferenceTensors:
         return held.clone(memory_format=torch.contiguous_format) if held.numel() < whole.numel() else held
 
 
-def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid: ProcessGrid, device) -> None:
+def materialise_held_parameters(chunks: list, reference: ReferenceTensors | None, grid: ProcessGrid,
+                                device) -> None:
     """Give the chunks, built on the meta device and cut there by lessons 02-05 and 07_fp8, their
     values on `device`: each parameter those of the box of the reference tensor it holds
     (reference_offsets, the rule checkpoints reshard by), each buffer the reference's zeros
@@ -643,7 +645,9 @@ def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid:
     Speed: reference_init draws a tensor on one CPU thread (1e8 normals ~0.75 s), each from a
     generator of its own, and torch releases the GIL while it draws: a pool draws as many
     tensors at once as this rank has cores (drawing_threads). The host holds the whole tensors
-    being drawn, one per thread.
+    being drawn, one per thread. With no `reference` (a run that resumes, or starts from a Hub
+    folder, and so overwrites every value next) nothing is drawn: the parameters hold NaN until
+    loaded, so that one the load missed would make the first loss NaN instead of training unnoticed.
 
     Identity: torch.utils.swap_tensors gives each parameter object its values and keeps the
     object, which the modules and the lessons' wrappers refer to, but it drops what the earlier
@@ -653,6 +657,8 @@ def materialise_held_parameters(chunks: list, reference: ReferenceTensors, grid:
     named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
 
     def held_values(name: str, param) -> torch.Tensor:
+        if reference is None:
+            return torch.full(param.shape, float("nan"))
         return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape)
 
     # The pool only draws on the CPU; the copies to the device stay on this thread, whose current
@@ -1586,7 +1592,8 @@ def main(argv=None):
     device = init_distributed()
     snapshot = start_memory_history(args.memory_snapshot, device)
     grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
-    model, pipeline = parallelize(plan.cfg, grid, args, device)
+    model, pipeline = parallelize(plan.cfg, grid, args, device,
+                                  values_to_load=manifest is not None or args.init_from is not None)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
     settings = step_settings(grid, device, model.precision, args.max_grad_norm)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "

@@ -76,7 +76,9 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     for section, values in (written or {}).items():
         manifest[section].update(values)
     grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
-    model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
+    # as main() does: a resumed run draws no initial values (they hold NaN until the checkpoint's
+    # arrive, so a value the load missed would show in the losses compared below)
+    model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU, values_to_load=manifest is not None)
     if router_bias:
         for layer in moe_layers(model.module):
             layer.router_bias.copy_(torch.linspace(-0.3, 0.3, layer.n_experts))
