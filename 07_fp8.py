@@ -76,7 +76,9 @@ parallelism (lesson 04) a rank holds part of each sequence's tokens, so the scal
 (the weight gradient's X and dY) take their amax over cp as well, and mxfp8's blocks of 32 tokens
 lie within one rank's piece of a sequence (a rule). With ZeRO-3
 (lesson 06) the weight is quantised after the gather, in the forward and again in the backward,
-from the full-precision weight ZeRO gathered: the same bytes on every layout.
+from the full-precision weight ZeRO gathered: the same bytes on every layout. Under lesson 03's
+zero-bubble schedule a layer's backward splits where it divides: B quantises dY, computes dX and
+runs every all-reduce; W multiplies the FP8 copies of dY and X that B left, later.
 
 The price, per linear layer of a block and micro-batch of T tokens:
     compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300); the
@@ -97,9 +99,10 @@ exact powers of two; the FP8 linear's forward and backward equal a float32 emula
 check; dp x tp (with and without sequence parallelism) and cp x tp equal to one device, and a
 row-parallel layer with outlier features, or a sequence-parallel column layer with outlier tokens,
 equal to it only with the tp all-reduce of the amaxes (cp x tp: one device's codes only with the
-all-reduce over cp); the kept activation bytes equal the formula. On CPU the tensorwise and
-rowwise matmuls run through torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32
-matmul), as it is on CUDA GPUs without MX tensor cores. On Blackwell (sm_100+) mxfp8 goes to
+all-reduce over cp); the kept activation bytes equal the formula; zero-bubble equal to 1F1B bit
+for bit (tests/test_full_5d_zero_bubble.py). On CPU the tensorwise and rowwise matmuls run through
+torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), as it is on CUDA
+GPUs without MX tensor cores. On Blackwell (sm_100+) mxfp8 goes to
 torch._scaled_mm's block-scaled kernel (mx_kernel_runs, swizzled_block_scales); no GPU has run that
 path yet: benchmarks/fp8_mx_kernel_check.py compares it with the emulation where one has it.
 """
@@ -370,10 +373,10 @@ def forward_matmul(x_forward: Quantised, weight: torch.Tensor, layer: Fp8Layer, 
     return scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
 
 
-def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype, x_tokens) -> tuple:
-    """dX = dY W over N and dW = dY^T X over T (2-D), each operand quantised along its reduction
-    dimension; `x_tokens()` returns the kept copy of X scaled along T, asked for between the two
-    (where a shard-saving layer waits for the all-gather that travelled while dX was computed)."""
+def fp8_input_gradient(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype) -> tuple:
+    """dX = dY W over N (2-D), and dY quantised along T for the weight gradient (tensorwise: the
+    same copy, one scale serves both). Every collective of the backward (the amaxes over tp and cp)
+    is here, so zero-bubble's B runs them all and its W, fp8_weight_gradient alone, none."""
     recipe = layer.recipe
     dy = grad.reshape(-1, grad.shape[-1])
     fmt = recipe.gradient_format if recipe.scaled else E5M2
@@ -384,7 +387,20 @@ def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_d
     grad_input = scaled_matmul(dy_rows, w_columns, recipe, x_dtype)
     dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
         quantise(dy, 0, fmt, recipe, layer.groups_for(dy_split, 0))
-    return grad_input, scaled_matmul(dy_tokens.t(), x_tokens(), recipe, weight.dtype)
+    return grad_input, dy_tokens
+
+
+def fp8_weight_gradient(dy_tokens: Quantised, x_tokens: Quantised, recipe: Recipe, dtype) -> torch.Tensor:
+    """dW = dY^T X over T, from dY and X each quantised along the tokens."""
+    return scaled_matmul(dy_tokens.t(), x_tokens, recipe, dtype)
+
+
+def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype, x_tokens) -> tuple:
+    """dX and dW of the undivided backward, each operand quantised along its reduction dimension;
+    `x_tokens()` returns the kept copy of X scaled along T, asked for between the two (where a
+    shard-saving layer waits for the all-gather that travelled while dX was computed)."""
+    grad_input, dy_tokens = fp8_input_gradient(grad, weight, layer, x_dtype)
+    return grad_input, fp8_weight_gradient(dy_tokens, x_tokens(), layer.recipe, weight.dtype)
 
 
 class Fp8Matmuls(torch.autograd.Function):
@@ -423,14 +439,17 @@ class Fp8Forward:
     layer, or its row layer (whose exit_region, g, sums the partial outputs over tp)."""
 
     def forward(self, x):
-        if isinstance(x, tensor_parallel.SequenceParallelInput):      # lesson 02's shard-saving column layer
-            y = Fp8MatmulsSavingSequenceShard.apply(x.full, self.weight, self.fp8, quantised_once(x, self.fp8),
-                                                    output_dtype(x.full))
-        else:
-            y = Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
+        y = self.fp8_matmul(x)
         exit_region = getattr(self, "exit_region", None)
         y = y if exit_region is None else exit_region(y)
         return y if self.bias is None else y + self.bias
+
+    def fp8_matmul(self, x):
+        """X W^T (lesson 07's zero-bubble swaps in one whose backward leaves dW for W)."""
+        if isinstance(x, tensor_parallel.SequenceParallelInput):      # lesson 02's shard-saving column layer
+            return Fp8MatmulsSavingSequenceShard.apply(x.full, self.weight, self.fp8, quantised_once(x, self.fp8),
+                                                       output_dtype(x.full))
+        return Fp8Matmuls.apply(x, self.weight, self.fp8, self.fp8_input, output_dtype(x))
 
 
 @lru_cache(maxsize=None)
@@ -567,38 +586,99 @@ class Fp8MatmulsSavingSequenceShard(torch.autograd.Function):
         return grad_input.view(ctx.x_shape), grad_weight, None, None, None
 
 
+# ============================================================================ the technique: with zero-bubble's W
+
+# Lesson 03's zero-bubble schedule (03_zero_bubble.py) splits each backward in two: B, the gradient
+# of the input, which the previous stage waits for, now; W, the weights' gradients, later in the
+# bubble. An FP8 layer splits where its backward already divides: B runs fp8_input_gradient (dY
+# quantised along N and along T, W along N, dX, and every amax all-reduce among them) and leaves in
+# the chunk's W queue the two FP8 copies that dW = dY^T X multiplies: X's, kept since the forward,
+# and dY's along T (1 byte per element each, where lesson 03's linear leaves x and dy in the compute
+# dtype). W runs fp8_weight_gradient: one matmul, no collective. Every quantisation and matmul runs
+# once, the very calls of the undivided backward, so a step equals 1F1B's bit for bit
+# (tests/test_full_5d_zero_bubble.py). Lesson 07 swaps these layers in (its DEFERRED_LINEARS).
+
+
+@dataclass(frozen=True)
+class Fp8WeightGradient:
+    """One FP8 layer's W for one micro-batch, lesson 03's WeightGradient in FP8: what B left."""
+
+    weight: torch.nn.Parameter
+    grad_output_tokens: Quantised
+    input_tokens: Quantised
+    recipe: Recipe
+
+    def compute(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return [(self.weight, fp8_weight_gradient(self.grad_output_tokens, self.input_tokens, self.recipe,
+                                                  self.weight.dtype))]
+
+
+class Fp8MatmulsDeferringWeightGradient(torch.autograd.Function):
+    """Fp8Matmuls whose backward is B alone: dX now, the FP8 copies dW needs left in `pending` for
+    W. The weight comes in inside a tuple, as lesson 03's deferring linear takes it: no autograd
+    edge, so B runs none of its hooks and the data-parallel wrappers count its gradient in W."""
+
+    @staticmethod
+    def forward(ctx, x, weight: tuple, layer: Fp8Layer, shared: SharedInputQuantisation, out_dtype, pending):
+        x_forward, x_kept = shared.of(x, partial(_quantised_input_2d, layer=layer))
+        (ctx.weight,) = weight
+        y = forward_matmul(x_forward, ctx.weight, layer, out_dtype)
+        ctx.save_for_backward(x_kept.data, x_kept.scale)
+        ctx.layer, ctx.pending, ctx.x_shape, ctx.x_dtype, ctx.kept_axis = layer, pending, x.shape, x.dtype, x_kept.axis
+        return y.view(*x.shape[:-1], ctx.weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        data, scale = ctx.saved_tensors
+        x_kept = Quantised(data, scale, ctx.kept_axis, ctx.layer.recipe.block)
+        grad_input, dy_tokens = fp8_input_gradient(grad, ctx.weight, ctx.layer, ctx.x_dtype)
+        ctx.pending.keep(Fp8WeightGradient(ctx.weight, dy_tokens, x_kept, ctx.layer.recipe))
+        return grad_input.view(ctx.x_shape), None, None, None, None, None
+
+
+class DeferringFp8Matmul:
+    """An FP8 layer's matmul whose weight gradient waits for W, in the queue that lesson 03's
+    defer_weight_gradients gives the layer (sequence parallelism's layers never come here: lesson
+    07 refuses them with zero-bubble)."""
+
+    def fp8_matmul(self, x):
+        return Fp8MatmulsDeferringWeightGradient.apply(x, (self.weight,), self.fp8, self.fp8_input, output_dtype(x),
+                                                       self.pending_weight_gradients)
+
+
+@lru_cache(maxsize=None)
+def deferring_fp8_class(module_class: type) -> type:
+    """fp8_class(module_class) with DeferringFp8Matmul's matmul: what zero-bubble swaps in for it."""
+    fp8_layer = fp8_class(module_class)
+    return type("Deferring" + fp8_layer.__name__, (DeferringFp8Matmul, fp8_layer), {})
+
+
 # ============================================================================ configuration rules
 
 
 def fp8_problems(cfg, grid, args) -> list[str]:
-    """What --fp8 does not compose with, and mxfp8's block rule: every dimension a matmul sums
-    over, as one rank holds it, a multiple of 32, so that a block never straddles two ranks' parts:
-    tp's shards of the features; cp's pieces of a sequence (zigzag: two per rank) and, under
-    sequence parallelism, a tp rank's part of those tokens, each a run of one sequence's tokens."""
-    recipe = getattr(args, "fp8", "none")
-    if recipe == "none":
+    """mxfp8's block rule (every other recipe composes with every layout lesson 07 runs): every
+    dimension a matmul sums over, as one rank holds it, a multiple of 32, so that a block never
+    straddles two ranks' parts: tp's shards of the features; cp's pieces of a sequence (zigzag: two
+    per rank) and, under sequence parallelism, a tp rank's part of those tokens, each a run of one
+    sequence's tokens."""
+    if getattr(args, "fp8", "none") != "mxfp8":
         return []
-    problems = []
-    if getattr(args, "schedule", None) == "zero-bubble":
-        problems.append(f"--fp8 {recipe} with --schedule zero-bubble: lesson 03 defers the linears' weight gradients "
-                        f"through layers of its own (an FP8 deferred dW is not composed here); use 1f1b or interleaved")
-    if recipe == "mxfp8":
-        tp, d = grid.tp, cfg.head_dim
-        widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
-                  "n_kv_heads * head_dim / tp": cfg.n_kv_heads * d // tp,
-                  "micro-batch-size * seq-len (tokens)": args.micro_batch_size * args.seq_len}
-        if grid.cp > 1:
-            pieces = 2 * grid.cp if getattr(args, "zigzag", False) else grid.cp
-            widths[f"seq-len / {pieces} (a piece of a sequence that a cp rank holds)"] = args.seq_len // pieces
-        if getattr(args, "sequence_parallel", False):
-            kept = args.seq_len // (grid.cp * tp)
-            widths["seq-len / (cp * tp) (the tokens of a sequence that a tp rank keeps)"] = kept
-        if not cfg.n_experts or cfg.n_shared_experts:
-            widths["ffn_hidden / tp"] = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
-        problems += [f"--fp8 mxfp8: {name} = {value} is not a multiple of {MX_BLOCK}: mxfp8 scales blocks of "
-                     f"{MX_BLOCK} along every dimension a matmul sums over; use another size or --fp8 rowwise"
-                     for name, value in widths.items() if value % MX_BLOCK]
-    return problems
+    tp, d = grid.tp, cfg.head_dim
+    widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
+              "n_kv_heads * head_dim / tp": cfg.n_kv_heads * d // tp,
+              "micro-batch-size * seq-len (tokens)": args.micro_batch_size * args.seq_len}
+    if grid.cp > 1:
+        pieces = 2 * grid.cp if getattr(args, "zigzag", False) else grid.cp
+        widths[f"seq-len / {pieces} (a piece of a sequence that a cp rank holds)"] = args.seq_len // pieces
+    if getattr(args, "sequence_parallel", False):
+        kept = args.seq_len // (grid.cp * tp)
+        widths["seq-len / (cp * tp) (the tokens of a sequence that a tp rank keeps)"] = kept
+    if not cfg.n_experts or cfg.n_shared_experts:
+        widths["ffn_hidden / tp"] = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
+    return [f"--fp8 mxfp8: {name} = {value} is not a multiple of {MX_BLOCK}: mxfp8 scales blocks of "
+            f"{MX_BLOCK} along every dimension a matmul sums over; use another size or --fp8 rowwise"
+            for name, value in widths.items() if value % MX_BLOCK]
 
 
 def add_fp8_flag(parser) -> None:

@@ -46,7 +46,7 @@ Around the composition, what a real run needs: `--plan` (07_memory_plan.py: will
 and which layouts do, before launch), checkpoints that resume in any layout (--save-dir,
 --resume), the GPU fast paths (flash attention, a fused ring block, fused AdamW, --compile).
 FP8 matmuls: --fp8 (07_fp8.py). Lesson 03's zero-bubble schedule (03_zero_bubble.py, --schedule
-zero-bubble) with tp, cp, experts and ZeRO-0/1: every block's weight gradients wait for W
+zero-bubble) with tp, cp, experts, FP8 and ZeRO-0/1: every block's weight gradients wait for W
 (defer_block_weight_gradients).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
 
@@ -376,10 +376,13 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
 #            The embedding, the head (its chunked loss computes dW inside its own backward) and the
 #            routed experts (a unit of their own, over edp) get all theirs in B. Each unit's
 #            reduction starts when its last gradient has come: a block's at its chunk's last W.
+#   03 x 07_fp8  an FP8 layer's B quantises dY, computes dX and runs every amax all-reduce; it
+#            leaves the FP8 copies of X and dY (along the tokens) for W, whose one FP8 matmul is
+#            the undivided backward's dW (07_fp8.deferring_fp8_class): equal to 1F1B bit for bit.
 #
 # What does not compose is refused (zero_bubble_problems): a layer whose backward makes dW
 # itself (lesson 02's sequence-parallel linears), recomputation (what it recomputes in B would wait
-# in the W queue), FP8's scaled matmuls, and --compile (the W queue is filled inside backward).
+# in the W queue), and --compile (the W queue is filled inside backward).
 
 
 class GainDeferringGradient(torch.autograd.Function):
@@ -433,10 +436,12 @@ class RowLinearDeferringWeightGradient(tensor_parallel.RowParallelLinear):
         return out if self.bias is None else out + self.bias
 
 
-# what zero-bubble swaps in: lesson 03's deferring nn.Linear, and these for lesson 02's layers and the norms
+# what zero-bubble swaps in: lesson 03's deferring nn.Linear, these for lesson 02's layers and the norms,
+# and for each of those linears in FP8 (07_fp8's class of it) the FP8 layer whose dW waits for W
 DEFERRED_LINEARS = {**zero_bubble.DEFERRED_LINEARS,
                     tensor_parallel.ColumnParallelLinear: ColumnLinearDeferringWeightGradient,
                     tensor_parallel.RowParallelLinear: RowLinearDeferringWeightGradient}
+DEFERRED_LINEARS |= {fp8.fp8_class(linear): fp8.deferring_fp8_class(linear) for linear in DEFERRED_LINEARS}
 DEFERRED_NORMS = {norm: type(NormDeferringGain.__name__ + norm.__name__, (NormDeferringGain, norm), {})
                   for norm in (RMSNorm, tensor_parallel.TensorParallelRMSNorm)}
 
@@ -938,8 +943,8 @@ def composition_problems(cfg, grid, args) -> list[str]:
 
 
 def zero_bubble_problems(grid, args) -> list[str]:
-    """What lesson 03's zero-bubble schedule does not compose with here, each with its reason (FP8's
-    own rules refuse --fp8 with it)."""
+    """What lesson 03's zero-bubble schedule does not compose with here, each with its reason (--fp8
+    composes: an FP8 layer's dW waits for W too, DEFERRED_LINEARS)."""
     problems = []
     if grid.pp == 1:
         problems.append("--schedule zero-bubble with --pp 1: there is no pipeline bubble to fill; use --pp 2 or more")

@@ -618,7 +618,6 @@ def test_compiled_blocks_equal_eager_ones():
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "2", "--fp8", "mxfp8", "--micro-batch-size", "1", "--seq-len", "48"], "not a multiple of 32"),
     (["--cp", "2", "--fp8", "mxfp8", "--seq-len", "64"], "a piece of a sequence that a cp rank holds"),
-    (["--pp", "2", "--schedule", "zero-bubble", "--fp8", "rowwise"], "--fp8 rowwise with --schedule zero-bubble"),
     (["--tp", "2", "--sequence-parallel", "--fp8", "mxfp8", "--seq-len", "32", "--micro-batch-size", "2"],
      "the tokens of a sequence that a tp rank keeps"),
 ])

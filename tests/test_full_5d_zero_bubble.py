@@ -13,6 +13,14 @@ Experts, cp and tp at once: pp2 x cp2 x tp2 with an MoE (ep2 over dp x cp) under
 the same run under 1F1B (tests/test_full_5d_expert_composition.py proves that one equal to one
 device) to the same tolerances, with the same collective counts.
 
+FP8 (07_fp8.py): pp2 x tp2 under ZeRO-1, three layers (2 + 1), with each recipe, and pp2 x cp2
+with rowwise (whose dY scales along the tokens take their amax over cp), under zero-bubble equal
+the same layout under 1F1B bit for bit: B runs the undivided FP8 backward's quantisations, dX and
+amax all-reduces, W its dW matmul on the FP8 copies B left, each call the same as in 1F1B's one
+backward. Every collective is called as often as under 1F1B, the traffic table equals its
+formula, and autograd's kept bytes peak as under 1F1B. The control: a W that quantises dY along
+the tokens anew, with scales of 1, from the values B's copy stands for, gives other gradients.
+
 What does not compose (sequence parallelism, recomputation, --compile, a single stage) is refused
 in one line before any process group.
 """
@@ -36,6 +44,7 @@ from test_context_parallel import CFG, SEQ, mask_targets
 from test_full_5d import AUX, MOE_CFG, run
 from test_full_5d_composition import assert_equal_to_one_device, tp_shard
 from test_full_5d_context_composition import reference
+from test_fp8 import CFG as FP8_CFG
 from test_zero import PARAM_TOLERANCE, TOLERANCE
 
 CFG3 = replace(CFG, n_layers=3)
@@ -75,6 +84,68 @@ def test_zero_bubble_with_tp_cp_experts_and_zero_1_equals_one_device_and_1f1b():
                 torch.testing.assert_close(grad, one_f_one_b[key][name], **TOLERANCE, msg=f"{where} {key} {name}")
         for name, value in zero_bubble["params"].items():
             torch.testing.assert_close(value, one_f_one_b["params"][name], **PARAM_TOLERANCE, msg=f"{where} {name}")
+
+
+# every width a matmul sums over a multiple of mxfp8's 32 per tp rank (test_fp8's model), three layers
+FP8_CFG3 = replace(FP8_CFG, n_layers=3)
+FP8_LAYOUTS = {**{recipe: (GridShape(pp=2, tp=2), recipe) for recipe in ("tensorwise", "rowwise", "mxfp8")},
+               "rowwise pp2 x cp2": (GridShape(pp=2, cp=2), "rowwise")}
+
+
+def unit_scaled_weight_gradient(weight_gradient) -> list:
+    """The control's W: dY quantised along the tokens anew, with every scale 1, from the values
+    B's FP8 copy stands for (B's scales are what makes dW the undivided backward's)."""
+    fp8 = load_lesson("07_fp8")
+    unscaled = replace(weight_gradient.recipe, scaled=False)
+    grad_output = fp8.quantise(weight_gradient.grad_output_tokens.dequantise(), 0,
+                               weight_gradient.recipe.gradient_format, unscaled)
+    return [(weight_gradient.weight, fp8.fp8_weight_gradient(grad_output, weight_gradient.input_tokens, unscaled,
+                                                             weight_gradient.weight.dtype))]
+
+
+def every_fp8_run() -> dict:
+    runs = {}
+    for name, (shape, recipe) in FP8_LAYOUTS.items():
+        for schedule in ("1f1b", "zero-bubble"):
+            runs[f"{name} {schedule}"] = run(ProcessGrid(shape), 1, "none", FP8_CFG3,
+                                             ("--schedule", schedule, "--fp8", recipe))
+    fp8_weight_gradient = load_lesson("07_fp8").Fp8WeightGradient
+    original, fp8_weight_gradient.compute = fp8_weight_gradient.compute, unit_scaled_weight_gradient
+    try:
+        runs["control"] = run(ProcessGrid(FP8_LAYOUTS["rowwise"][0]), 1, "none", FP8_CFG3,
+                              ("--schedule", "zero-bubble", "--fp8", "rowwise"))
+    finally:
+        fp8_weight_gradient.compute = original
+    return runs
+
+
+def test_zero_bubble_with_fp8_equals_1f1b_bit_for_bit_with_its_collectives():
+    full_5d, memory_plan = load_lesson("07_full_5d"), load_lesson("07_memory_plan")
+    for name, (shape, recipe) in FP8_LAYOUTS.items():
+        planned = {}
+        for schedule in ("1f1b", "zero-bubble"):
+            args = full_5d.parse_args(["--pp", "2", "--tp", str(shape.tp), "--cp", str(shape.cp), "--zero-stage", "1",
+                                       "--schedule", schedule, "--fp8", recipe, "--seq-len", str(SEQ)])
+            full_5d.validate(FP8_CFG3, shape, full_5d.batch_shape(args, 1), args, shape.world_size)   # passes
+            planned[schedule] = memory_plan.planned_memory(FP8_CFG3, args, shape, 1, full_5d.batch_shape(args, 1),
+                                                           full_5d.zero.Precision(), 0)
+        # ZB-H1's first stage holds as many micro-batches as 1F1B's: the plan says so for zero-bubble too
+        assert planned["zero-bubble"] == planned["1f1b"], name
+    for rank, runs in enumerate(run_ranks(4, every_fp8_run, timeout_s=300)):
+        for name in FP8_LAYOUTS:
+            zero_bubble, one_f_one_b, where = runs[f"{name} zero-bubble"], runs[f"{name} 1f1b"], f"rank={rank} {name}"
+            assert zero_bubble["losses"] == one_f_one_b["losses"], where
+            for key in ("grads", "clipped_grads", "params"):
+                for param, value in zero_bubble[key].items():
+                    assert torch.equal(value, one_f_one_b[key][param]), f"{where} {key} {param}"
+            assert zero_bubble["calls"] == one_f_one_b["calls"], f"{where}: {zero_bubble['calls']} {one_f_one_b['calls']}"
+            table = zero_bubble["predicted_traffic"]
+            assert zero_bubble["traffic"] == table, where
+            assert zero_bubble["kept"] == one_f_one_b["kept"], where
+        control, one_f_one_b = runs["control"], runs["rowwise 1f1b"]
+        assert control["losses"][0] == one_f_one_b["losses"][0]       # the forwards are the same
+        worst = max((grad - one_f_one_b["grads"][param]).abs().max().item() for param, grad in control["grads"].items())
+        assert worst > 1e3 * TOLERANCE["atol"], f"rank={rank} control: {worst}"
 
 
 @pytest.mark.parametrize("argv, message", [
