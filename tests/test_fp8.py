@@ -671,23 +671,29 @@ def both_ways() -> dict:
             for recipe in ("tensorwise", "rowwise") for reduced in (True, False)}
 
 
+def one_device_fp8_linear(recipe: str, x, weight, grad_y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole 64 x 64 layer on one device with FP8 by `recipe`: its output, input gradient and
+    weight gradient, what the tp ranks' shards are compared with."""
+    lesson = fp8()
+    linear = torch.nn.Linear(64, 64, bias=False)
+    linear.weight = torch.nn.Parameter(weight.clone())
+    lesson.to_fp8([linear], lesson.RECIPES[recipe], None)
+    x_whole = x.clone().requires_grad_()
+    y = linear(x_whole)
+    y.backward(grad_y)
+    return y.detach(), x_whole.grad, linear.weight.grad
+
+
 def test_the_amax_all_reduce_over_tp_is_what_makes_a_split_layer_one_device():
     """A row-parallel FP8 layer on 2 tp ranks (both recipes that take an amax over a split
     dimension) equals the whole layer on one device with the all-reduce MAX of the amaxes, and
     does not without it: the small shard, scaled by its own amax, keeps bits one device flushes."""
-    lesson = fp8()
     x, weight, grad_y = outlier_input()
     per_rank = run_ranks(2, both_ways, timeout_s=60)
     for recipe in ("tensorwise", "rowwise"):
-        linear = torch.nn.Linear(64, 64, bias=False)
-        linear.weight = torch.nn.Parameter(weight.clone())
-        lesson.to_fp8([linear], lesson.RECIPES[recipe], None)
-        x_whole = x.clone().requires_grad_()
-        y = linear(x_whole)
-        y.backward(grad_y)
+        y, dx, dw = one_device_fp8_linear(recipe, x, weight, grad_y)
         for rank, runs in enumerate(per_rank):
-            expected = {"y": y.detach(), "dx": x_whole.grad.chunk(2, dim=1)[rank],
-                        "dw": linear.weight.grad.chunk(2, dim=1)[rank]}
+            expected = {"y": y, "dx": dx.chunk(2, dim=1)[rank], "dw": dw.chunk(2, dim=1)[rank]}
             for key, value in expected.items():
                 # float32 rounding of the tp sum's order, relative to the tensor's largest element
                 torch.testing.assert_close(runs[(recipe, True)][key], value, rtol=0, atol=1e-6 * value.abs().max(),
@@ -743,19 +749,12 @@ def test_the_amax_all_reduce_over_tp_makes_a_sequence_parallel_layers_kept_token
     recipe: output, input gradient and weight gradient equal the whole layer on one device with the
     amax of the kept tokens taken over tp (mxfp8: blocks of 32 tokens within a rank's part, no
     all-reduce), and the weight gradient does not without it (tensorwise, rowwise)."""
-    lesson = fp8()
     x, weight, grad_y = outlier_tokens()
     per_rank = run_ranks(2, sequence_parallel_both_ways, timeout_s=60)
     for recipe in RECIPES:
-        linear = torch.nn.Linear(64, 64, bias=False)
-        linear.weight = torch.nn.Parameter(weight.clone())
-        lesson.to_fp8([linear], lesson.RECIPES[recipe], None)
-        x_whole = x.clone().requires_grad_()
-        y = linear(x_whole)
-        y.backward(grad_y)
+        y, dx, dw = one_device_fp8_linear(recipe, x, weight, grad_y)
         for rank, runs in enumerate(per_rank):
-            expected = {"y": y.detach().chunk(2, dim=2)[rank], "dx": x_whole.grad.chunk(2, dim=1)[rank],
-                        "dw": linear.weight.grad.chunk(2, dim=0)[rank]}
+            expected = {"y": y.chunk(2, dim=2)[rank], "dx": dx.chunk(2, dim=1)[rank], "dw": dw.chunk(2, dim=0)[rank]}
             for key, value in expected.items():
                 # float32 rounding of the tp sum's order, relative to the tensor's largest element
                 torch.testing.assert_close(runs[(recipe, True)][key], value, rtol=0, atol=1e-6 * value.abs().max(),
