@@ -969,6 +969,8 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                          planned=getattr(args, "planned_steps", None) is not None)
               if getattr(args, "max_minutes", None) is not None else None)
     final_val_loss = None
+    if after_step is not None and not isinstance(after_step, AfterStep):
+        after_step = AfterStep(lambda step, last: True, after_step)    # a plain function: after every step
 
     def mfu_of(seconds: float) -> float | None:
         return (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
@@ -1023,7 +1025,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                     log.pending.val_loss = final_val_loss = validation_loss(evaluate, val_batches, args.val_batches,
                                                                             dp_rank, prepare_batch, device)
                 log.say(f"step {step:>4} | val loss {final_val_loss:.4f}")
-            acting = after_step is not None and (not isinstance(after_step, AfterStep) or after_step.due(step, last))
+            acting = after_step is not None and after_step.due(step, last)
             if acting or last:
                 log.flush()     # this step's line now: it comes before its checkpoint, and at the end
             if profiler is not None:
@@ -1032,7 +1034,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
             if acting:
                 try:
                     with budget.timing("checkpoint") if budget else nullcontext():
-                        after_step(step, last)
+                        after_step.run(step, last)
                 except ConfigError as error:    # a checkpoint every rank agreed has failed (a full disk)
                     exit_with_error(f"after step {step}: {error}; the checkpoints before it are intact")
             if stopping:
