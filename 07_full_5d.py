@@ -662,17 +662,18 @@ def materialise_held_parameters(chunks: list, reference: ReferenceTensors | None
     if torch.device(device).type == "meta":
         return      # a model built to be counted (07_memory_plan's tests): shapes only, nothing to draw
     named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
+    if reference is None:       # made on the device itself: nothing to draw, nothing to copy
+        for _, param in named:
+            put_values_in(param, torch.full_like(param, float("nan"), device=device))
+    else:
+        def held_values(name: str, param) -> torch.Tensor:
+            return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape)
 
-    def held_values(name: str, param) -> torch.Tensor:
-        if reference is None:
-            return torch.full(param.shape, float("nan"))
-        return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape)
-
-    # The pool only draws on the CPU; the copies to the device stay on this thread, whose current
-    # CUDA device is the rank's (init_distributed set it), so no other thread touches CUDA.
-    with ThreadPoolExecutor(drawing_threads()) as pool:
-        for (_, param), values in zip(named, pool.map(held_values, *zip(*named))):
-            put_values_in(param, values.to(device))
+        # The pool only draws on the CPU; the copies to the device stay on this thread, whose current
+        # CUDA device is the rank's (init_distributed set it), so no other thread touches CUDA.
+        with ThreadPoolExecutor(drawing_threads()) as pool:
+            for (_, param), values in zip(named, pool.map(held_values, *zip(*named))):
+                put_values_in(param, values.to(device))
     for buffer in (buffer for chunk in chunks for buffer in chunk.buffers()):
         torch.utils.swap_tensors(buffer, torch.zeros_like(buffer, device=device))
 
