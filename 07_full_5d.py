@@ -66,8 +66,8 @@ What to look for: the activation table, the run's mode measured equal to its pre
 mode's prediction with its saving against none; the traffic table, where full recomputation adds
 the blocks' forward collectives again and selective adds none.
 
-More: docs/07_full_5d.md (each mode's bytes derived and measured, bf16, the plan, checkpoints,
-the fast paths); docs/lesson_07.md (using the trainer).
+More: docs/07_full_5d.md (the seams and refusals, each mode's bytes derived, the fast paths, the
+plan); docs/running.md (checkpoints, faults, large runs).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_readme_runs_a_command_of_every_lesson():
 
 
 def test_every_documented_command_is_known_and_every_skip_says_why():
-    assert {"README.md", "docs/running.md", "docs/lesson_07.md"} <= {command.where.split(":")[0] for command in DOCS}
+    assert {"README.md", "docs/running.md", "docs/07_full_5d.md"} <= {command.where.split(":")[0] for command in DOCS}
     assert not [command.text for command in DOCS if command.kind == "unknown"]
     for command in DOCS:
         assert bool(command.skip) != bool(command.argv), command.text
@@ -53,7 +53,7 @@ def test_a_training_command_runs_few_steps_and_a_resume_finds_its_checkpoint():
     command of the same page: the writer is capped, saves every step, and the resumed run trains
     past its last checkpoint."""
     writer, resumer = [command for command in DOCS if "--save-dir ckpt" in command.text and not command.skip
-                       and command.where.startswith("docs/lesson_07.md")]
+                       and command.where.startswith("docs/running.md")]
     assert resumer.needs is writer and resumer.document == writer.document
     assert check.option(writer.argv, "--save-every") == "1"
     assert int(check.option(writer.argv, "--steps")) <= check.MAX_STEPS < int(check.option(resumer.argv, "--steps"))
