@@ -58,7 +58,7 @@ from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_tr
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
 from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, build_optimizer, clip_grad_norm_, plan_run, train)
+                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
 
 # ============================================================================ the technique: naive data parallel
 
@@ -228,10 +228,10 @@ def train_step(model: DataParallelModel, optimizer, batch: StepBatch, settings: 
     model.finish_gradient_synchronization()
     grad_norm = clip_grad_norm_(model.parameters(), settings.max_grad_norm, settings.norm_groups,
                                 settings.counts_toward_norm)
-    optimizer.step()
+    skipped = optimizer_step(optimizer, grad_norm)
     model.zero_grad(set_to_none=False)
     comm.call(dist.all_reduce, loss, group=model.dp_group)
-    return StepResult(loss, grad_norm)      # tensors: the shared loop reads them a step later
+    return StepResult(loss, grad_norm, skipped=skipped)     # tensors: the shared loop reads them a step later
 
 
 @torch.no_grad()

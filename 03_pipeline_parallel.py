@@ -97,7 +97,7 @@ from picotron_like.pipeline_tools import (PipelineDeadlock, SendsInFlight, Timel
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, plan_run, step_to_meter, train)
+                                 build_optimizer, clip_grad_norm_, optimizer_step, plan_run, step_to_meter, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -518,14 +518,14 @@ def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSe
         chunk.finish_gradient_synchronization()
     params = [p for chunk in pipeline.chunks for p in chunk.parameters()]
     grad_norm = clip_grad_norm_(params, settings.max_grad_norm, (pipeline.pp_group,))
-    optimizer.step()
+    skipped = optimizer_step(optimizer, grad_norm)
     for chunk in pipeline.chunks:
         chunk.zero_grad(set_to_none=False)
     # Only the last stage computed the loss, each data-parallel rank its own tokens' share: sums
     # over the pipeline and the chunks' gradient-reduction group give every rank the global loss.
     comm.call(dist.all_reduce, loss, group=pipeline.pp_group)
     comm.call(dist.all_reduce, loss, group=pipeline.chunks[0].dp_group)
-    return StepResult(loss, grad_norm)
+    return StepResult(loss, grad_norm, skipped=skipped)
 
 
 @torch.no_grad()

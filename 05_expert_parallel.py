@@ -340,7 +340,7 @@ def update_router_biases(parts, group, rate: float, grad_norm: torch.Tensor) -> 
     tokens must move the bias by the same total load, or the replicas of the router drift apart.
     `parts`: this rank's modules holding MoE layers (lesson 07: its pipeline chunks).
 
-    A step the shared loop skipped (a non-finite `grad_norm`, the same on every rank) moves no
+    A step optimizer_step skipped (a non-finite `grad_norm`, the same on every rank) moves no
     bias and keeps counting its load, as if it had not run. That is decided on the device (the
     rate times 0 or 1), so the host waits for nothing."""
     stepped = torch.isfinite(grad_norm)

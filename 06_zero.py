@@ -82,7 +82,7 @@ from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, plan_run, train)
+                                 build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -291,12 +291,14 @@ class ZeroDataParallel(nn.Module):
             for piece in unit.pieces:
                 piece.master.grad = grad_shard[piece.lo: piece.hi]
 
-    def step(self, optimizer) -> None:
-        """AdamW on this rank's shard of the float32 master (its gradients dropped after: they are
+    def step(self, optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+        """AdamW on this rank's shard of the float32 master unless the norm is not finite
+        (optimizer_step: returns whether it skipped), its gradients dropped after (they are
         rebuilt from the shard each step), then every rank's weights updated."""
-        optimizer.step()
+        skipped = optimizer_step(optimizer, grad_norm)
         optimizer.zero_grad()
         self.publish_master()
+        return skipped
 
     def _publish(self, unit: FlatUnit) -> None:
         """Cast the updated master into this rank's shard of the weights, then gather every shard
@@ -505,10 +507,10 @@ def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings
     model.finish_gradient_synchronization()
     model.gradients_to_master()
     grad_norm = clip_sharded_grad_norm_(model, settings)
-    model.step(optimizer)
+    skipped = model.step(optimizer, grad_norm)
     model.zero_grad()
     comm.call(dist.all_reduce, loss, group=model.dp_group)
-    return StepResult(loss, grad_norm)      # tensors: the shared loop reads them a step later
+    return StepResult(loss, grad_norm, skipped=skipped)     # tensors: the shared loop reads them a step later
 
 
 def evaluate(model: ZeroDataParallel, batch: StepBatch, settings: StepSettings) -> float:

@@ -495,7 +495,7 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
                balancing_log=None) -> StepResult:
     """The micro-batches through lesson 03's schedule on this rank's chunks, or lesson 01's loop;
     then lesson 06's sharded tail; with experts lesson 05's: the router biases move unless the
-    shared loop skipped the step (a non-finite norm, the same on every rank), and the aux and z
+    optimizer step was skipped (a non-finite norm, the same on every rank), and the aux and z
     losses go to the log."""
     if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
         model = model_or_pipeline.chunks[0].sharded

@@ -151,7 +151,7 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     own load, and "router_biases" holds each step's biases after that move ({buffer name: tensor}).
     """
     from picotron_like.model import GPT, moe_layers
-    from picotron_like.train import build_optimizer, clip_grad_norm_
+    from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
 
     model = GPT(cfg, seed=seed)
     optimizer = build_optimizer(model, lr)
@@ -169,11 +169,12 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         last_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        norms.append(clip_grad_norm_(model.parameters(), max_grad_norm).item())
+        norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+        norms.append(norm.item())
         if step == 0:
             clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         last_clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
+        optimizer_step(optimizer, norm)
         optimizer.zero_grad()
         losses.append(loss.item())
         aux_losses.append(sum((layer.last_aux_loss.item() for layer in moe), 0.0))

@@ -13,14 +13,15 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 - flags: ``add_training_flags`` (model, data, optimisation) and ``add_parallel_flags`` (the
   degrees of the grid), checked by ``check_flag_ranges``; ``plan_run`` turns them into the model
   shape, the grid and the batches, and stops every rank with one ``error:`` line if they cannot run;
-- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine), and
-  ``clip_grad_norm_``, whose norm is that of the *whole* model even when each rank holds a part;
+- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine),
+  ``clip_grad_norm_``, whose norm is that of the *whole* model even when each rank holds a part,
+  and ``optimizer_step``, which skips a step whose norm is not finite;
 - the step contract: every lesson's ``train_step(model, optimizer, batch, settings) -> StepResult``,
   with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
   tokens and divided by the global batch's target count (``StepBatch.n_targets``);
 - ``train``: the loop (learning rate, step, one log line per step, printed a step late so that the
-  host never waits for the device: ``LaggedStepLog``; throughput), which also skips
-  a step whose gradient norm is not finite (``NonFiniteStepGuard``), writes ``--metrics``,
+  host never waits for the device: ``LaggedStepLog``; throughput), which also counts the
+  skipped steps, writes ``--metrics``,
   runs ``--val-every`` validation through a lesson's ``evaluate(batch) -> float``, logs each
   step's memory and MFU, and traces a few steps with ``--profile``.
 """
@@ -110,8 +111,8 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
 
     Nothing here makes the host wait for the GPU: the factor min(1, max_norm / (norm + 1e-6)) is
     computed and applied on the device (times 1 changes no bit when the norm is below max_norm),
-    the norm goes to NonFiniteStepGuard as a tensor, and the step's StepResult reads it once the
-    optimizer's work is queued. (A non-finite norm makes the factor 0 or NaN: that step is skipped.)
+    and the norm goes on as a tensor, to optimizer_step and the step's StepResult. (A non-finite
+    norm makes the factor 0 or NaN: optimizer_step skips that step.)
     """
     params = [p for p in params if p.grad is not None]
     counted = [p for p in params if counts_toward_norm is None or counts_toward_norm(p)]
@@ -122,79 +123,43 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
     for group in sharded_over:
         comm.call(dist.all_reduce, norm_sq, group=group)
     total_norm = norm_sq.sqrt()
-    note_grad_norm(total_norm)
     factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
     if params:
         torch._foreach_mul_([p.grad for p in params], factor)
     return total_norm
 
 
-class NonFiniteStepGuard:
-    """Skips the optimizer step of a step whose gradient norm is not finite (an overflow, a bad batch).
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """The optimizer's step, skipped when the gradient norm is not finite (an overflow, a bad
+    batch); returns whether it was skipped, a bool tensor on the norm's device, unread.
 
-    Such a step must change nothing: a single NaN in a gradient would turn every weight and every
+    A skipped step must change nothing: one NaN in a gradient would turn every weight and every
     AdamW moment into NaN, and zeroing the gradients is not enough (AdamW would still decay the
-    weights and move the moments). So while the guard is entered, `optimizer.step` first asks
-    whether the last gradient norm a clipping function reported (`note_grad_norm`) was finite; if
-    not, it returns without stepping (every train_step zeroes the gradients right after its
-    optimizer step, so the bad ones are gone before the next step either way). The norm is
-    global (summed over every group the parameters are split across, and identical on
-    data-parallel replicas after the gradient all-reduce), so every rank decides the same and no
-    collective is added. The lesson's train_step stays as it is.
+    weights and move the moments). The norm is global (summed over every group the parameters are
+    split across, identical on data-parallel replicas after the gradient all-reduce), so every
+    rank decides the same and no collective is added. Every train_step calls this in place of
+    `optimizer.step()`, and hands the flag on in its StepResult.
 
-    Asking is a read of the norm to the host: on a GPU, a wait for the whole backward before the
-    optimizer's kernels can be queued. A fused AdamW (lesson 07's on CUDA) is asked on the device
-    instead: it takes a `found_inf` tensor (the flag PyTorch's GradScaler sets) and leaves
-    weights, moments and step count as they were when it is 1, so the host reads nothing until the
-    step is done. Other optimizers (the exact per-tensor loop of the CPU proofs) are asked on the host.
+    The interface is PyTorch's own, the one its GradScaler uses: an optimizer that declares
+    `_step_supports_amp_scaling` (AdamW with fused=True, lesson 07's on CUDA) finds the flag as a
+    float tensor in its `found_inf` attribute during `step()` and leaves weights, moments and
+    step count as they were where it is 1: the device decides and the host reads nothing. Any
+    other optimizer (the exact per-tensor loop of the CPU proofs) is asked on the host, a read of
+    the norm. An optimizer added later (a host-offloaded AdamW, Muon) implements the same: set the
+    attribute and honour `found_inf` in its step to keep the host out, or be asked on the host.
+    (`grad_scale`, the attribute's twin, stays unset: clipping has already scaled the gradients,
+    in place, in one multi-tensor kernel.)
     """
-
-    _active: list["NonFiniteStepGuard"] = []   # the guard of the running loop (at most one)
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self._norm = None                       # the last norm noted (a tensor), None: none this step
-        self._stepped = False
-
-    def __enter__(self):
-        self._step = self.optimizer.step
-        self.optimizer.step = self._guarded_step
-        NonFiniteStepGuard._active.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        NonFiniteStepGuard._active.remove(self)
-        del self.optimizer.step   # the instance attribute goes; the class's step shows through again
-        if hasattr(self.optimizer, "found_inf"):
-            del self.optimizer.found_inf
-
-    def note(self, grad_norm: torch.Tensor) -> None:
-        self._norm = grad_norm
-
-    def _guarded_step(self, *args, **kwargs):
-        self._stepped = True
-        if self._norm is None:
-            return self._step(*args, **kwargs)
-        if self.optimizer.defaults.get("fused"):
-            self.optimizer.found_inf = (~torch.isfinite(self._norm)).float()
-            return self._step(*args, **kwargs)
-        if torch.isfinite(self._norm).item():
-            return self._step(*args, **kwargs)
-        return None
-
-    def step_was_skipped(self) -> torch.Tensor | bool:
-        """Whether the step just run was skipped, without reading it: a bool tensor on the norm's
-        device (the shared loop reads it with the step's other figures, a step later), or False
-        when no norm was noted or no step taken. Resets for the next step."""
-        skipped = ~torch.isfinite(self._norm) if self._stepped and self._norm is not None else False
-        self._norm, self._stepped = None, False
-        return skipped
-
-
-def note_grad_norm(grad_norm: torch.Tensor) -> None:
-    """Every clipping function reports the global norm it computed here, for NonFiniteStepGuard."""
-    for guard in NonFiniteStepGuard._active:
-        guard.note(grad_norm)
+    skipped = ~torch.isfinite(grad_norm)
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.found_inf = skipped.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+    elif not skipped.item():
+        optimizer.step()
+    return skipped
 
 
 # ----------------------------------------------------------------------------- the step contract
@@ -247,17 +212,18 @@ class StepSettings:
 
 class StepResult:
     """A step's figures: the global batch's mean loss over its targets (the same on every rank), the
-    whole model's gradient norm before clipping, and more values for the log line ({"aux": ...}).
+    whole model's gradient norm before clipping, whether the optimizer skipped the step (a
+    non-finite norm: optimizer_step), and more values for the log line ({"aux": ...}).
 
     A train_step hands them over as it has them, tensors on the device (a number works too): on a
     GPU they are still being computed when the step returns, and the step reads nothing to the
-    host. `values` holds them as given. Reading `.loss`, `.grad_norm` or `.extra` makes the host
-    wait for them (the tests read them so); the shared loop instead copies them to the host
-    without waiting and reads them one step later (StepFigures, LaggedStepLog).
+    host. `values` holds them as given. Reading `.loss`, `.grad_norm`, `.skipped` or `.extra`
+    makes the host wait for them (the tests read them so); the shared loop instead copies them to
+    the host without waiting and reads them one step later (StepFigures, LaggedStepLog).
     """
 
-    def __init__(self, loss, grad_norm, extra: dict | None = None):
-        self.values = {"loss": loss, "grad_norm": grad_norm, **(extra or {})}
+    def __init__(self, loss, grad_norm, extra: dict | None = None, skipped=False):
+        self.values = {"loss": loss, "grad_norm": grad_norm, "skipped": skipped, **(extra or {})}
         self.extra_names = tuple(extra or {})
 
     @property
@@ -269,11 +235,15 @@ class StepResult:
         return float(self.values["grad_norm"])
 
     @property
+    def skipped(self) -> bool:
+        return bool(self.values["skipped"])
+
+    @property
     def extra(self) -> dict[str, float]:
         return {name: float(self.values[name]) for name in self.extra_names}
 
     def with_extra(self, extra: dict) -> "StepResult":
-        return StepResult(self.values["loss"], self.values["grad_norm"], extra)
+        return StepResult(self.values["loss"], self.values["grad_norm"], extra, self.values["skipped"])
 
 
 # ----------------------------------------------------------------------------- the flags every lesson shares
@@ -976,7 +946,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
         return (model_flops_utilisation(tokens / seconds, n_ranks, model_flops, throughput.peak_flops)
                 if model_flops is not None and throughput.peak_flops else None)
 
-    with NonFiniteStepGuard(optimizer) as guard, AgreedStop() as stop, \
+    with AgreedStop() as stop, \
             LaggedStepLog(throughput, metrics, tokens, mfu_of) as log, \
             profiler if profiler is not None else nullcontext():
         data_pass = batches.epoch_at(start_step)
@@ -1000,7 +970,7 @@ def train(args, optimizer, step_fn: Callable, batches: TokenBatches, dp_rank: in
                 for meter in meters if metered else ():
                     observing.enter_context(meter)
                 result = step_fn(batch)
-            figures.copy({**result.values, "skipped": guard.step_was_skipped()})
+            figures.copy(result.values)
             log.add(LoggedStep(step, lr, figures, memory.read(), metered, started_s))   # prints the step before
             if budget is not None:
                 budget.note_step()

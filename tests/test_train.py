@@ -23,7 +23,7 @@ from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops
 from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
 from picotron_like.testing import HostReads, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid, validate_parallel_config
-from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate
+from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate, optimizer_step
 
 SMALL = replace(get_config("tiny"), n_layers=3, hidden=96, n_heads=6, n_kv_heads=3, ffn_hidden=256, vocab_size=300)
 
@@ -460,29 +460,29 @@ def test_the_first_step_says_how_long_the_start_took(loop_run):
 
 
 def test_a_fused_adamw_skips_a_non_finite_step_on_the_device_without_a_host_read():
-    """Lesson 07's AdamW on CUDA is fused: the guard hands it the non-finite flag as a tensor
-    (found_inf), so clipping and the optimizer step read nothing to the host; the step still
-    changes nothing (weights, moments, step count), and is counted as skipped once read after it.
-    The CPU has a fused AdamW too, which shows it here; a finite step then trains as usual."""
+    """Lesson 07's AdamW on CUDA is fused: optimizer_step hands it the non-finite flag as a tensor
+    (found_inf, as GradScaler does), so clipping and the optimizer step read nothing to the host;
+    the step still changes nothing (weights, moments, step count), and its flag, read after it,
+    says skipped. The CPU has a fused AdamW too, which shows it here; a finite step then trains as
+    usual, and the optimizer is left as it was given (no found_inf behind)."""
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()        # moments and a step count to keep
     before = {key: value.clone() for key, value in snapshot(model, optimizer).items()}
-    with train.NonFiniteStepGuard(optimizer) as guard:
-        model(torch.ones(2, 4)).sum().backward()
-        model.weight.grad[0, 0] = float("nan")
-        with HostReads() as reads:
-            norm = clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-        assert reads.sites == [] and guard.step_was_skipped() and not math.isfinite(norm.item())
-        for key, value in snapshot(model, optimizer).items():
-            assert torch.equal(value, before[key]), key
-        optimizer.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        assert not guard.step_was_skipped() and not torch.equal(model.weight, before["weight"])
+    model(torch.ones(2, 4)).sum().backward()
+    model.weight.grad[0, 0] = float("nan")
+    with HostReads() as reads:
+        norm = clip_grad_norm_(model.parameters(), 1.0)
+        skipped = optimizer_step(optimizer, norm)
+    assert reads.sites == [] and skipped.item() and not math.isfinite(norm.item())
+    for key, value in snapshot(model, optimizer).items():
+        assert torch.equal(value, before[key]), key
+    optimizer.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    skipped = optimizer_step(optimizer, clip_grad_norm_(model.parameters(), 1.0))
+    assert not skipped.item() and not torch.equal(model.weight, before["weight"])
+    assert not hasattr(optimizer, "found_inf")
 
 
 def lagged_loop(metrics_path: str) -> dict:
