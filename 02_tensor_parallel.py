@@ -39,7 +39,7 @@ The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocab
              activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
              replicated: --sequence-parallel divides their 2(2h + 1), --save-sequence-shard the
              column layers' 2h too. The loss keeps one float32 per token and makes the logits one
-             chunk of tokens at a time, over V/tp words (model.linear_cross_entropy).
+             chunk of tokens at a time, over V/tp words (loss.linear_cross_entropy).
     communication: (4L + 2) all-reduces of b*s*h; with --sequence-parallel the same volume as
              (4L + 2) all-gathers and (4L + 2) reduce-scatters, and 2L + 1 all-reduces of h (norm
              gains); --save-sequence-shard adds 2L + 1 backward all-gathers of b*s*h. The loss: 3
@@ -79,10 +79,10 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import ChunkedLoss, VocabularyStatistics, linear_cross_entropy, loss_chunk_tokens
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows)
-from picotron_like.model import (GPT, ChunkedLoss, RMSNorm, SwiGLU, VocabularyStatistics, count_parameters,
-                                 linear_cross_entropy, loss_chunk_tokens)
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
 from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
@@ -278,7 +278,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     Without targets it returns this rank's slice of the logits. With targets, the loss without
     ever gathering the logits: loss_t = log sum_v exp(z_tv) - z_t,target, and each rank holds V/tp
-    of the z_tv. The reference's chunked loss (model.linear_cross_entropy) computes each chunk's
+    of the z_tv. The reference's chunked loss (loss.linear_cross_entropy) computes each chunk's
     statistics over this rank's words; combine_vocabulary_slices makes them the whole vocabulary's
     with three all-reduces of one number per token, once after the last chunk (not per chunk).
     The gradient is softmax - onehot, local to each rank's slice, so backward needs no
@@ -713,7 +713,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     so with sequence parallelism saving the shard everything a block saves is divided by tp. Plus
     the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per token;
     the head's final norm and input (as a block's norm), the loss's log-sum-exp (one float32 per
-    token, whatever V and tp: model.LinearCrossEntropy) and its int64 targets.
+    token, whatever V and tp: loss.LinearCrossEntropy) and its int64 targets.
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len

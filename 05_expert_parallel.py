@@ -31,7 +31,7 @@ Four steps, in the order this file builds them:
 3. Gradients: expert gradients summed over edp, dense over dp, both normalised as usual by
    the global target count and nothing else. The classic bug divides expert gradients by ep (or
    edp): they would be ep times too small. The gradient norm counts every parameter once.
-4. Balancing across ranks: the auxiliary and z losses ride on the layer's output (model.py);
+4. Balancing across ranks: the auxiliary and z losses ride on the layer's output (moe.py);
    the auxiliary-loss-free router bias moves with the load summed over every rank routing tokens.
 Lesson 07 composes experts with the other axes: ep drawn from dp x cp, every expert split over
 tp, the MoE layers inside pipeline stages.
@@ -80,8 +80,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, BalancingLog, MeteredRun, RoutingMeter, add_traffic, data_parallel_traffic, log0,
                                    log_compute_report, log_memory_rows, log_traffic_rows, predicted_activation_bytes,
                                    tensor_bytes)
-from picotron_like.model import (GPT, GroupedExperts, Routing, count_parameters, expert_counts, is_expert_parameter,
-                                 moe_layers)
+from picotron_like.model import GPT, count_parameters
+from picotron_like.moe import GroupedExperts, Routing, expert_counts, is_expert_parameter, moe_layers
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
@@ -328,7 +328,7 @@ def step_settings(model: ExpertDataParallel, grid: ProcessGrid, device, compute_
 
 def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
     """Every MoE layer sees part of the step's batch: its balancing losses become shares of the
-    step's means over all sequences_per_step sequences (model.py's seam does the rest)."""
+    step's means over all sequences_per_step sequences (moe.py's seam does the rest)."""
     for layer in moe_layers(model):
         layer.sequences_per_step = sequences_per_step
     return model

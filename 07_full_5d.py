@@ -97,7 +97,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, MeteredRun, ModelStates,
                                     RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                     predicted_activation_bytes, step_bookkeeping_traffic)
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, moe_layers, reference_init
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, reference_init
+from picotron_like.moe import moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
 from picotron_like.train import (AfterStep, DataParallelModel, StepResult, StepSettings, add_parallel_flags,
@@ -254,7 +255,7 @@ def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
 
 def count_choices_over_context_parallel(chunk, group) -> None:
     """cp x balancing: each cp rank holds 1/cp of every sequence, and the auxiliary loss needs each
-    sequence's choice counts whole: model.py's seam sums them over the cp ranks (constants, no
+    sequence's choice counts whole: moe.py's seam sums them over the cp ranks (constants, no
     autograd) before the loss divides them."""
     for layer in moe_layers(chunk):
         layer.sequence_shards = group_size(group)

@@ -47,8 +47,9 @@ from typing import NamedTuple
 import torch
 
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import loss_chunk_tokens
 from picotron_like.metrics import add_traffic, loss_transient_parts, peak_flops_of_name
-from picotron_like.model import count_parameters, flops_per_token, get_config, loss_chunk_tokens
+from picotron_like.model import count_parameters, flops_per_token, get_config
 from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
 from picotron_like.train import batch_shape, check_flag_ranges, exit_with_error, grid_from_args

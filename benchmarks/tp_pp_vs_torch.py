@@ -68,8 +68,9 @@ from torch import nn
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import cross_entropy_loss
 from picotron_like.metrics import log0
-from picotron_like.model import GPT, cross_entropy_loss, get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
 
 data_parallel = load_lesson("01_data_parallel")

@@ -43,8 +43,9 @@ import torch.distributed as dist
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import cross_entropy_loss
 from picotron_like.metrics import log0
-from picotron_like.model import cross_entropy_loss, get_config
+from picotron_like.model import get_config
 from picotron_like.pipeline_tools import RecordedAction, TimelineRecorder, bubble_fraction, gather_timelines
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
 

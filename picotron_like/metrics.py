@@ -39,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.model import GPTConfig, expert_counts, flops_per_token, loss_chunk_tokens, moe_layers
+from picotron_like.loss import loss_chunk_tokens
+from picotron_like.model import GPTConfig, flops_per_token
+from picotron_like.moe import expert_counts, moe_layers
 
 
 def is_rank0() -> bool:
@@ -178,7 +180,7 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
       SwiGLU: gate, silu(gate), up, their product                         4f
     plus once per micro-batch the rotary cos/sin tables (s * head_dim), the final norm (3h + 1 per
     token, its output the LM head's input) and the chunked loss's log-sum-exp (1 per token: the
-    logits are never kept, model.LinearCrossEntropy), and the int64 token ids and targets.
+    logits are never kept, loss.LinearCrossEntropy), and the int64 token ids and targets.
     A model with experts saves per-expert copies instead of the 4f term; the formula covers
     dense models only.
     """
@@ -194,7 +196,7 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
 
 def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch.float32,
                          regathered_input: bool = False, matmul_copies_weight: bool = False) -> dict[str, int]:
-    """What the chunked loss's backward (model.LinearCrossEntropy) holds at its peak besides what
+    """What the chunked loss's backward (loss.LinearCrossEntropy) holds at its peak besides what
     forward kept, in bytes, for n = `tokens` tokens over a vocabulary slice of V words of the LM head,
     hidden h, its weights stored and multiplied in `dtype` (e bytes: float32, or bf16 as lessons 06
     and 07 keep them), c tokens per chunk:
@@ -351,7 +353,7 @@ class RoutedCall:
 
 class RoutingMeter:
     """Every training forward's routing counts, per MoE layer, while entered: a wrapper around
-    whatever dispatch is plugged into the layers' expert_compute seam (model.py) reads them, so
+    whatever dispatch is plugged into the layers' expert_compute seam (moe.py) reads them, so
     the dispatch counts nothing itself. The counts stay on the device while training runs (no
     host synchronisation per layer) and move to the CPU once, when the meter is left.
 

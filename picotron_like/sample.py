@@ -20,7 +20,7 @@ the same text, and torch's global generator, the one a training run's streams li
 touched (lesson 07 samples during training with this same function). Ids beyond the tokenizer's
 vocabulary (a vocabulary padded to a multiple of 64) are never drawn: they have no text.
 
-The KV cache (model.KVCache). Without one, the n-th token costs a forward over all n positions so
+The KV cache (kv_cache.KVCache). Without one, the n-th token costs a forward over all n positions so
 far: n^2 / 2 positions for n tokens. With it, each layer keeps the keys and values of the positions
 done; the prompt runs once, then each new token runs alone, its query attending to the kept keys:
 n positions of work, for 2 * n_layers * n_kv_heads * head_dim numbers per position kept. The
@@ -42,7 +42,9 @@ import torch
 
 from picotron_like import checkpoint as checkpoints
 from picotron_like.data import DataError, TextTokenizer, load_tokenizer
-from picotron_like.model import GPT, KVCache, moe_layers
+from picotron_like.kv_cache import KVCache
+from picotron_like.model import GPT
+from picotron_like.moe import moe_layers
 from picotron_like.topology import ConfigError
 
 BUILTIN_CORPUS = "the built-in corpus"      # what 07's manifest records as the data of a run without --data

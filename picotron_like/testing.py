@@ -150,7 +150,8 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     optimizer step every MoE layer moves its router bias by `bias_update_rate` (0: never) from its
     own load, and "router_biases" holds each step's biases after that move ({buffer name: tensor}).
     """
-    from picotron_like.model import GPT, moe_layers
+    from picotron_like.model import GPT
+    from picotron_like.moe import moe_layers
     from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
 
     model = GPT(cfg, seed=seed)
@@ -197,7 +198,7 @@ def ignore_targets(step: int, targets, ignored_rows=()):
     The rows in `ignored_rows` ignore every target (a micro-batch of padding). Returns `targets`,
     masked in place. Bind `ignored_rows` with functools.partial to pass it as `mask_targets`.
     """
-    from picotron_like.model import IGNORE_INDEX
+    from picotron_like.loss import IGNORE_INDEX
 
     seq_len = targets.shape[1]
     for row in range(targets.shape[0]):
@@ -211,7 +212,7 @@ def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
     `mask_targets(step, targets)` masked: the same rows and micro-batches, and n_targets counted
     over the whole masked global batch, as the reference (train_reference) sees it."""
     from picotron_like.data import StepBatch
-    from picotron_like.model import IGNORE_INDEX
+    from picotron_like.loss import IGNORE_INDEX
 
     targets = mask_targets(step, batches.global_batch(step)[:, 1:].clone())
     M, A = batches.shape.micro_batch_size, batches.shape.grad_accum

@@ -46,9 +46,10 @@ from functools import partial
 
 import torch
 
-import picotron_like.model as model_module
+import picotron_like.moe as moe_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.model import get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, ProcessGrid
 from picotron_like.train import checked_plan
@@ -200,7 +201,7 @@ def features(layout: Draw) -> set[str]:
     dp, pp, cp, tp = (int(flag(axis)) for axis in ("--dp", "--pp", "--cp", "--tp"))
     moe, virtual = flag("--preset") == "tiny-moe", int(flag("--virtual-stages") or 1)
     # without --ep, 07's default (expert_degree): the gcd of the experts and the dp x cp ranks
-    ep = int(flag("--ep")) if flag("--ep") else (math.gcd(dp * cp, model_module.get_config("tiny-moe").n_experts) if moe else 1)
+    ep = int(flag("--ep")) if flag("--ep") else (math.gcd(dp * cp, get_config("tiny-moe").n_experts) if moe else 1)
     words = {f"dp{dp}" if dp % 2 else "", f"pp{pp}", f"cp{cp}", f"tp{tp}", f"ZeRO-{flag('--zero-stage')}",
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
              f"recompute {flag('--recompute')}", "masked" if layout.masked else ""}
@@ -232,7 +233,7 @@ def record_routing(module, data_shape, grid, split, choices: dict, step_of: list
     --recompute full runs inside backward, where autograd has a current graph task: not recorded."""
     M, A = data_shape.micro_batch_size, data_shape.grad_accum
     for name, layer in module.named_modules():
-        if not isinstance(layer, model_module.MixtureOfExperts):
+        if not isinstance(layer, moe_module.MixtureOfExperts):
             continue
         layer_id, compute, calls = int(re.search(r"layers\.(\d+)", name).group(1)), layer.expert_compute, {}
 
@@ -336,7 +337,7 @@ def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
                 whole[rows[:, None], positions[None, :]] = ids
     queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(cfg.n_layers)]
     assert all((choice >= 0).all() for choice in queue), f"{layout}: every token routed exactly once"
-    flips, original = [], model_module.top_k_experts
+    flips, original = [], moe_module.top_k_experts
 
     def teacher_forced(selection, top_k):
         choice, own = queue.pop(0), original(selection, top_k)
@@ -345,11 +346,11 @@ def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
         flips.extend((ordered[differs, top_k - 1] - ordered[differs, top_k]).tolist())
         return choice
 
-    model_module.top_k_experts = teacher_forced
+    moe_module.top_k_experts = teacher_forced
     try:
         reference = train_reference(cfg, SEED, reference_batches(), STEPS, LR, MAX_GRAD_NORM, **options)
     finally:
-        model_module.top_k_experts = original
+        moe_module.top_k_experts = original
     assert not queue, f"{layout}: the reference routed fewer layers than the ranks"
     assert all(margin < FLIP_MARGIN for margin in flips), f"{layout}: a routing choice differs at margins {flips}"
     return reference

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.loss import IGNORE_INDEX
 from picotron_like.metrics import ActivationMeter, data_parallel_traffic, predicted_activation_bytes, step_traffic
-from picotron_like.model import IGNORE_INDEX, get_config
+from picotron_like.model import get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer

@@ -31,8 +31,9 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.loss import IGNORE_INDEX
 from picotron_like.metrics import add_traffic, data_parallel_traffic, step_bookkeeping_traffic
-from picotron_like.model import GPT, IGNORE_INDEX, get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer, clip_grad_norm_

@@ -39,12 +39,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-import picotron_like.model as model_module
+import picotron_like.moe as moe_module
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, BalancingLog, RoutingMeter, step_traffic
-from picotron_like.model import GPT, get_config, looped_expert_compute, moe_layers
+from picotron_like.model import GPT, get_config
+from picotron_like.moe import looped_expert_compute, moe_layers
 from picotron_like.testing import HostReads, ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import build_optimizer
@@ -127,7 +128,7 @@ def test_grouped_experts_leave_empty_groups_out_of_every_call(counts, monkeypatc
     torch._grouped_mm carries an expert with no rows; the result and every gradient still equal
     the loop's, the idle experts' gradients exactly zero (and present, for ZeRO's hooks)."""
     torch.manual_seed(SEED)
-    experts = model_module.GroupedExperts(len(counts), CFG.hidden, CFG.ffn_hidden)
+    experts = moe_module.GroupedExperts(len(counts), CFG.hidden, CFG.ffn_hidden)
     groups_seen, original = [], torch._grouped_mm
 
     def checking(a, b, offs=None, **kwargs):
@@ -227,7 +228,7 @@ def record_choices(parts, grid, data, choices: dict, step_of: list):
     M, A = data.shape.micro_batch_size, data.shape.grad_accum
     for part in parts:
         for name, layer in part.module.named_modules():
-            if isinstance(layer, model_module.MixtureOfExperts):
+            if isinstance(layer, moe_module.MixtureOfExperts):
                 layer_id = int(name.split(".")[1])
                 compute, calls = layer.expert_compute, {}
 
@@ -341,7 +342,7 @@ def forced_reference(variant: Variant, per_rank, check_margins: bool = True) -> 
                 full[rows[:, None], positions[None, :]] = ids
     queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(variant.cfg.n_layers)]
     assert all((choice >= 0).all() for choice in queue), "every token routed exactly once"
-    flips, drops, original, original_mask = [], [], model_module.top_k_experts, model_module.capacity_mask
+    flips, drops, original, original_mask = [], [], moe_module.top_k_experts, moe_module.capacity_mask
 
     def teacher_forced(selection, top_k):
         choice, own = queue.pop(0), original(selection, top_k)
@@ -355,13 +356,13 @@ def forced_reference(variant: Variant, per_rank, check_margins: bool = True) -> 
         drops.append(int((~kept).sum()))
         return kept
 
-    model_module.top_k_experts, model_module.capacity_mask = teacher_forced, counting_drops
+    moe_module.top_k_experts, moe_module.capacity_mask = teacher_forced, counting_drops
     try:
         reference = train_reference(variant.cfg, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
                                     mask_targets=mask_targets if variant.masked else None,
                                     bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS)
     finally:
-        model_module.top_k_experts, model_module.capacity_mask = original, original_mask
+        moe_module.top_k_experts, moe_module.capacity_mask = original, original_mask
     assert not queue
     assert not check_margins or all(margin < FLIP_MARGIN for margin in flips), \
         f"{variant}: a choice differs at margins {flips}"
@@ -474,7 +475,7 @@ def test_the_dispatch_reads_to_the_host_once_per_layer_and_nothing_else_does():
     counter sees the reads it must see."""
     cfg = replace(CFG, capacity_factor=1.0, aux_loss_coef=1e-2)
     tokens, targets = torch.randint(0, cfg.vocab_size, (2, 2, SEQ), generator=torch.Generator().manual_seed(0))
-    for compute, expected in [(looped_expert_compute, [("nonzero", "model.py:looped_expert_compute")] * cfg.n_experts),
+    for compute, expected in [(looped_expert_compute, [("nonzero", "moe.py:looped_expert_compute")] * cfg.n_experts),
                               (lesson.local_expert_compute, [("tolist", "05_expert_parallel.py:local_expert_compute")]),
                               (functools.partial(lesson.local_expert_compute, run_experts=lesson.grouped_experts),
                                [("tolist", "05_expert_parallel.py:local_expert_compute")])]:

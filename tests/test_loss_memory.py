@@ -1,4 +1,4 @@
-"""The chunked loss (model.LinearCrossEntropy, issue 20 item 10): proven equal to the textbook loss,
+"""The chunked loss (loss.LinearCrossEntropy, issue 20 item 10): proven equal to the textbook loss,
 and its memory measured next to its formulas.
 
 Equality, on 3 gloo ranks, every loss chunked over a few tokens (LOSS_CHUNK_BYTES lowered in each
@@ -29,11 +29,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from picotron_like import model as model_module
+from picotron_like import loss as loss_module
 from picotron_like.data import BatchShape
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import IGNORE_INDEX, cross_entropy_loss
 from picotron_like.metrics import loss_transient_parts, predicted_loss_transient_bytes
-from picotron_like.model import GPT, IGNORE_INDEX, cross_entropy_loss, get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape
 
@@ -53,8 +54,8 @@ def masked_tokens(vocab_size: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.
 
 def chunk_every(tokens: int, vocab_slice: int) -> None:
     """Make the loss chunk every `tokens` tokens over a vocabulary slice of `vocab_slice` words."""
-    model_module.LOSS_CHUNK_BYTES = 4 * vocab_slice * tokens
-    assert model_module.loss_chunk_tokens(vocab_slice) == tokens
+    loss_module.LOSS_CHUNK_BYTES = 4 * vocab_slice * tokens
+    assert loss_module.loss_chunk_tokens(vocab_slice) == tokens
 
 
 def textbook(reduction: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -152,7 +153,7 @@ def measured_loss_transient(dtype: torch.dtype, chunk: int | None, chunked: bool
     gradients already held (a later micro-batch's backward, which adds its dW into .grad: the worse
     case). `chunk` tokens per chunk, or all of them in one."""
     cfg = replace(get_config("tiny"), n_layers=1, vocab_size=4096)
-    model_module.LOSS_CHUNK_BYTES = 4 * cfg.vocab_size * chunk if chunk else 2**30
+    loss_module.LOSS_CHUNK_BYTES = 4 * cfg.vocab_size * chunk if chunk else 2**30
     model = GPT(cfg, seed=SEED).to(dtype)
     inputs, targets = masked_tokens(cfg.vocab_size, seq=64)
 
@@ -169,7 +170,7 @@ def test_loss_transient_measured_on_the_allocator_equals_its_formula():
     the byte in one chunk, where the chunk's float32 logits beside their bf16 product make the
     peak; chunked, the peak moves to dx = g W, for which the CPU's bf16 matmul packs a copy of W
     (counted) and some KiB of scratch of its own (not counted)."""
-    chunk_bytes = model_module.LOSS_CHUNK_BYTES
+    chunk_bytes = loss_module.LOSS_CHUNK_BYTES
     try:
         n, hidden, vocab = BATCH * 64, get_config("tiny").hidden, 4096
         for chunk in (None, 16, CHUNK):
@@ -181,7 +182,7 @@ def test_loss_transient_measured_on_the_allocator_equals_its_formula():
         # The textbook loss: the gradients of the log-probabilities and of the logits at once.
         assert measured_loss_transient(torch.float32, None, chunked=False) > 2 * 4 * vocab * n
     finally:
-        model_module.LOSS_CHUNK_BYTES = chunk_bytes
+        loss_module.LOSS_CHUNK_BYTES = chunk_bytes
 
 
 def test_the_plan_counts_the_loss_transient_where_the_head_is(capsys):

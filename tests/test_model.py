@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from picotron_like.model import (GPT, PRESETS, GPTConfig, MixtureOfExperts, SwiGLU, capacity_mask, choice_counts,
-                                 count_parameters, expert_capacity, flops_per_token, get_config, looped_expert_compute,
-                                 moe_layers, reference_init)
+from picotron_like.model import (GPT, PRESETS, GPTConfig, SwiGLU, count_parameters, flops_per_token, get_config,
+                                 reference_init)
+from picotron_like.moe import (MixtureOfExperts, capacity_mask, choice_counts, expert_capacity, looped_expert_compute,
+                               moe_layers)
 from picotron_like.train import build_optimizer
 
 TINY = replace(get_config("tiny"), n_layers=2)

@@ -55,8 +55,9 @@ from torch.utils.flop_counter import flop_registry
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.loss import cross_entropy_loss
 from picotron_like.metrics import data_parallel_traffic, step_traffic
-from picotron_like.model import GPT, cross_entropy_loss, get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference

@@ -30,8 +30,9 @@ import torch
 
 import picotron_like.sample as sampling
 from picotron_like.data import load_tokenizer, prepare
+from picotron_like.kv_cache import KVCache
 from picotron_like.lessons import load_lesson
-from picotron_like.model import GPT, KVCache, get_config
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import checked_plan, plan_run, train

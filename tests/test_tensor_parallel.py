@@ -40,11 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from picotron_like import comm
-from picotron_like import model as model_module
+from picotron_like import loss as loss_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
+from picotron_like.loss import IGNORE_INDEX
 from picotron_like.metrics import ActivationMeter, add_traffic, data_parallel_traffic, step_bookkeeping_traffic
-from picotron_like.model import GPT, IGNORE_INDEX, GPTConfig, get_config
+from picotron_like.model import GPT, GPTConfig, get_config
 from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer, checked_plan, set_learning_rate
@@ -168,7 +169,7 @@ def check_cross_entropy(group):
     targets[torch.rand(2, 8, generator=gen) < 0.25] = IGNORE_INDEX
     assert (targets == IGNORE_INDEX).any() and (targets != IGNORE_INDEX).any()
     head = tp_lesson.VocabParallelHead(full, group)
-    chunk_bytes, model_module.LOSS_CHUNK_BYTES = model_module.LOSS_CHUNK_BYTES, 4 * 32 // tp * 3
+    chunk_bytes, loss_module.LOSS_CHUNK_BYTES = loss_module.LOSS_CHUNK_BYTES, 4 * 32 // tp * 3
     for reduction in ("mean", "sum"):
         inputs, local_inputs = x.clone().requires_grad_(), x.clone().requires_grad_()
         full.weight.grad = head.weight.grad = None
@@ -192,7 +193,7 @@ def check_cross_entropy(group):
     loss.backward()
     assert torch.equal(head.weight.grad, torch.zeros_like(head.weight))
     assert head(x, ignored).isnan()
-    model_module.LOSS_CHUNK_BYTES = chunk_bytes
+    loss_module.LOSS_CHUNK_BYTES = chunk_bytes
 
 
 def check_apply_refuses_indivisible_kv_heads(group):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
-from picotron_like.model import IGNORE_INDEX
+from picotron_like.loss import IGNORE_INDEX
 from picotron_like.testing import RankFailure, ignore_targets, masked_step_batch, run_ranks
 
 

@@ -31,7 +31,8 @@ from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import BalancingLog, RoutingMeter
-from picotron_like.model import GPT, get_config, moe_layers
+from picotron_like.model import GPT, get_config
+from picotron_like.moe import moe_layers
 from picotron_like.pipeline_tools import simulate_pipeline
 from picotron_like.testing import run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
