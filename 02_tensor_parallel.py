@@ -39,7 +39,7 @@ The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocab
              activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
              replicated: --sequence-parallel divides their 2(2h + 1), --save-sequence-shard the
              column layers' 2h too. The loss keeps one float32 per token and makes the logits one
-             chunk of tokens at a time, over V/tp words (loss.linear_cross_entropy).
+             chunk of tokens at a time, over V/tp words (VocabParallelCrossEntropy).
     communication: (4L + 2) all-reduces of b*s*h; with --sequence-parallel the same volume as
              (4L + 2) all-gathers and (4L + 2) reduce-scatters, and 2L + 1 all-reduces of h (norm
              gains); --save-sequence-shard adds 2L + 1 backward all-gathers of b*s*h. The loss: 3
@@ -79,7 +79,8 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.loss import ChunkedLoss, VocabularyStatistics, linear_cross_entropy, loss_chunk_tokens
+from picotron_like.loss import (VocabularyStatistics, logit_gradients, logit_statistics, loss_chunk_tokens, matmul_dtype,
+                                reduced_loss, token_gradient_scale)
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
@@ -273,28 +274,62 @@ def combine_vocabulary_slices(stats: VocabularyStatistics, group) -> VocabularyS
     return VocabularyStatistics(row_max, sum_exp, target_logit)
 
 
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """The reference's chunked loss (loss.LinearCrossEntropy) with W split by vocabulary: each rank
+    makes the statistics of its V/tp words chunk by chunk (logit_statistics), and
+    combine_vocabulary_slices makes them the whole vocabulary's with three all-reduces of one
+    number per token, once after the last chunk (not per chunk); the loss follows from them as on
+    one device. The gradient is softmax - onehot, local to each rank's slice, so backward needs no
+    communication of its own: dW is this rank's rows, and dx a partial sum over the slices, which
+    the norm's f (or sequence parallelism's gather) in front of the head sums over tp.
+
+    `kept` is what backward keeps in place of the input x, and `restore_input` rebuilds x from it:
+    x itself and None, except for the shard-saving head (below), which keeps its s/tp tokens.
+    """
+
+    @staticmethod
+    def forward(ctx, x, kept, weight, targets, reduction: str, vocab_start: int, group, restore_input):
+        dtype = matmul_dtype(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            saved = kept.to(dtype)
+            inputs = (saved if kept is x else x.to(dtype)).reshape(-1, x.shape[-1])
+            targets_flat = targets.reshape(-1)
+            stats = logit_statistics(inputs, weight.to(dtype), targets_flat - vocab_start)
+            loss, log_sum_exp = reduced_loss(combine_vocabulary_slices(stats, group), targets_flat, reduction)
+        ctx.save_for_backward(saved, weight, targets_flat, log_sum_exp)
+        ctx.reduction, ctx.vocab_start, ctx.restore_input = reduction, vocab_start, restore_input
+        ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved, weight, targets_flat, log_sum_exp = ctx.saved_tensors
+        with torch.autocast(saved.device.type, enabled=False):
+            inputs = saved if ctx.restore_input is None else ctx.restore_input(saved)
+            grad_inputs, grad_weight = logit_gradients(
+                inputs.reshape(-1, inputs.shape[-1]), weight.to(saved.dtype), targets_flat - ctx.vocab_start,
+                log_sum_exp, token_gradient_scale(grad_loss, targets_flat, ctx.reduction))
+        return (grad_inputs.view(ctx.input_shape).to(ctx.input_dtype), None, grad_weight.to(weight.dtype),
+                None, None, None, None, None)
+
+
 class VocabParallelHead(ColumnParallelLinear):
     """The LM head split by vocabulary: rank r owns the rows of words [r*V/tp, (r+1)*V/tp).
 
     Without targets it returns this rank's slice of the logits. With targets, the loss without
-    ever gathering the logits: loss_t = log sum_v exp(z_tv) - z_t,target, and each rank holds V/tp
-    of the z_tv. The reference's chunked loss (loss.linear_cross_entropy) computes each chunk's
-    statistics over this rank's words; combine_vocabulary_slices makes them the whole vocabulary's
-    with three all-reduces of one number per token, once after the last chunk (not per chunk).
-    The gradient is softmax - onehot, local to each rank's slice, so backward needs no
-    communication of its own: the input's gradient is a partial sum over the slices, which the
-    norm's f (or sequence parallelism's gather) in front of the head sums over tp.
+    ever gathering the logits (VocabParallelCrossEntropy): loss_t = log sum_v exp(z_tv) - z_t,target,
+    and each rank holds V/tp of the z_tv.
     """
 
     def __init__(self, full: nn.Linear, group):
         super().__init__(full, group)
-        self.loss_settings = partial(ChunkedLoss, vocab_start=group_rank(group) * self.weight.shape[0],
-                                     combine=partial(combine_vocabulary_slices, group=group))
+        self.group, self.vocab_start = group, group_rank(group) * self.weight.shape[0]
 
     def forward(self, x, targets=None, reduction: str = "mean"):
         if targets is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, targets, self.loss_settings(reduction))
+        return VocabParallelCrossEntropy.apply(x, x, self.weight, targets, reduction, self.vocab_start, self.group,
+                                               None)
 
 
 # The five layer types a conversion swaps in; sequence parallelism (the next sections) swaps in
@@ -600,8 +635,8 @@ class ShardSavingVocabParallelHead(VocabParallelHead):
         if targets is None:
             return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
         x.regather.readers += 1
-        return linear_cross_entropy(x.full, self.weight, targets,
-                                    self.loss_settings(reduction, restore_input=x.regather.gathered), kept=x.shard)
+        return VocabParallelCrossEntropy.apply(x.full, x.shard, self.weight, targets, reduction, self.vocab_start,
+                                               self.group, x.regather.gathered)
 
 
 SHARD_SAVING_LAYERS = (SequenceParallelEmbedding, ShardSavingRMSNorm, ShardSavingColumnLinear,
@@ -713,7 +748,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     so with sequence parallelism saving the shard everything a block saves is divided by tp. Plus
     the rotary tables (s * head_dim); the embedding's int64 local ids and one-byte mask per token;
     the head's final norm and input (as a block's norm), the loss's log-sum-exp (one float32 per
-    token, whatever V and tp: loss.LinearCrossEntropy) and its int64 targets.
+    token, whatever V and tp: VocabParallelCrossEntropy) and its int64 targets.
     """
     layers = cfg.n_layers if n_layers is None else n_layers
     tokens = micro_batch * seq_len

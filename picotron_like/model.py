@@ -50,7 +50,7 @@ from torch import nn
 
 from picotron_like import moe
 from picotron_like.kv_cache import KVCache, cached_attention
-from picotron_like.loss import ChunkedLoss, linear_cross_entropy
+from picotron_like.loss import linear_cross_entropy
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -232,7 +232,7 @@ class LMHead(nn.Linear):
     def forward(self, x, targets=None, reduction: str = "mean"):
         if targets is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, targets, ChunkedLoss(reduction))
+        return linear_cross_entropy(x, self.weight, targets, reduction)
 
 
 class GPT(nn.Module):
