@@ -328,9 +328,9 @@ def step_settings(model: ExpertDataParallel, grid: ProcessGrid, device, compute_
 
 def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
     """Every MoE layer sees part of the step's batch: its balancing losses become shares of the
-    step's means over all sequences_per_step sequences (moe.py's seam does the rest)."""
+    step's means over all sequences_per_step sequences (the layer's moe.BatchShare)."""
     for layer in moe_layers(model):
-        layer.sequences_per_step = sequences_per_step
+        layer.batch_share = replace(layer.batch_share, sequences_per_step=sequences_per_step)
     return model
 
 

@@ -255,11 +255,11 @@ def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
 
 def count_choices_over_context_parallel(chunk, group) -> None:
     """cp x balancing: each cp rank holds 1/cp of every sequence, and the auxiliary loss needs each
-    sequence's choice counts whole: moe.py's seam sums them over the cp ranks (constants, no
+    sequence's choice counts whole: the layers' BatchShare sums them over the cp ranks (constants, no
     autograd) before the loss divides them."""
     for layer in moe_layers(chunk):
-        layer.sequence_shards = group_size(group)
-        layer.whole_sequence_counts = partial(sum_over_group, group=group)
+        layer.batch_share = replace(layer.batch_share, sequence_shards=group_size(group),
+                                    whole_sequence_counts=partial(sum_over_group, group=group))
 
 
 def context_parallel_peers(grid: ProcessGrid, args):

@@ -211,9 +211,32 @@ def attach_balancing_loss(y: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     So the loss is optimised wherever y's gradient flows, including on a pipeline stage whose
     backward starts from a gradient received from the next stage. The objective's own scaling (its
     mean over tokens, a division by the global target count) does not reach it: the loss must
-    arrive already normalised (see MixtureOfExperts.sequences_per_step).
+    arrive already normalised (see BatchShare.sequences_per_step).
     """
     return _AttachLoss.apply(y, loss)
+
+
+@dataclass(frozen=True)
+class BatchShare:
+    """Which share of the step's batch a MixtureOfExperts layer sees, so that its balancing losses
+    are shares of the step's means and add up over micro-batches and ranks. The default is the
+    reference's: the whole batch on one device. A distributed run sets it (layer.batch_share).
+
+    sequences_per_step     the sequences of the whole step; None: those this forward sees. A run
+                           that shows the layer part of the batch (a micro-batch, one data-parallel
+                           rank's rows) sets the step's count.
+    sequence_shards        how many ranks hold a piece of every sequence (context parallelism);
+                           1: the layer sees whole sequences.
+    whole_sequence_counts  turns the per-sequence choice counts [sequences, E] of the tokens this
+                           rank holds into those of the whole sequences (a sum over the ranks that
+                           hold them; the counts are constants, so no autograd is needed). Default:
+                           the counts unchanged. The aux loss then uses each whole sequence's
+                           counts and length, and the ranks' shares add up to the sequence's loss.
+    """
+
+    sequences_per_step: int | None = None
+    sequence_shards: int = 1
+    whole_sequence_counts: Callable[[torch.Tensor], torch.Tensor] = lambda counts: counts
 
 
 def config_problems(cfg) -> list[str]:
@@ -257,19 +280,8 @@ class MixtureOfExperts(nn.Module):
     Set by whoever trains with the layer:
       expert_compute      the dispatch, called as expert_compute(tokens [n, h], routing, experts)
                           -> [n, h]; default looped_expert_compute
-      sequences_per_step  None: the batch this layer sees is the step's whole batch (the
-                          reference). A run that shows the layer part of the batch (a micro-batch,
-                          one data-parallel rank's rows) sets the number of sequences in the whole
-                          step: each part's balancing loss is then its share of the step's mean,
-                          and the shares add up over micro-batches and ranks.
-      sequence_shards     1: the layer sees whole sequences. A run that cuts every sequence over
-                          several ranks (context parallelism) sets how many ranks hold a piece,
-      whole_sequence_counts  and a function that turns the per-sequence choice counts
-                          [sequences, E] of the tokens this rank holds into those of the whole
-                          sequences (a sum over the ranks holding them; the counts are constants,
-                          so no autograd is needed). Default: the counts unchanged. The aux loss
-                          then uses each whole sequence's counts and length, and the ranks'
-                          shares add up to the sequence's loss.
+      batch_share         the share of the step's batch this layer sees (a BatchShare); default:
+                          all of it
     State outside the optimizer's reach:
       router_bias         [E], moved only by update_router_bias (auxiliary-loss-free balancing)
       expert_load         [E], tokens that chose each expert since the last update_router_bias;
@@ -298,9 +310,7 @@ class MixtureOfExperts(nn.Module):
         self.expert_compute = looped_expert_compute
         self.register_buffer("router_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("expert_load", torch.zeros(cfg.n_experts), persistent=False)
-        self.sequences_per_step: int | None = None
-        self.sequence_shards = 1
-        self.whole_sequence_counts: Callable[[torch.Tensor], torch.Tensor] = lambda counts: counts
+        self.batch_share = BatchShare()
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
@@ -344,14 +354,15 @@ class MixtureOfExperts(nn.Module):
         (0 when the coefficient is 0) and divided by the step's count: the auxiliary loss is a mean
         over the step's sequences, the z-loss a mean over its tokens. Both count every token routed,
         whether or not its target is masked: the router sees them all. `seq_len` is the number of
-        tokens of each sequence the layer sees: all of it, or 1/sequence_shards of it (see the
-        class docstring), whose counts whole_sequence_counts completes."""
+        tokens of each sequence the layer sees: all of it, or 1/sequence_shards of it (see
+        BatchShare), whose counts whole_sequence_counts completes."""
+        share = self.batch_share
         sequences = routing.router_logits.shape[0] // seq_len
-        whole_len = seq_len * self.sequence_shards
-        step_sequences = sequences if self.sequences_per_step is None else self.sequences_per_step
+        whole_len = seq_len * share.sequence_shards
+        step_sequences = sequences if share.sequences_per_step is None else share.sequences_per_step
         aux = z = routing.router_logits.new_zeros(())
         if self.aux_loss_coef:
-            counts = self.whole_sequence_counts(
+            counts = share.whole_sequence_counts(
                 choice_counts(routing.expert_ids.view(sequences, seq_len, -1), self.n_experts))
             per_sequence = sequence_aux_loss(routing.scores.view(sequences, seq_len, -1), counts, whole_len,
                                              self.experts_per_token)

@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from picotron_like.model import (GPT, PRESETS, GPTConfig, SwiGLU, count_parameters, flops_per_token, get_config,
                                  reference_init)
-from picotron_like.moe import (MixtureOfExperts, capacity_mask, choice_counts, expert_capacity, looped_expert_compute,
-                               moe_layers)
+from picotron_like.moe import (BatchShare, MixtureOfExperts, capacity_mask, choice_counts, expert_capacity,
+                               looped_expert_compute, moe_layers)
 from picotron_like.train import build_optimizer
 
 TINY = replace(get_config("tiny"), n_layers=2)
@@ -386,7 +386,7 @@ def test_sequences_per_step_makes_parts_add_up_to_the_whole_batch():
 
     def balancing_gradient(parts, sequences_per_step):
         moe.zero_grad()
-        moe.sequences_per_step = sequences_per_step
+        moe.batch_share = BatchShare(sequences_per_step=sequences_per_step)
         read_outs = 0.0
         for part in parts:
             (moe(part) * 0).sum().backward()     # y's own gradient is zero: only the attached losses remain
@@ -415,9 +415,9 @@ def test_sequence_shards_make_chunks_add_up_to_the_whole_sequences():
 
     def balancing(parts, shards, completions):
         moe.zero_grad()
-        moe.sequence_shards, read_outs = shards, 0.0
+        read_outs = 0.0
         for part, complete in zip(parts, completions):
-            moe.whole_sequence_counts = complete
+            moe.batch_share = BatchShare(sequence_shards=shards, whole_sequence_counts=complete)
             (moe(part) * 0).sum().backward()     # only the attached losses reach the router
             read_outs += moe.last_aux_loss + moe.last_z_loss
         return moe.router.weight.grad.clone(), read_outs
