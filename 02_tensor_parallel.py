@@ -140,8 +140,7 @@ def take_shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
 
     Slicing the reference weight (not drawing a new one) makes the tp run start from exactly the
     single-device model's parameters. `tp_split_dim` records the cut so that shards can be put
-    back together (checkpoints, tests). `group` may be a GroupLayout (a full-size model's share
-    built on the meta device for the memory plan): cutting needs only the rank and the size.
+    back together (checkpoints, tests).
     """
     rank, tp = group_rank(group), group_size(group)
     shard = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
@@ -338,58 +337,32 @@ TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnP
                           VocabParallelHead)
 
 
-def split_dense_mlp(block, tp_group, norm, column, row) -> None:
-    """apply_tensor_parallel's default split of a block's MLP half, the attention half's twin:
-    its norm swapped for `norm`, the SwiGLU split column/row (parallelize_mlp)."""
-    block.mlp_norm = norm(block.mlp_norm, tp_group)
-    parallelize_mlp(block.mlp, tp_group, column, row)
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequence_shard: bool = False):
+    """Turn a reference GPT into its tensor-parallel version, in place, and return it.
 
-
-def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequence_shard: bool = False, split_mlp=None):
-    """Turn a reference GPT, or a pipeline stage of one, into its tensor-parallel version, in place.
-
-    Contract:
-    - `model` has the reference GPT's attributes: `cfg`, `layers` (any subset of the Blocks), and
-      `tok_embeddings`, `norm`, `lm_head`, each of which may be None (a middle pipeline stage).
-    - Its parameters hold the full reference weights; every sharded layer keeps its slice of them
-      (and every rank of the tp group must pass the same weights). Build the full model (or stage),
-      then call this: the full tensors are released as the modules are swapped.
-    - Modules are swapped, never edited: embedding -> VocabParallelEmbedding, each block's norms
-      -> TensorParallelRMSNorm, q/k/v/gate/up -> ColumnParallelLinear, o_proj/down ->
-      RowParallelLinear, lm_head -> VocabParallelHead (vocab-split logits, and the loss from
-      them without gathering them) (with sequence parallelism,
-      SEQUENCE_PARALLEL_LAYERS; with `save_sequence_shard` too, SHARD_SAVING_LAYERS). Parameter
-      names stay the same. `Attention.attention_core` is untouched.
-    - `model.forward`, `embed`, the blocks and `head_loss` keep their signatures. With sequence
-      parallelism the embedding returns [b, s/tp, h] (this rank's tokens), blocks take and return
-      [b, s/tp, h], and the final norm gathers the sequence before the head; so a pipeline stage
-      sends [b, s/tp, h] between stages and needs no code of its own. Saving the shard, the norms
-      return a SequenceParallelInput, not a tensor: only the column-parallel layers after them read it.
-      Rotary tables are built for the full sequence (positions as in the reference).
-    - `head_loss(h)` without targets returns this rank's vocabulary slice of the logits.
-    - `split_mlp(block, tp_group, norm, column, row)` splits each block's MLP half (`mlp_norm`,
-      `mlp`) with the layer types above; by default a dense SwiGLU (split_dense_mlp). Lesson 07
-      passes its own for a mixture of experts, and then checks the configuration itself.
-    - Raises ConfigError (before any collective) for heads, kv heads, hidden, ffn or vocab not
-      divisible by tp, or an MoE model without a `split_mlp`. The sequence length is checked by the
-      caller (validate_tensor_parallel) and again, identically on every rank, at the first
-      reduce-scatter.
-    Returns the same object.
+    Its parameters hold the full reference weights (the same on every rank of the tp group); every
+    sharded layer keeps its slice of them, and the full tensors are released as the modules are
+    swapped. Modules are swapped, never edited, so parameter names stay the same: the embedding,
+    the norms, q/k/v/gate/up, o_proj/down and the head become this section's five layer types
+    (TENSOR_PARALLEL_LAYERS; with sequence parallelism SEQUENCE_PARALLEL_LAYERS, saving the shard
+    SHARD_SAVING_LAYERS). GPT.forward keeps its signature; with sequence parallelism the embedding
+    returns this rank's [b, s/tp, h], the blocks take and return it, and the final norm gathers the
+    sequence before the head. Raises ConfigError (before any collective) for a dimension tp does not
+    divide or a mixture of experts; the sequence length is checked by validate_tensor_parallel.
     """
-    if split_mlp is None:
-        validate_tensor_parallel(model.cfg, group_size(tp_group))
-        split_mlp = split_dense_mlp
+    validate_tensor_parallel(model.cfg, group_size(tp_group))
     embedding, norm, column, row, head = (TENSOR_PARALLEL_LAYERS if not sequence_parallel else
                                           SHARD_SAVING_LAYERS if save_sequence_shard else SEQUENCE_PARALLEL_LAYERS)
-    if getattr(model, "tok_embeddings", None) is not None:
+    if model.tok_embeddings is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
     for block in model.layers:
         block.attn_norm = norm(block.attn_norm, tp_group)
         parallelize_attention(block.attn, tp_group, column, row)
-        split_mlp(block, tp_group, norm, column, row)
-    if getattr(model, "norm", None) is not None:
+        block.mlp_norm = norm(block.mlp_norm, tp_group)
+        parallelize_mlp(block.mlp, tp_group, column, row)
+    if model.norm is not None:
         model.norm = norm(model.norm, tp_group)
-    if getattr(model, "lm_head", None) is not None:
+    if model.lm_head is not None:
         model.lm_head = head(model.lm_head, tp_group)
     return model
 
@@ -491,7 +464,7 @@ def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
 
 class SequenceParallelEmbedding(VocabParallelEmbedding):
     """Sums the vocabulary slices by a reduce-scatter, so the embedding already returns this rank's
-    s/tp tokens: GPT.forward and a pipeline stage need no extra call to enter the split region."""
+    s/tp tokens: GPT.forward needs no extra call to enter the split region."""
 
     def exit_region(self, rows):
         return ReduceScatterToSequenceParallelRegion.apply(rows, self.group)

@@ -56,7 +56,6 @@ Run it:
     torchrun --nproc_per_node=4 06_zero.py --zero-stage 1 --dtype bfloat16  # bf16 + fp32 master
     torchrun --nproc_per_node=3 06_zero.py --zero-stage 2                   # every unit padded to 3 shards
     torchrun --nproc_per_node=8 06_zero.py --preset 1b --seq-len 1024       # one 8-GPU node
-    python 07_full_5d.py --zero-table --preset 8b         # this lesson's formula: 8b on 8 and 64 GPUs
 
 What to look for: the model-state table, measured equal to the stage's formula byte for byte;
 ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to its formula.
@@ -160,24 +159,12 @@ class FlatUnit:
 
 
 def unit_modules(model: nn.Module) -> list[list[nn.Module]]:
-    """The units in forward order: the embedding, each block, the head (final norm and LM head).
-    A pipeline stage's missing parts (lesson 07) are None and make no unit."""
+    """The units in forward order: the embedding, each block, the head (final norm and LM head)."""
     units = [[model.tok_embeddings]] if getattr(model, "tok_embeddings", None) is not None else []
     units += [[block] for block in model.layers]
     if getattr(model, "lm_head", None) is not None:
         units.append([model.norm, model.lm_head])
     return units
-
-
-def flat_units(named_params: list, group_of, sharded: bool) -> list[FlatUnit]:
-    """One module unit's flat units, one per group of ranks that hold its parameters (`group_of`
-    a parameter's name): here the data-parallel group holds them all; lesson 07 holds experts on
-    fewer ranks. Sharded, a flat unit has a shard per rank of its group; unsharded (stage 0), one."""
-    # Told apart by identity, in first-seen order: two groups may look alike (GroupLayout).
-    groups = {id(group): group for group in (group_of(name) for name, _ in named_params)}.values()
-    return [FlatUnit([(name, p) for name, p in named_params if group_of(name) is group],
-                     group_size(group) if sharded else 1, group_rank(group) if sharded else 0, group)
-            for group in groups]
 
 
 # ============================================================================ the technique: ZeRO-1, the optimizer states sharded
@@ -195,33 +182,25 @@ class ZeroDataParallel(nn.Module):
     step's tail (finish_step) hands the summed shard to the master (`.gradients_to_master()`),
     clips it and steps through `.step`. `replicate=True` is ZeRO stage 0: one shard, the buffers
     all-reduced, nothing gathered; lesson 01 with a float32 master, kept instead of lesson 01's
-    wrapper because checkpoints, bf16 weights and lesson 07's expert units read the units of every
-    stage the same way. `group_of` (lesson 07) names the group holding each parameter, if not all
-    of them are held by `group` (flat_units).
+    wrapper because checkpoints and bf16 weights read the units of every stage the same way.
 
     Gradients: every parameter has a post-accumulate hook; when all of a unit's parameters hold
     this micro-batch's gradient, they are added into the unit's flat buffer (in the reduce dtype)
     and dropped. On the last micro-batch the unit's reduction starts at once, while autograd still
     computes the units before it; each unit reduces its own buffer in place, so every unit's
     reduction may be in flight together.
-
-    Building the units needs only each group's size and this rank's place in it: a GroupLayout
-    (topology) does instead of a group, so lesson 07's memory plan builds any rank's shards of a
-    full-size model on the meta device, with no process group at all.
     """
 
     stage = 1
 
-    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), replicate: bool = False,
-                 group_of=None):
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), replicate: bool = False):
         super().__init__()
         if replicate:
             self.stage = 0
         self.module, self.dp_group, self.precision = module, group, precision
         self.require_backward_grad_sync = True
         names = {param: name for name, param in module.named_parameters()}
-        self.unit_groups = [flat_units([(names[p], p) for m in modules for p in m.parameters()],
-                                       group_of or (lambda name: group), sharded=self.stage > 0)
+        self.unit_groups = [self.flat_units([(names[p], p) for m in modules for p in m.parameters()])
                             for modules in unit_modules(module)]
         self.units = [unit for units in self.unit_groups for unit in units]
         if sum(len(unit.params) for unit in self.units) != len(names):
@@ -231,6 +210,13 @@ class ZeroDataParallel(nn.Module):
             self._shard_states(unit)
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(partial(self._grad_ready, unit))
+
+    def flat_units(self, named_params: list) -> list[FlatUnit]:
+        """A module unit's flat units: one, over the data-parallel group, with a shard per rank
+        (stage 0: one shard, the whole unit)."""
+        sharded = self.stage > 0
+        return [FlatUnit(named_params, group_size(self.dp_group) if sharded else 1,
+                         group_rank(self.dp_group) if sharded else 0, self.dp_group)]
 
     def _shard_states(self, unit: FlatUnit) -> None:
         """The unit's weights, its float32 master shard and its gradient buffer."""
@@ -388,8 +374,8 @@ class ZeroStage3(ZeroStage2):
     stage = 3
 
     def __init__(self, module: nn.Module, group, precision: Precision = Precision(),
-                 reshard_after_forward: bool = True, prefetch: bool = True, group_of=None):
-        super().__init__(module, group, precision, group_of=group_of)
+                 reshard_after_forward: bool = True, prefetch: bool = True):
+        super().__init__(module, group, precision)
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
         for index, modules in enumerate(unit_modules(module)):
             modules[0].register_forward_pre_hook(partial(self._before_forward, index))
@@ -472,13 +458,13 @@ def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
 
 
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
-              reshard_after_forward: bool = True, prefetch: bool = True, group_of=None) -> ZeroDataParallel:
+              reshard_after_forward: bool = True, prefetch: bool = True) -> ZeroDataParallel:
     """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
     if stage == 3:
-        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch, group_of)
+        return ZeroStage3(module, group, precision, reshard_after_forward, prefetch)
     if stage == 2:
-        return ZeroStage2(module, group, precision, group_of=group_of)
-    return ZeroDataParallel(module, group, precision, replicate=stage == 0, group_of=group_of)
+        return ZeroStage2(module, group, precision)
+    return ZeroDataParallel(module, group, precision, replicate=stage == 0)
 
 
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> torch.Tensor:

@@ -152,9 +152,9 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     # this lesson: each parameter the reference's values of what this rank holds of it, on the device
     materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
-    model = zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
-                           args.reshard_after_forward, args.prefetch,
-                           group_of=experts_over_edp(grid) if cfg.n_experts else None)
+    model = (wrap_zero_with_experts(one_module(chunks, grid), grid, args, precision) if cfg.n_experts else
+             zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
+                            args.reshard_after_forward, args.prefetch))
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
@@ -179,16 +179,33 @@ def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel:
     of the outputs (here of the rows the experts received) each way. Splitting the tokens instead
     would keep every expert whole on every tp rank, the largest weights of the model tp times over."""
     if cfg.n_experts:
-        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel=False, split_mlp=split_moe_mlp)
+        apply_tensor_parallel_around_experts(chunk, grid.tp_group)
     else:
         # Sequence parallelism in lesson 02's memory-optimal form (its --save-sequence-shard): a trainer
         # wants the memory, and this lesson's recompute and plan formulas count that form.
         tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel, save_sequence_shard=True)
 
 
-def split_moe_mlp(block, group, norm, column, row) -> None:
-    """Lesson 02's `split_mlp` for an MoE block. The router, the dispatch and the combine run whole
-    on every tp rank, so they get the reference's gradients as they are: f and g wrap the experts
+def apply_tensor_parallel_around_experts(chunk, group) -> None:
+    """Lesson 02's conversion (without sequence parallelism) of everything but an MoE block's MLP
+    half, which split_moe_mlp splits. Lesson 02 refuses experts; composition_problems checks the
+    splits this needs instead."""
+    tp = tensor_parallel
+    if chunk.tok_embeddings is not None:
+        chunk.tok_embeddings = tp.VocabParallelEmbedding(chunk.tok_embeddings, group)
+    for block in chunk.layers:
+        block.attn_norm = tp.TensorParallelRMSNorm(block.attn_norm, group)
+        tp.parallelize_attention(block.attn, group)
+        split_moe_mlp(block, group)
+    if chunk.norm is not None:
+        chunk.norm = tp.TensorParallelRMSNorm(chunk.norm, group)
+    if chunk.lm_head is not None:
+        chunk.lm_head = tp.VocabParallelHead(chunk.lm_head, group)
+
+
+def split_moe_mlp(block, group) -> None:
+    """An MoE block's MLP half over tp. The router, the dispatch and the combine run whole on
+    every tp rank, so they get the reference's gradients as they are: f and g wrap the experts
     alone (tensor_parallel_experts), the MoE's norm stays a plain RMSNorm (a TensorParallelRMSNorm's
     f would add up the tp ranks' identical gradients), and a shared expert, split like a dense
     MLP, gets its own f in front."""
@@ -196,7 +213,7 @@ def split_moe_mlp(block, group, norm, column, row) -> None:
     tp.replicated(block.mlp_norm.weight)
     tp.replicated(block.mlp.router.weight)
     if block.mlp.shared_expert is not None:
-        tp.parallelize_mlp(block.mlp.shared_expert, group, column, row)
+        tp.parallelize_mlp(block.mlp.shared_expert, group)
         block.mlp.shared_expert.register_forward_pre_hook(
             lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
 
@@ -279,16 +296,34 @@ def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
     return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
 
 
-def experts_over_edp(grid: ProcessGrid):
-    """ZeRO x experts: lesson 06's `group_of`. An expert weight is held by the ranks of its
-    expert-data-parallel group (edp: the dp x cp ranks of the same ep rank, lesson 05), not by
-    every dp x cp rank, so a block with experts makes two flat units, the dense one sharded over
-    dp x cp and the experts' over edp, each reduced, stepped and gathered over its own group
-    (ZeRO-3 gathers and frees them together). Clipping needs no group of its own for them: the
-    dp x cp ranks hold every ep group's experts, and each expert's shards over edp, exactly once,
-    so the dp x cp sum counts every expert (under tp, every slice of it: the tp sum adds the
-    slices) once."""
-    return lambda name: grid.edp_group if expert_parallel.is_expert_parameter(name) else grid.dp_cp_group
+class ExpertUnitsOverEdp:
+    """ZeRO x experts: lesson 06's ZeRO with each module unit cut in two flat units. An expert
+    weight is held by the ranks of its expert-data-parallel group (edp: the dp x cp ranks of the
+    same ep rank, lesson 05), not by every dp x cp rank, so a block with experts makes two flat
+    units, the dense one sharded over dp x cp and the experts' over edp, each reduced, stepped and
+    gathered over its own group (ZeRO-3 gathers and frees them together). Clipping needs no group
+    of its own for them: the dp x cp ranks hold every ep group's experts, and each expert's shards
+    over edp, exactly once, so the dp x cp sum counts every expert (under tp, every slice of it:
+    the tp sum adds the slices) once. Mixed into each of lesson 06's stage classes."""
+
+    edp_group = None
+
+    def flat_units(self, named_params: list) -> list:
+        experts = [(name, p) for name, p in named_params if expert_parallel.is_expert_parameter(name)]
+        dense = [(name, p) for name, p in named_params if not expert_parallel.is_expert_parameter(name)]
+        sharded = self.stage > 0
+        return [zero.FlatUnit(params, group_size(group) if sharded else 1, group_rank(group) if sharded else 0, group)
+                for params, group in ((dense, self.dp_group), (experts, self.edp_group)) if params]
+
+
+def wrap_zero_with_experts(module, grid, args, precision):
+    """Lesson 06's wrap_zero over dp x cp, its stage's class with ExpertUnitsOverEdp mixed in."""
+    stage_class = {0: zero.ZeroDataParallel, 1: zero.ZeroDataParallel, 2: zero.ZeroStage2,
+                   3: zero.ZeroStage3}[args.zero_stage]
+    with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class), {"edp_group": grid.edp_group})
+    if args.zero_stage == 3:
+        return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
+    return with_experts(module, grid.dp_cp_group, precision, **({"replicate": True} if args.zero_stage == 0 else {}))
 
 
 class StageChunks(torch.nn.Module):
@@ -1233,7 +1268,7 @@ def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: flo
 @dataclass(frozen=True)
 class ZeroUnits:
     """ZeRO x experts in lesson 06's formulas: each module unit's dense parameters, sharded over
-    the n = dp x cp ranks, and its experts', sharded over edp (experts_over_edp). From a built
+    the n = dp x cp ranks, and its experts', sharded over edp (ExpertUnitsOverEdp). From a built
     model (of), or in the memory plan from its unit counts; a dense model's experts are zeros."""
 
     dense: list[int]
