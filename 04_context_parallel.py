@@ -74,8 +74,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_traffic, log0, log_compute_report,
-                                   log_memory_rows, log_traffic_rows, predicted_activation_bytes)
+from picotron_like.metrics import (ActivationMeter, CallObserver, MeteredRun, data_parallel_traffic, log0,
+                                   log_compute_report, log_memory_rows, log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
@@ -286,8 +286,7 @@ class RingAttention(torch.autograd.Function):
 
     Saved for backward: q, k, v, the output and the lse, all of S/cp tokens. Nothing of the
     other ranks is kept; backward fetches their K/V around the ring again. Each block is computed
-    by the fused kernel or the plain functions (cp.ring_kernel), looked up here at call time, so
-    that a meter can wrap them from outside (AttentionWork).
+    by the fused kernel or the plain functions (cp.ring_kernel).
     """
 
     @staticmethod
@@ -454,8 +453,8 @@ CP_MODES = {"ring": ring_attention, "ulysses": ulysses_attention}
 
 
 def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: str = "ring") -> torch.nn.Module:
-    """Replace the attention core of every Attention in `model` (whatever holds Attention modules:
-    lesson 07 hands it pipeline stages and tensor-parallel blocks too) with the context-parallel one.
+    """Replace the attention core of every Attention in `model` (whatever holds Attention modules)
+    with the context-parallel one.
 
     Nothing else changes: every other layer is per token and runs on this rank's S/cp tokens as
     it is. The gradients then need one more thing, done by the caller: a sum over the dp × cp
@@ -522,40 +521,34 @@ def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
 class AttentionWork:
     """Query-key scores this rank's attention forward passes compute, counted from outside.
 
-    While entered, the functions that compute scores, attention_block or fused_attention_block
-    (the ring) and causal_attention (Ulysses), are replaced in this module by counting wrappers:
-    the technique looks these names up here at call time, so it needs no counter of its own. A call
-    over queries [..., s_q, d] and keys [..., s_k, d] counts every query-key pair; a diagonal block
-    counts in full, as the plain function computes it whole and then masks it (a flash kernel
-    skips the tiles above the diagonal; the count, like predicted_attention_work, ignores that).
+    While entered, Python's profiler hook (CallObserver) reports every call of the functions that
+    compute scores, attention_block or fused_attention_block (the ring) and causal_attention
+    (Ulysses), and the meter reads the call's q and k. A call over queries [..., s_q, d] and keys
+    [..., s_k, d] counts every query-key pair; a diagonal block counts in full, as the plain
+    function computes it whole and then masks it (a flash kernel skips the tiles above the
+    diagonal; the count, like predicted_attention_work, ignores that).
     """
-
-    counted = ("attention_block", "fused_attention_block", "causal_attention")
 
     def __init__(self):
         self.scores = 0
+        self._calls = CallObserver((attention_block, fused_attention_block, causal_attention), on_call=self._count)
 
-    def _counting(self, function):
-        @functools.wraps(function)
-        def counted(q, k, *args, **kwargs):
-            self.scores += q.shape[:-1].numel() * k.shape[-2]
-            return function(q, k, *args, **kwargs)
-        return counted
+    def _count(self, frame) -> None:
+        q, k = frame.f_locals["q"], frame.f_locals["k"]
+        self.scores += q.shape[:-1].numel() * k.shape[-2]
 
     def __enter__(self):
-        self._originals = {name: globals()[name] for name in self.counted}
-        globals().update({name: self._counting(function) for name, function in self._originals.items()})
+        self._calls.__enter__()
         return self
 
     def __exit__(self, *exc):
-        globals().update(self._originals)
-        return False
+        return self._calls.__exit__(*exc)
 
 
 def predicted_cp_traffic(cfg, micro_batch: int, seq_len: int, cp: int, mode: str, n_micro: int,
                          element_bytes: int = 4) -> dict:
     """Payload bytes per optimizer step on the cp group, by (collective, group), for the model's
-    n_layers layers and its heads (lesson 07 passes the layers and heads one rank holds)."""
+    n_layers layers and its heads."""
     tokens, d = micro_batch * seq_len // cp, cfg.head_dim
     per_step = cfg.n_layers * n_micro
     if mode == "ring":
@@ -664,7 +657,7 @@ def parse_args(argv=None):
 
 
 def add_context_parallel_flags(parser) -> None:
-    """This lesson's flags (lesson 07 takes them too)."""
+    """This lesson's flags."""
     parser.add_argument("--cp-mode", choices=tuple(CP_MODES), default="ring",
                         help="ring: K/V blocks around a ring of p2p sends; ulysses: all-to-all to heads and back")
     parser.add_argument("--zigzag", action=argparse.BooleanOptionalAction, default=True,

@@ -122,6 +122,36 @@ class ActivationMeter:
         return False
 
 
+class CallObserver:
+    """The calls of chosen functions, observed from outside through Python's profiler hook
+    (sys.setprofile, the hook cProfile uses): while entered, `on_call(frame)` runs as one of
+    `functions` starts on this thread and `on_return(frame)` as it returns, the frame's arguments
+    readable in frame.f_locals. Nothing is replaced or wrapped. An observer entered while another
+    is hands every event on to it, so several observe one step together (exit in reverse order)."""
+
+    def __init__(self, functions, on_call=None, on_return=None):
+        self.codes = {function.__code__ for function in functions}
+        self.on_call, self.on_return = on_call, on_return
+
+    def _profile(self, frame, event, arg):
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+        if frame.f_code in self.codes:
+            if event == "call" and self.on_call is not None:
+                self.on_call(frame)
+            elif event == "return" and self.on_return is not None:
+                self.on_return(frame)
+
+    def __enter__(self):
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc):
+        sys.setprofile(self._previous)
+        return False
+
+
 class SavedTensorMeters:
     """Several saved-tensor meters observing one step together. Autograd runs only the innermost
     saved_tensors_hooks, so two meters entered one inside the other would leave the outer one
@@ -448,7 +478,7 @@ class BalancingLog:
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "GB200": 2500e12, "B200": 2250e12,
                    "GB300": 2500e12, "B300": 2250e12, "A100": 312e12}
 # The dense FP8 (e4m3/e5m2) peaks of the same GPUs, twice bf16's on each; an A100 has no FP8 tensor
-# cores. Lesson 07's --fp8 runs only its blocks' matmuls at this rate (07_fp8.py).
+# cores. Lesson 07's --fp8 runs only its blocks' matmuls at this rate.
 PEAK_FP8_FLOPS = {"H100 PCIe": 1513e12, "H100": 1979e12, "H200": 1979e12, "GB200": 5000e12, "B200": 4500e12,
                   "GB300": 5000e12, "B300": 4500e12}
 MFU_CONVENTION = ("model FLOPs 6N + 12*layers*seq*heads*head_dim per token: causal attention counted in full, "
