@@ -25,8 +25,6 @@ the forward (F) and backward (B) of its micro-batches. This lesson builds three:
     interleaved 1F1B: each rank holds v chunks of layers taken round-robin (rank r: chunks r, r+p,
           ...). A micro-batch passes through every rank v times; each pass is v times shorter, so
           the pipeline fills and drains v times faster.
-A fourth, zero-bubble (ZB-H1), splits each backward in two and fills the bubble with the half that
-nobody waits for: 03_zero_bubble.py, this lesson's continuation, built on this file's Pipeline.
 
 Timelines on 4 stages with 8 micro-batches, printed by the schedule simulator in
 picotron_like.pipeline_tools (forward: the micro-batch's digit, backward: its letter, a = 0, a
@@ -91,7 +89,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, Block, LMHead, RMSNorm, count_parameters, init_reference_parameters
-from picotron_like.pipeline_tools import (PipelineDeadlock, SendsInFlight, TimelineRecorder, bubble_fraction,
+from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction,
                                           gather_timelines, peak_live_micro_batches, render_timeline,
                                           simulate_pipeline)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
@@ -137,8 +135,7 @@ class PipelineStage(nn.Module):
 
     It has GPT's attributes (tok_embeddings, layers, norm, lm_head, cfg), with the
     ones it does not own set to None, and borrows GPT's own embed / rope / head_loss: the model is
-    written once, and every other lesson's entry point (lesson 07 applies them) converts a stage as
-    it converts a whole GPT.
+    written once.
 
     forward(x, targets, positions, reduction): x is the token ids on the first stage and the hidden
     states [b, s, h] received from the previous stage otherwise; the result is the loss on the last
@@ -186,7 +183,7 @@ def build_stage_chunks(cfg, seed: int, pp: int, pp_rank: int, virtual_stages: in
 
 @dataclass(frozen=True)
 class Action:
-    kind: str          # "F" forward, "B" backward (03_zero_bubble.py adds "W", the weight gradients)
+    kind: str          # "F" forward, "B" backward
     chunk: int         # which of this rank's model chunks (0 .. v-1)
     micro_batch: int
 
@@ -282,13 +279,10 @@ def action_transfers(action: Action, pp: int, pp_rank: int, n_stages: int) -> tu
 
     A forward of virtual stage s receives its input from stage s-1 and sends its output to s+1; a
     backward receives the gradient of its output from s+1 and sends the gradient of its input to
-    s-1. The ends of the pipeline have no neighbour there. Stage s lives on rank s % pp. Any other
-    action (zero-bubble's W, which computes weight gradients nobody waits for) needs and sends nothing.
+    s-1. The ends of the pipeline have no neighbour there. Stage s lives on rank s % pp.
     """
     stage, micro_batch = action.chunk * pp + pp_rank, action.micro_batch
     before, after = (stage - 1) % pp, (stage + 1) % pp
-    if action.kind not in ("F", "B"):
-        return (), ()
     if action.kind == "F":
         needs = (Transfer("recv", before, Message("activation", stage, micro_batch)),) if stage > 0 else ()
         makes = (Transfer("send", after, Message("activation", stage + 1, micro_batch)),) if stage < n_stages - 1 else ()
@@ -313,22 +307,15 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
     simulate every rank's program, with the strictest semantics, before training.
     """
     n_stages = pp * virtual_stages
-    program, sends, sends_in_flight = [], (), False
+    program, sends = [], ()
     for unit in units:
         transfers = [action_transfers(action, pp, pp_rank, n_stages) for action in unit]
         receives = tuple(transfer for needs, _ in transfers for transfer in needs)
-        if sends and not any(needs or makes for needs, makes in transfers):
-            # A unit that talks to nobody (zero-bubble's W; every F and B of a pipeline does):
-            # post the sends before it and compute while they travel, or it would wait on the
-            # critical path; the next batch waits for them too.
-            program.append(SendsInFlight(sends))
-            sends_in_flight = True
-        elif sends or receives:
+        if sends or receives:
             program.append(sends + receives)
-            sends_in_flight = False
         program.extend(unit)
         sends = tuple(transfer for _, makes in transfers for transfer in makes)
-    if sends or sends_in_flight:
+    if sends:
         program.append(sends)
     return program
 
@@ -339,22 +326,17 @@ def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1)
 class Pipeline:
     """Runs one rank's part of a schedule: its chunks, its program, its neighbours.
 
-    chunks: this rank's model chunks (PipelineStage, or in lesson 07 the same chunks converted by
-    the other lessons), each wrapped for data parallelism (a train.DataParallelModel, here lesson
-    01's): the wrapper's require_backward_grad_sync is switched on only for a chunk's last
-    backward of the step.
+    chunks: this rank's model chunks (PipelineStage), each wrapped for data parallelism (a
+    train.DataParallelModel, here lesson 01's): the wrapper's require_backward_grad_sync is
+    switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
     (the residual stream stays float32 under autocast) unless the weights themselves are bf16.
     1F1B runs written out (one_f_one_b: receive, compute, send, as a reader should see it first);
     every other schedule runs its communication program (run_program), the same steps generated
     by communication_program. Both alternate exchange (one batch of transfers) with forward_step /
-    backward_step (one action each); those two are also where a timeline recorder times the
-    schedule from outside. `schedules`: the names a Pipeline runs (03_zero_bubble.py's subclass
-    adds its own).
+    backward_step (one action each).
     """
-
-    schedules = SCHEDULES
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
                  device, compute_dtype=torch.float32, boundary_dtype=torch.float32):
@@ -364,14 +346,13 @@ class Pipeline:
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
         self.device, self.compute_dtype, self.boundary_dtype = device, compute_dtype, boundary_dtype
-        units = self.schedules[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
+        units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
         self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
-        # (kind, chunk) -> the program index of the chunk's last backward (of each kind, when
-        # zero-bubble splits it): where the data-parallel reduction of its gradients is switched on
-        self.last_of_kind = {(step.kind, step.chunk): index for index, step in enumerate(self.program)
-                             if isinstance(step, Action) and step.kind != "F"}
-        self.sends_in_flight = []           # posted by a SendsInFlight batch, waited for by the next one
+        # chunk -> the program index of its last backward: where the data-parallel reduction of its
+        # gradients is switched on
+        self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
+                              if isinstance(step, Action) and step.kind == "B"}
 
     def forward_backward(self, batch: StepBatch) -> torch.Tensor:
         """Forward and backward of every micro-batch, in the schedule's order.
@@ -436,7 +417,7 @@ class Pipeline:
             elif step.kind == "F":
                 loss += self.forward_step(step, batch, inputs, outputs)
             else:
-                self.backward_step(step, self.last_of_kind[(step.kind, step.chunk)] == index, inputs, outputs, grads)
+                self.backward_step(step, self.last_backward[step.chunk] == index, inputs, outputs, grads)
         return loss
 
     def forward_only(self, batch: StepBatch) -> torch.Tensor:
@@ -449,8 +430,8 @@ class Pipeline:
         stage = action.chunk * self.pp + self.pp_rank
         micro_batch = batch.micro_batches[action.micro_batch]
         tokens, targets = micro_batch[0].to(self.device), micro_batch[1].to(self.device)
-        # Positions come from the data, not from x: in lesson 07 a stage may hold part of each
-        # sequence (context or sequence parallelism), whose positions x's shape does not tell.
+        # Positions come from the data when it carries them, not from x: a micro-batch cut along the
+        # sequence holds positions that x's shape does not tell.
         positions = (micro_batch[2].to(self.device) if len(micro_batch) > 2
                      else torch.arange(tokens.shape[1], device=self.device))
         x = tokens if stage == 0 else inputs[(stage, action.micro_batch)].requires_grad_()
@@ -475,6 +456,12 @@ class Pipeline:
         torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
 
     def exchange(self, transfers, inputs, outputs, grads) -> None:
+        """Post one batch of transfers and wait for all of them."""
+        for work in self.post(transfers, inputs, outputs, grads):
+            work.wait()
+
+    def post(self, transfers, inputs, outputs, grads) -> list:
+        """Post one batch of transfers in one batch_isend_irecv; returns its requests."""
         operations = []
         for transfer in transfers:
             message, peer = transfer.message, self.peer_ranks[transfer.peer]
@@ -497,13 +484,7 @@ class Pipeline:
                                    f"{self.boundary_dtype}: "
                                    f"pass the boundary shape the chunks produce")
             operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
-        works = comm.call(dist.batch_isend_irecv, operations) if operations else []
-        if isinstance(transfers, SendsInFlight):
-            self.sends_in_flight += works
-            return
-        for work in self.sends_in_flight + works:
-            work.wait()
-        self.sends_in_flight = []
+        return comm.call(dist.batch_isend_irecv, operations) if operations else []
 
 
 def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -562,13 +543,22 @@ def activation_shape(cfg, shape) -> tuple[int, int, int]:
 
 
 def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: str, virtual_stages: int,
-                             n_micro: int, n_micro_source: str = "--micro-batches", schedules=SCHEDULES) -> None:
+                             n_micro: int, n_micro_source: str = "--micro-batches") -> None:
     """Raise one ConfigError for a pipeline that cannot run; no collective is used.
 
-    n_micro is the micro-batch count that will run; n_micro_source says which flags gave it;
-    schedules: the schedule functions by name (03_zero_bubble.py's SCHEDULES adds zero-bubble).
+    n_micro is the micro-batch count that will run; n_micro_source says which flags gave it.
     """
     validate_parallel_config(grid, world_size)
+    problems = pipeline_problems(grid, cfg, schedule, virtual_stages, n_micro, n_micro_source)
+    if problems:
+        raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
+    refuse_deadlock(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages), schedule, grid.pp, n_micro,
+                    virtual_stages)
+
+
+def pipeline_problems(grid: GridShape, cfg, schedule: str, virtual_stages: int, n_micro: int,
+                      n_micro_source: str) -> list[str]:
+    """Every rule the layers, the chunks and the micro-batches break for this schedule."""
     problems = []
     if grid.pp > cfg.n_layers:
         problems.append(f"--pp {grid.pp} is more pipeline stages than n_layers={cfg.n_layers}: every stage needs "
@@ -590,31 +580,36 @@ def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: st
                             f"{'fewer than' if n_micro < grid.pp else 'not a multiple of'} --pp {grid.pp}: the "
                             f"interleaved schedule sends micro-batches through each chunk in groups of pp; "
                             f"use a multiple of {grid.pp}")
-    if problems:
-        raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
+    return problems
+
+
+def refuse_deadlock(programs: list[list], schedule: str, pp: int, n_micro: int, virtual_stages: int) -> None:
+    """Simulate every rank's program; a deadlock is a ConfigError, before any rank starts."""
     try:
-        simulate_pipeline(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages, schedules),
-                          virtual_stages=virtual_stages)
+        simulate_pipeline(programs, virtual_stages=virtual_stages)
     except PipelineDeadlock as error:
-        raise ConfigError(f"schedule {schedule} with pp={grid.pp}, m={n_micro}, v={virtual_stages} would "
+        raise ConfigError(f"schedule {schedule} with pp={pp}, m={n_micro}, v={virtual_stages} would "
                           f"deadlock: {error}")
 
 
-def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1, schedules=SCHEDULES) -> list[list]:
+def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> list[list]:
     """Every rank's communication program, for the simulator (a rank runs only its own)."""
-    return [communication_program(schedules[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
+    return [communication_program(SCHEDULES[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
             for rank in range(pp)]
 
 
-def validate(cfg, grid: GridShape, shape, args, world_size: int, schedules=SCHEDULES) -> None:
-    """The pipeline's rules for the micro-batch count that will run (shape.grad_accum, which
-    --global-batch-tokens may have set)."""
-    source = "--micro-batches"
-    if args.global_batch_tokens is not None:
-        source = (f"--global-batch-tokens {args.global_batch_tokens} / ({shape.micro_batch_size} sequences x "
-                  f"{shape.seq_len} tokens x dp {grid.dp})")
-    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum, source,
-                             schedules)
+def micro_batch_source(args, shape, grid: GridShape) -> str:
+    """The flags that gave the micro-batch count (--global-batch-tokens may have set it), for a refusal."""
+    if args.global_batch_tokens is None:
+        return "--micro-batches"
+    return (f"--global-batch-tokens {args.global_batch_tokens} / ({shape.micro_batch_size} sequences x "
+            f"{shape.seq_len} tokens x dp {grid.dp})")
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """The pipeline's rules for the micro-batch count that will run (shape.grad_accum)."""
+    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum,
+                             micro_batch_source(args, shape, grid))
 
 
 # ============================================================================ measuring the three challenges
@@ -677,27 +672,38 @@ def log_bubble_formula(timelines, schedule: str, pp: int, n_micro: int, virtual_
          f"(the formula assumes equal stages, each on its own core)")
 
 
-def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder,
-           log_bubble=log_bubble_formula) -> None:
-    """The timeline and its bubble (log_bubble: 03_zero_bubble.py passes its own formula), every
-    stage's activations and sends, then the shared rows of stage 0's rank: its memory and its
-    traffic (p2p, its stage's gradients over dp, the loss summed over pp and dp, the squared norm
-    over pp)."""
-    cfg, shape, pp, m, v = plan.cfg, plan.shape, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages
+def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
+    """The timeline and its bubble, every stage's activations and sends, then the shared rows of
+    stage 0's rank: its memory and its traffic (p2p, its stage's gradients over dp, the loss summed
+    over pp and dp, the squared norm over pp)."""
     training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
-    row = stage_report_row(pipeline, cfg, shape, run.activations, run.steps)
-    stages = [torch.empty_like(row) for _ in range(pp)]
+    stages = gather_stage_rows(run, pipeline, plan, grid)
+    timelines = gather_timelines(timeline.events, grid.pp_group)
+    log_timeline(timelines, args, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages)
+    log_bubble_formula(timelines, args.schedule, grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages)
+    log_stages(run, pipeline, plan, stages, training_traffic)
+
+
+def gather_stage_rows(run: MeteredRun, pipeline: Pipeline, plan, grid) -> list[torch.Tensor]:
+    """Every stage's stage_report_row, on every rank of the pipeline group."""
+    row = stage_report_row(pipeline, plan.cfg, plan.shape, run.activations, run.steps)
+    stages = [torch.empty_like(row) for _ in range(grid.pp_size)]
     # CPU rows on purpose, after training: on CUDA the group's gloo backend carries them, not NCCL.
     comm.call(dist.all_gather, stages, row, group=grid.pp_group)
-    timelines = gather_timelines(timeline.events, grid.pp_group)
+    return stages
 
-    log0(f"\n== timeline of step {step_to_meter(args)} ({args.schedule}, pp={pp}, m={m}"
-         + (f", v={v}" if v > 1 else "") + ") ==")
+
+def log_timeline(timelines, args, pp: int, n_micro: int, virtual_stages: int) -> None:
+    log0(f"\n== timeline of step {step_to_meter(args)} ({args.schedule}, pp={pp}, m={n_micro}"
+         + (f", v={virtual_stages}" if virtual_stages > 1 else "") + ") ==")
     log0(render_timeline(timelines))
     busy_ms = [sum(end - start for _, start, end in events) * 1e3 for events in timelines]
     log0(f"busy ms per stage: {', '.join(f'{ms:.1f}' for ms in busy_ms)}")
-    log_bubble(timelines, args.schedule, pp, m, v)
 
+
+def log_stages(run: MeteredRun, pipeline: Pipeline, plan, stages: list[torch.Tensor], training_traffic) -> None:
+    """The per-stage table, then stage 0's rank's memory, traffic and compute rows."""
+    cfg, pp, m, v = plan.cfg, len(stages), plan.shape.grad_accum, pipeline.virtual_stages
     log0("\n== every stage: activations at the schedule's peak; p2p sent per step (a boundary carries m "
          "activations forward and m gradients back, b x s x h each) ==")
     log0(f"{'stage':<7}{'layers':>7}{'micro-batches kept':>20}{'measured MB':>13}{'predicted MB':>14}"
@@ -718,16 +724,17 @@ def report(run: MeteredRun, pipeline: Pipeline, plan, args, grid, timeline: Time
 
 # ============================================================================ main
 
+SCHEDULE_HELP = ("with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one backward; "
+                 "interleaved, 1f1b over --virtual-stages chunks per rank")
 
-def add_schedule_flags(parser, schedules=SCHEDULES, default: str = "1f1b") -> None:
-    """--schedule and --virtual-stages: this lesson's flags, which 03_zero_bubble.py and lesson 07
-    take too, with zero-bubble among the schedules (their default needs resolve_virtual_stages
-    after parsing)."""
-    parser.add_argument("--schedule", choices=tuple(schedules), default=default,
-                        help="with --pp > 1: afab, all forwards then all backwards (GPipe); 1f1b, one forward one "
-                             "backward; interleaved, 1f1b over --virtual-stages chunks per rank; zero-bubble "
-                             "(03_zero_bubble.py), 1f1b with each backward split into input and weight gradients, the "
-                             "latter moved into the bubble (ZB-H1)")
+
+def add_schedule_flags(parser) -> None:
+    """--schedule and --virtual-stages (whose default needs resolve_virtual_stages after parsing)."""
+    parser.add_argument("--schedule", choices=tuple(SCHEDULES), default="1f1b", help=SCHEDULE_HELP)
+    add_virtual_stages_flag(parser)
+
+
+def add_virtual_stages_flag(parser) -> None:
     parser.add_argument("--virtual-stages", metavar="V", type=int, default=argparse.SUPPRESS,
                         help="model chunks per rank for --schedule interleaved (default: 2 there, else 1)")
 
@@ -738,54 +745,53 @@ def resolve_virtual_stages(args):
     return args
 
 
-def parse_args(argv=None, schedules=SCHEDULES, default_schedule: str = "1f1b",
-               title: str = "Lesson 03: pipeline parallelism"):
-    parser = argparse.ArgumentParser(description=f"{title} (run with torchrun).",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
-    add_schedule_flags(parser, schedules, default_schedule)
+def add_micro_batch_flags(parser) -> None:
+    """--micro-batches, this lesson's name for --grad-accum, and the shared training flags."""
     parser.add_argument("--micro-batches", dest="grad_accum", metavar="M", type=int, default=argparse.SUPPRESS,
                         help="m, micro-batches per optimizer step and data-parallel rank (same as --grad-accum)")
     add_training_flags(parser, micro_batch_size=4, grad_accum=8, steps=30)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 03: pipeline parallelism (run with torchrun).",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
+    add_schedule_flags(parser)
+    add_micro_batch_flags(parser)
     return resolve_virtual_stages(parser.parse_args(argv))
 
 
-def saved_activation_meter(pipeline: Pipeline) -> ActivationMeter:
-    """What autograd saves for backward on this rank's chunks (03_zero_bubble.py adds what waits for W)."""
-    return ActivationMeter(*pipeline.chunks)
+def log_header(args, plan, grid) -> None:
+    shape = plan.shape
+    log0(f"lesson 03: pipeline parallel, {args.schedule}, {plan.grid.picture().splitlines()[0]}, "
+         f"{count_parameters(plan.cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
+         f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} dp)")
 
 
 def main(argv=None):
-    run(parse_args(argv))
-
-
-def run(args, pipeline_class=Pipeline, activation_meter=saved_activation_meter, log_bubble=log_bubble_formula):
-    """Train and report, with this file's Pipeline; 03_zero_bubble.py runs it with its own pipeline,
-    its meter of what waits for W and its bubble formula."""
-    plan = plan_run(args, partial(validate, schedules=pipeline_class.schedules))
+    args = parse_args(argv)
+    plan = plan_run(args, validate)
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
     chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     compute_dtype = autocast_dtype(args.dtype, device)
-    pipeline = pipeline_class(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                              activation_shape(cfg, shape), device, compute_dtype)
+    pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
+                        activation_shape(cfg, shape), device, compute_dtype)
     optimizer = build_optimizer(modules, args.lr)
     settings = StepSettings(device, compute_dtype, args.max_grad_norm)
-    log0(f"lesson 03: pipeline parallel, {args.schedule}, {plan.grid.picture().splitlines()[0]}, "
-         f"{count_parameters(cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "
-         f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} dp)")
+    log_header(args, plan, grid)
 
-    # Both observe a late step from outside: the saved-tensor hooks and a wrapper around the
-    # pipeline's forward_step / backward_step.
-    activations, timeline = activation_meter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
+    # Both observe a late step from outside: the saved-tensor hooks and Python's profiler hook on
+    # the pipeline's forward_step / backward_step.
+    activations, timeline = ActivationMeter(*pipeline.chunks), TimelineRecorder(pipeline, grid.pp_group, device)
     throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
                        grid.dp_rank, device, meters=(activations, timeline), meter_step=step_to_meter(args),
                        evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
                        cfg=cfg)
     report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
-                      device, throughput.steps), pipeline, plan, args, grid, timeline, log_bubble)
+                      device, throughput.steps), pipeline, plan, args, grid, timeline)
     shutdown()
 
 

@@ -3,7 +3,6 @@ Lesson 03, continued: zero-bubble pipelining (ZB-H1), each backward split in two
 
     torchrun --nproc_per_node=2 03_zero_bubble.py --pp 2 --micro-batches 8    # CPU, ~20 s: the bubble next to 1F1B's
     torchrun --nproc_per_node=4 03_zero_bubble.py --pp 2 --dp 2               # two pipelines, dp x pp
-    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --tp 2 --zero-stage 1 --schedule zero-bubble --grad-accum 4
 
 The problem. Lesson 03's 1F1B idles (p-1)(T_F + T_B) per stage and step while the pipe fills and
 drains, however the forwards and backwards are ordered: a stage's backward of micro-batch i needs
@@ -29,7 +28,8 @@ picotron_like.pipeline_tools; forward: the digit, B: the letter, W: its capital,
 In a transformer almost all of W is the linear layers' dW = dy^T x, so that is what this file
 splits off: a linear layer's backward computes dx now and leaves (x, dy) in its chunk's W queue.
 Everything else is lesson 03: the same stages, the same point-to-point exchange, the same
-communication program (a W talks to nobody, so B's gradient is sent while W computes).
+communication program with one more rule (a W talks to nobody, so B's gradient is sent while W
+computes).
 
 The price.
     compute: none extra; every backward operation still runs once (a test counts the FLOPs). The
@@ -52,17 +52,24 @@ lends its core to the other one (benchmarks/zero_bubble.py measures it).
 
 from __future__ import annotations
 
-import functools
+import argparse
+import copy
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, log0
-from picotron_like.pipeline_tools import bubble_fraction
+from picotron_like.metrics import ActivationMeter, CallObserver, MeteredRun, log0
+from picotron_like.pipeline_tools import SendsInFlight, TimelineRecorder, bubble_fraction, gather_timelines
+from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
+                                    validate_parallel_config)
+from picotron_like.train import (StepSettings, add_parallel_flags, autocast_dtype, build_optimizer, plan_run,
+                                 step_to_meter, train)
 
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 Action = pipeline_parallel.Action
@@ -220,32 +227,105 @@ def zero_bubble_schedule(pp: int, pp_rank: int, n_micro: int, virtual_stages: in
 SCHEDULES = {**pipeline_parallel.SCHEDULES, "zero-bubble": zero_bubble_schedule}
 
 
+def communication_program(units, pp: int, pp_rank: int, virtual_stages: int = 1) -> list:
+    """Lesson 03's communication program with one more rule, for W: a W talks to nobody, so the
+    sends of the B before it are posted before it (a SendsInFlight batch) and travel while it
+    computes, instead of waiting on the critical path; the next batch waits for them too.
+    Without W's it is lesson 03's program."""
+    n_stages = pp * virtual_stages
+    program, sends, sends_in_flight = [], (), False
+    for unit in units:
+        if unit[0].kind == "W":
+            if sends:
+                program.append(SendsInFlight(sends))
+                sends, sends_in_flight = (), True
+            program.extend(unit)
+            continue
+        transfers = [pipeline_parallel.action_transfers(action, pp, pp_rank, n_stages) for action in unit]
+        receives = tuple(transfer for needs, _ in transfers for transfer in needs)
+        if sends or receives:
+            program.append(sends + receives)
+            sends_in_flight = False
+        program.extend(unit)
+        sends = tuple(transfer for _, makes in transfers for transfer in makes)
+    if sends or sends_in_flight:
+        program.append(sends)
+    return program
+
+
+def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int = 1) -> list[list]:
+    """Every rank's communication program for any of SCHEDULES, for the simulator."""
+    return [communication_program(SCHEDULES[schedule](pp, rank, n_micro, virtual_stages), pp, rank, virtual_stages)
+            for rank in range(pp)]
+
+
 class ZeroBubblePipeline(pipeline_parallel.Pipeline):
     """Lesson 03's Pipeline that also runs W: every B inside its chunk's W queue, every W from it.
 
     Each chunk's linears must defer their weight gradients: a chunk that does not yet gets lesson
-    03's nn.Linear converted here (defer_weight_gradients); lesson 07 converts its chunks first,
-    lesson 02's layers and the norms included. The data-parallel switch is on for each chunk's
-    last B and its last W (Pipeline.last_of_kind): the norms' and embedding's gradients are
-    complete after the one, the linears' after the other."""
+    03's nn.Linear converted here (defer_weight_gradients). ZB-H1 is 1F1B's order with each
+    backward split, so lesson 03's Pipeline is built for 1F1B (its forward-only program, for
+    validation, is ZB-H1's too) and then given this schedule's program. The data-parallel switch
+    is on for each chunk's last B (lesson 03's rule) and its last W: the norms' and embedding's
+    gradients are complete after the one, the linears' after the other. The sends before a W
+    travel while it computes (communication_program)."""
 
-    schedules = SCHEDULES
-
-    def __init__(self, chunks, *args, **kwargs):
+    def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, *args, **kwargs):
         for chunk in chunks:
             if not hasattr(chunk.module, "pending_weight_gradients"):
                 defer_weight_gradients(chunk.module)
-        super().__init__(chunks, *args, **kwargs)
+        super().__init__(chunks, grid, "1f1b", n_micro, virtual_stages, *args, **kwargs)
+        self.schedule = schedule
+        self.program = communication_program(SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages),
+                                             self.pp, self.pp_rank, virtual_stages)
+        self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
+                              if isinstance(step, Action) and step.kind == "B"}
+        self.last_weight_gradients = {step.chunk: step for step in self.program
+                                      if isinstance(step, Action) and step.kind == "W"}
         self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
+        self.sends_in_flight = []           # posted by a SendsInFlight batch, waited for by the next one
 
     def backward_step(self, action, is_chunks_last: bool, inputs, outputs, grads) -> None:
         pending = self.pending_weight_gradients[action.chunk]
         if action.kind == "W":      # the weight gradients the micro-batch's B left in the queue
-            self.chunks[action.chunk].require_backward_grad_sync = is_chunks_last
+            self.chunks[action.chunk].require_backward_grad_sync = action == self.last_weight_gradients[action.chunk]
             pending.weight_gradients(action.micro_batch)
             return
         with pending.input_gradient(action.micro_batch):
             super().backward_step(action, is_chunks_last, inputs, outputs, grads)
+
+    def exchange(self, transfers, inputs, outputs, grads) -> None:
+        works = self.post(transfers, inputs, outputs, grads)
+        if isinstance(transfers, SendsInFlight):
+            self.sends_in_flight += works
+            return
+        for work in self.sends_in_flight + works:
+            work.wait()
+        self.sends_in_flight = []
+
+
+# ============================================================================ configuration rules
+
+
+def validate_pipeline_config(grid: GridShape, world_size: int, cfg, schedule: str, virtual_stages: int,
+                             n_micro: int, n_micro_source: str = "--micro-batches") -> None:
+    """Lesson 03's rules for any of SCHEDULES, zero-bubble's program (W's included) simulated."""
+    if schedule != "zero-bubble":
+        pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, schedule, virtual_stages, n_micro,
+                                                   n_micro_source)
+        return
+    validate_parallel_config(grid, world_size)
+    problems = pipeline_parallel.pipeline_problems(grid, cfg, schedule, virtual_stages, n_micro, n_micro_source)
+    if problems:
+        raise ConfigError("bad pipeline configuration:\n  - " + "\n  - ".join(problems))
+    pipeline_parallel.refuse_deadlock(pipeline_programs(schedule, grid.pp, n_micro, virtual_stages), schedule,
+                                      grid.pp, n_micro, virtual_stages)
+
+
+def validate(cfg, grid: GridShape, shape, args, world_size: int) -> None:
+    """plan_run's hook: lesson 03's rules, for the schedule and micro-batch count that will run."""
+    validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum,
+                             pipeline_parallel.micro_batch_source(args, shape, grid))
 
 
 # ============================================================================ measuring the three challenges
@@ -265,16 +345,16 @@ class KeptActivationMeter(ActivationMeter):
 
     An ActivationMeter sees what autograd saves. Once B has run, autograd has let go of each
     linear's input, but the W queue still holds it, and the output gradient beside it, until W:
-    memory no saved-tensor hook sees. This meter also reads the queues after every forward, B and
-    W (it wraps the pipeline's action methods from outside while entered), counts each storage once
-    with the saved ones, and keeps the peak of the sum as the meter's peak_bytes (what lesson 03's
-    report prints); peak_saved_bytes is the saved tensors' alone, what a plain ActivationMeter reads."""
-
-    actions = ("forward_step", "backward_step")
+    memory no saved-tensor hook sees. This meter also reads the queues as every forward, B and W
+    returns (reported by Python's profiler hook, CallObserver), counts each storage once with the
+    saved ones, and keeps the peak of the sum as the meter's peak_bytes (what lesson 03's report
+    prints); peak_saved_bytes is the saved tensors' alone, what a plain ActivationMeter reads."""
 
     def __init__(self, pipeline: ZeroBubblePipeline):
         super().__init__(*pipeline.chunks)
         self.pipeline, self.peak_saved_bytes = pipeline, 0
+        self._actions = CallObserver((type(pipeline).forward_step, type(pipeline).backward_step),
+                                     on_return=self._after_action)
 
     def pack(self, tensor):
         holder = super().pack(tensor)
@@ -289,35 +369,23 @@ class KeptActivationMeter(ActivationMeter):
                     queued[storage.data_ptr()] = storage.nbytes()
         return self.live_bytes + sum(nbytes for address, nbytes in queued.items() if address not in self._live)
 
-    def _sampled(self, action_method):
-        @functools.wraps(action_method)
-        def sampled(*args, **kwargs):
-            result = action_method(*args, **kwargs)
+    def _after_action(self, frame) -> None:
+        if frame.f_locals.get("self") is self.pipeline:
             self.peak_bytes = max(self.peak_bytes, self.kept_bytes())
-            return result
-        return sampled
 
     def __enter__(self):
-        # Another observer (the timeline) may have wrapped these methods already: wrap its wrappers
-        # and put them back on the way out.
-        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.actions}
-        for name in self.actions:
-            setattr(self.pipeline, name, self._sampled(getattr(self.pipeline, name)))
+        self._actions.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, earlier in self._wrapped.items():
-            if earlier is None:
-                delattr(self.pipeline, name)
-            else:
-                setattr(self.pipeline, name, earlier)
-        return super().__exit__(*exc)
+        super().__exit__(*exc)
+        return self._actions.__exit__(*exc)
 
 
-def log_zero_bubble_formula(timelines, schedule: str, pp: int, n_micro: int, virtual_stages: int) -> None:
+def log_zero_bubble_formula(timelines, pp: int, n_micro: int) -> None:
     """The measured bubble next to ZB-H1's formula from this run's own mean F, B and W times, and next
-    to what 1F1B's formula gives for the same times (its backward is B + W); lesson 03's report
-    prints it in place of its own bubble line."""
+    to what 1F1B's formula gives for the same times (its backward is B + W): this file's report
+    prints it where lesson 03's prints its own bubble line."""
     def mean_ms(kind):
         durations = [end - start for events in timelines for action, start, end in events if action.kind == kind]
         return sum(durations) / len(durations) * 1e3
@@ -334,11 +402,61 @@ def log_zero_bubble_formula(timelines, schedule: str, pp: int, n_micro: int, vir
 # ============================================================================ main
 
 
+def add_schedule_flags(parser, names=tuple(SCHEDULES), default: str = "1f1b") -> None:
+    """Lesson 03's --schedule with zero-bubble among its choices, and its --virtual-stages."""
+    parser.add_argument("--schedule", choices=names, default=default,
+                        help=pipeline_parallel.SCHEDULE_HELP + "; zero-bubble (03_zero_bubble.py), 1f1b with each "
+                             "backward split into input and weight gradients, the latter moved into the bubble (ZB-H1)")
+    pipeline_parallel.add_virtual_stages_flag(parser)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Lesson 03, continued: zero-bubble pipeline parallelism (run with "
+                                                 "torchrun).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
+    add_schedule_flags(parser, ("zero-bubble",), "zero-bubble")
+    pipeline_parallel.add_micro_batch_flags(parser)
+    return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
+
+
+def report(run: MeteredRun, pipeline: ZeroBubblePipeline, plan, args, grid, timeline: TimelineRecorder) -> None:
+    """Lesson 03's report with this schedule's bubble line."""
+    pp, m, v = grid.pp_size, plan.shape.grad_accum, pipeline.virtual_stages
+    training_traffic = copy.deepcopy(comm.meter)        # before the report's own gathers add to it
+    stages = pipeline_parallel.gather_stage_rows(run, pipeline, plan, grid)
+    timelines = gather_timelines(timeline.events, grid.pp_group)
+    pipeline_parallel.log_timeline(timelines, args, pp, m, v)
+    log_zero_bubble_formula(timelines, pp, m)
+    pipeline_parallel.log_stages(run, pipeline, plan, stages, training_traffic)
+
+
 def main(argv=None):
-    """Lesson 03's run (dp x pp) with --schedule zero-bubble: its Pipeline, this file's W and measures."""
-    args = pipeline_parallel.parse_args(argv, {"zero-bubble": zero_bubble_schedule}, "zero-bubble",
-                                        "Lesson 03, continued: zero-bubble pipeline parallelism")
-    pipeline_parallel.run(args, ZeroBubblePipeline, KeptActivationMeter, log_zero_bubble_formula)
+    """Lesson 03's run (dp x pp) with --schedule zero-bubble: its stages, step and report, this file's
+    Pipeline, W and measures."""
+    args = parse_args(argv)
+    plan = plan_run(args, validate)
+    device = init_distributed()
+    grid = ProcessGrid(plan.grid)
+    cfg, shape = plan.cfg, plan.shape
+    chunks = pipeline_parallel.build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages,
+                                                  int(args.bucket_mb * 2**20))
+    modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
+    compute_dtype = autocast_dtype(args.dtype, device)
+    pipeline = ZeroBubblePipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
+                                  pipeline_parallel.activation_shape(cfg, shape), device, compute_dtype)
+    optimizer = build_optimizer(modules, args.lr)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
+    pipeline_parallel.log_header(args, plan, grid)
+
+    activations, timeline = KeptActivationMeter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
+    throughput = train(args, optimizer, partial(pipeline_parallel.train_step, pipeline, optimizer, settings=settings),
+                       plan.batches, grid.dp_rank, device, meters=(activations, timeline),
+                       meter_step=step_to_meter(args), evaluate=partial(pipeline_parallel.evaluate, pipeline,
+                                                                        settings=settings),
+                       val_batches=plan.val_batches, cfg=cfg)
+    report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
+                      device, throughput.steps), pipeline, plan, args, grid, timeline)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -931,8 +931,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     elif grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
-    pipeline_parallel.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages,
-                                               shape.grad_accum, schedules=zero_bubble.SCHEDULES)
+    zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum)
     checkpoints.check_flags(args)
     checkpoint_to_resume(args, cfg, shape)
 
@@ -1577,7 +1576,7 @@ def parse_args(argv=None):
     zero.add_zero_flags(parser)
     add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
-    pipeline_parallel.add_schedule_flags(parser, zero_bubble.SCHEDULES)
+    zero_bubble.add_schedule_flags(parser)
     context_parallel.add_context_parallel_flags(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",

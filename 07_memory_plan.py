@@ -129,8 +129,7 @@ def stage_outline(cfg, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple:
 @lru_cache(maxsize=None)
 def pipeline_program(schedule: str, pp: int, n_micro: int, pp_rank: int, virtual_stages: int = 1) -> list:
     # lesson 03's schedules and zero-bubble's, as lesson 07 runs them
-    return pipeline_parallel.pipeline_programs(schedule, pp, n_micro, virtual_stages,
-                                               full_5d.zero_bubble.SCHEDULES)[pp_rank]
+    return full_5d.zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
 
 
 def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[int, int]:

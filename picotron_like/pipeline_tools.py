@@ -16,7 +16,6 @@ duck-typed on what lesson 03 builds:
 
 from __future__ import annotations
 
-import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
+from picotron_like.metrics import CallObserver
 
 
 def is_transfer_batch(step) -> bool:
@@ -183,12 +183,13 @@ class RecordedAction:
 class TimelineRecorder:
     """Times a pipeline's compute actions from outside: (action, start, end) in seconds.
 
-    While entered, it wraps the pipeline instance's per-action methods (by default
-    ``forward_step`` and ``backward_step``, whose first argument is the action; zero-bubble's W runs
-    through the latter): the pipeline itself keeps no clock. Entering waits on a barrier of the pipeline group, so every stage starts
-    its clock as the barrier releases it and the rows line up across processes and machines
-    without sharing a clock. On CUDA each action is synchronised, or the clock would time the
-    kernel launches instead of the kernels.
+    While entered, Python's profiler hook (metrics.CallObserver) reports every call of the
+    pipeline's per-action methods (by default ``forward_step`` and ``backward_step`` of its class,
+    whose first argument is the action): the pipeline itself keeps no clock and nothing of it is
+    replaced. Entering waits on a barrier of the pipeline group, so every stage starts its clock as
+    the barrier releases it and the rows line up across processes and machines without sharing a
+    clock. On CUDA each action is synchronised, or the clock would time the kernel launches
+    instead of the kernels.
     """
 
     methods = ("forward_step", "backward_step")
@@ -201,33 +202,27 @@ class TimelineRecorder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _timed(self, method):
-        @functools.wraps(method)
-        def timed(action, *args, **kwargs):
+    def _started(self, frame) -> None:
+        if frame.f_locals.get("self") is self.pipeline:
             self._synchronize()
-            start = time.perf_counter()
-            result = method(action, *args, **kwargs)
+            self._running.append((frame.f_locals[frame.f_code.co_varnames[1]], time.perf_counter()))
+
+    def _ended(self, frame) -> None:
+        if frame.f_locals.get("self") is self.pipeline:
             self._synchronize()
+            action, start = self._running.pop()
             self.events.append((action, start - self._t0, time.perf_counter() - self._t0))
-            return result
-        return timed
 
     def __enter__(self):
         comm.call(dist.barrier, group=self.group)
-        self.events, self._t0 = [], time.perf_counter()
-        # another observer's wrappers (entered before this one) are wrapped in turn, and put back on exit
-        self._wrapped = {name: vars(self.pipeline).get(name) for name in self.methods}
-        for name in self.methods:
-            setattr(self.pipeline, name, self._timed(getattr(self.pipeline, name)))
+        self.events, self._running, self._t0 = [], [], time.perf_counter()
+        self._calls = CallObserver([getattr(type(self.pipeline), name) for name in self.methods],
+                                   on_call=self._started, on_return=self._ended)
+        self._calls.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, earlier in self._wrapped.items():
-            if earlier is None:
-                delattr(self.pipeline, name)   # the class's own method shows through again
-            else:
-                setattr(self.pipeline, name, earlier)
-        return False
+        return self._calls.__exit__(*exc)
 
 
 def gather_timelines(events, group) -> list[list[tuple[RecordedAction, float, float]]]:

@@ -56,7 +56,7 @@ from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.loss import cross_entropy_loss
-from picotron_like.metrics import data_parallel_traffic, step_traffic
+from picotron_like.metrics import ActivationMeter, data_parallel_traffic, step_traffic
 from picotron_like.model import GPT, get_config
 from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bubble_fraction, gather_timelines,
                                           peak_live_micro_batches, render_timeline, simulate_pipeline)
@@ -254,7 +254,7 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
         meter = zero_bubble.KeptActivationMeter(pipeline)
     else:
         pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
-        meter = lesson.saved_activation_meter(pipeline)
+        meter = ActivationMeter(*pipeline.chunks)
 
     with meter as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran, CountedFlops() as flops:
         pipeline.forward_backward(step_batch(0))
@@ -463,7 +463,7 @@ def test_zero_bubble_schedule_simulated():
     times = ((1, 1, 1), (1, 1.2, 0.8), (1, 2, 0.5), (1, 0.8, 0.8), (1.5, 1, 1))
     for (t_f, t_b, t_w), pp in itertools.product(times, range(2, 7)):
         for m in range(1, 3 * pp + 1):
-            programs = lesson.pipeline_programs("zero-bubble", pp, m, schedules=zero_bubble.SCHEDULES)
+            programs = zero_bubble.pipeline_programs("zero-bubble", pp, m)
             timelines = simulate_pipeline(programs, t_f, t_b, weight_time=t_w)
             where = f"pp={pp} m={m} times={t_f, t_b, t_w}"
             for events in timelines:
