@@ -338,7 +338,7 @@ def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
 def update_router_biases(parts, group, rate: float, grad_norm: torch.Tensor) -> None:
     """Auxiliary-loss-free balancing after the optimizer step: every rank that routed different
     tokens must move the bias by the same total load, or the replicas of the router drift apart.
-    `parts`: this rank's modules holding MoE layers (lesson 07: its pipeline chunks).
+    `parts`: this rank's modules holding MoE layers.
 
     A step optimizer_step skipped (a non-finite `grad_norm`, the same on every rank) moves no
     bias and keeps counting its load, as if it had not run. That is decided on the device (the
@@ -401,7 +401,7 @@ MOE_FLAGS = {"router": "router", "shared_experts": "n_shared_experts", "aux_loss
 
 
 def add_moe_flags(parser) -> None:
-    """--ep, the router and the balancing flags, which lesson 07 takes too (moe_config applies them).
+    """--ep, the router and the balancing flags (moe_config applies them).
     The model's flags default to the preset's values (tiny-moe: softmax, no shared expert, no
     balancing loss, dropless), so a preset stays what it says."""
     parser.add_argument("--ep", type=int, default=None,
@@ -433,7 +433,7 @@ def moe_config(cfg, args):
 def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: float = 0.0,
                              token_axes: str = "dp") -> None:
     """This lesson's rules, before any process group: experts to spread, ep dividing them and the
-    `token_ranks` it is drawn from (the dp ranks; lesson 07 passes dp x cp, `token_axes` names them)."""
+    `token_ranks` it is drawn from (the dp ranks; `token_axes` names them)."""
     problems = []
     if not cfg.n_experts:
         problems.append("the model has no experts: lesson 05 needs a mixture-of-experts preset; use --preset tiny-moe")
@@ -480,7 +480,7 @@ def rows_sent_and_received(routing: RoutingMeter, ep: ExpertParallel) -> tuple[l
 def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, received: int, ep: int,
                                grouped: bool, element_bytes: int = 4) -> int:
     """Bytes autograd keeps for backward of one MoE layer on one micro-batch of one rank, with
-    this file's dispatch (DESIGN rule 9; lesson 07's memory plan uses it).
+    this file's dispatch (DESIGN rule 9).
 
     The routing decides it: of the micro-batch's n = `tokens` tokens (in `sequences` sequences),
     m = `sent` kept assignments leave for the experts and r = `received` rows arrive for this
@@ -503,7 +503,6 @@ def moe_layer_activation_bytes(cfg, tokens: int, sequences: int, sent: int, rece
       per r          the expert's input row; SwiGLU's gate, silu(gate), up, product   e (h + 4f)
                      ep > 1: the permutations into and out of expert order, int64     16
       grouped        the int32 offsets of the rank's E/ep experts                     4E/ep
-    (Lesson 07 splits every expert's inner width over tp: there f is ffn_hidden / tp.)
     """
     E, k, h, f = cfg.n_experts, cfg.experts_per_token, cfg.hidden, cfg.ffn_hidden
     e = element_bytes
@@ -547,8 +546,8 @@ def predicted_routed_traffic(routing: RoutingMeter, ep: ExpertParallel, hidden: 
 
 
 def balancing_traffic(cfg, n_layers: int, bias_update_rate: float, token_group: str) -> dict:
-    """The step's balancing bookkeeping, summed over the ranks holding other tokens (`token_group`:
-    dp here, dp x cp in lesson 07): BalancingLog's enabled values (aux, z: one float each), and with
+    """The step's balancing bookkeeping, summed over the ranks holding other tokens (`token_group`,
+    dp here): BalancingLog's enabled values (aux, z: one float each), and with
     auxiliary-loss-free balancing the router loads, E floats per MoE layer."""
     log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
     return add_traffic({("all_reduce", token_group): 4 * log_values} if log_values else {},
