@@ -637,7 +637,7 @@ def parse_args(argv=None):
 
 
 def add_zero_flags(parser) -> None:
-    """This lesson's flags (lesson 07 takes them too)."""
+    """This lesson's flags."""
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
                         help="0: replicate (lesson 01); 1: shard Adam; 2: and gradients; 3: and weights (lesson 07: "
                              "3, or 1 under a pipeline, unless given)")
