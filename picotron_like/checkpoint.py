@@ -24,7 +24,7 @@ moments, its step count; the persistent buffers such as MoE router biases; the r
 and a manifest listing every file's slices, written last. Loading in another layout is index
 arithmetic: each rank asks, for every slice it holds now, which written slices intersect it, and
 copies the overlap. Nothing about tp, pp, ep or ZeRO is known here: the lesson hands over the
-description (07's reference_slices), this module stores and reshards it. Padding of ZeRO's flat
+description (lesson 07 says what each rank holds), this module stores and reshards it. Padding of ZeRO's flat
 units is not saved; replicas (a norm gain on every tp rank, ZeRO-0's whole copies) are written by
 one rank only (HeldSlice.write), so each element of each reference tensor is stored exactly once,
 which the manifest check verifies before anything is read.
@@ -67,9 +67,8 @@ The price. Saving writes 12 bytes per parameter (master + two moments, float32) 
 ranks and reads them back on a CPU copy; loading reads, for each tensor, the writer slices that
 intersect this rank's, and materialises one writer box and one reader box at a time.
 
-Commands:
-    torchrun --nproc_per_node=4 07_full_5d.py --save-dir ckpt --save-every 10        # write
-    torchrun --nproc_per_node=2 07_full_5d.py --save-dir ckpt --resume --tp 2        # continue, other layout
+Lesson 07 writes a checkpoint (--save-dir, --save-every) and continues from it in any layout
+(--resume). Commands:
     python -m picotron_like.checkpoint inspect ckpt                                  # what is in it
     python -m picotron_like.checkpoint export ckpt model.pt                          # one GPT state dict
     python -m picotron_like.checkpoint export --format hf ckpt hf_model              # a Hugging Face folder

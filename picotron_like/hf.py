@@ -36,15 +36,14 @@ export writes it untied. A model trained with a capacity factor is written: Mixt
 dropless, which is what the reference computes wherever no expert overflows.
 
 Loading reads only what a rank holds: safetensors' get_slice reads a box of a tensor from the
-file, so a rank of any layout (reference_slices' HeldSlice: a flat range of a box of a reference
-tensor) reads the rows of its box that cover its range, and nothing else.
+file, so a rank of any layout (a HeldSlice: a flat range of a box of a reference tensor) reads the
+rows of its box that cover its range, and nothing else.
 
 Needs the `hf` extra (safetensors; transformers only for the tests): imported inside the
 functions that use it, so the default run never needs it.
 
-Commands:
+Lesson 07 starts from a Hub folder with --init-from (continued pretraining). Commands:
     python -m picotron_like.checkpoint export --format hf ckpt hf_model     # any checkpoint -> Hub folder
-    torchrun --nproc_per_node=2 07_full_5d.py --tp 2 --init-from hf_model   # continued pretraining
 """
 
 from __future__ import annotations

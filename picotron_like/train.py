@@ -169,9 +169,8 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
 class DataParallelModel(Protocol):
     """What a data-parallel wrapper offers the code that trains through it, and all that code may
     use: lesson 01's micro-batch loop and step, lesson 03's schedule, lesson 06's sharded step,
-    lesson 07's composed step. Lesson 01's wrappers, lesson 05's ExpertDataParallel, lesson 06's
-    ZeRO stages and lesson 07's PipelineChunk (one chunk of a rank's pipeline under one ZeRO
-    wrapper) each implement it.
+    lesson 07's composed step. Lesson 01's wrappers, lesson 05's, lesson 06's ZeRO stages and
+    lesson 07's pipeline chunks (each under one ZeRO wrapper) each implement it.
 
     Calling it runs the wrapped model's forward. require_backward_grad_sync False makes the next
     backward only accumulate gradients locally (an earlier micro-batch of the step); True makes it
