@@ -88,9 +88,7 @@ Action = pipeline_parallel.Action
 # (autograd.grad for the input, then again for the weights), runs the part of backward that both
 # need twice unless the graph is cut at every weight's consumer; the explicit layer does every
 # backward operation exactly once (a test counts the FLOPs against 1F1B's). Everything else (norm
-# gains, the embedding, the attention core) keeps its ordinary backward inside B. A layer with a
-# custom backward of its own (lesson 02's sequence-parallel linears, lesson 05's experts, a fully
-# recomputed block) is not split; lesson 07 refuses those with zero-bubble.
+# gains, the embedding, the attention core) keeps its ordinary backward inside B.
 
 
 class LinearDeferringWeightGradient(torch.autograd.Function):
@@ -178,17 +176,14 @@ class DeferredWeightGradientLinear(nn.Linear):
 DEFERRED_LINEARS = {nn.Linear: DeferredWeightGradientLinear}
 
 
-def defer_weight_gradients(stage: nn.Module, deferred_classes=None) -> PendingWeightGradients:
+def defer_weight_gradients(stage: nn.Module) -> PendingWeightGradients:
     """Make a stage's linear layers defer their weight gradients to one W queue, stage.pending_weight_gradients.
 
-    deferred_classes maps a layer class to its deferring subclass (DEFERRED_LINEARS here; lesson 07
-    adds lesson 02's tensor-parallel linears). Only the class changes: the parameters, their names
-    and the hooks on them stay."""
+    Only the class changes (DEFERRED_LINEARS): the parameters, their names and the hooks on them stay."""
     pending = stage.pending_weight_gradients = PendingWeightGradients()
-    deferred_classes = deferred_classes or DEFERRED_LINEARS
     for module in stage.modules():
-        if type(module) in deferred_classes:
-            module.__class__ = deferred_classes[type(module)]
+        if type(module) in DEFERRED_LINEARS:
+            module.__class__ = DEFERRED_LINEARS[type(module)]
             module.pending_weight_gradients = pending
     return pending
 
@@ -262,8 +257,8 @@ def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int 
 class ZeroBubblePipeline(pipeline_parallel.Pipeline):
     """Lesson 03's Pipeline that also runs W: every B inside its chunk's W queue, every W from it.
 
-    Each chunk's linears must defer their weight gradients: a chunk that does not yet gets lesson
-    03's nn.Linear converted here (defer_weight_gradients). ZB-H1 is 1F1B's order with each
+    Each chunk's nn.Linear layers are converted here to defer their weight gradients
+    (defer_weight_gradients), each chunk with a W queue of its own. ZB-H1 is 1F1B's order with each
     backward split, so lesson 03's Pipeline is built for 1F1B (its forward-only program, for
     validation, is ZB-H1's too) and then given this schedule's program. The data-parallel switch
     is on for each chunk's last B (lesson 03's rule) and its last W: the norms' and embedding's
@@ -272,8 +267,7 @@ class ZeroBubblePipeline(pipeline_parallel.Pipeline):
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, *args, **kwargs):
         for chunk in chunks:
-            if not hasattr(chunk.module, "pending_weight_gradients"):
-                defer_weight_gradients(chunk.module)
+            defer_weight_gradients(chunk.module)
         super().__init__(chunks, grid, "1f1b", n_micro, virtual_stages, *args, **kwargs)
         self.schedule = schedule
         self.program = communication_program(SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages),

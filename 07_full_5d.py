@@ -157,11 +157,11 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                             args.reshard_after_forward, args.prefetch))
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
+    # 03: the schedule over this rank's chunks
+    pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
     if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
         for chunk in chunks:
             defer_block_weight_gradients(chunk)
-    # 03: the schedule over this rank's chunks
-    pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
     return model, pipeline
 
 
@@ -483,10 +483,15 @@ DEFERRED_NORMS = {norm: type(NormDeferringGain.__name__ + norm.__name__, (NormDe
 
 
 def defer_block_weight_gradients(chunk) -> None:
-    """03 x 02, 06: the chunk's linears (lesson 02's too) and its blocks' norms defer their weight
-    gradients to the chunk's W queue, so that every parameter of a block, outside the routed
-    experts, gets its gradient in W (checked: a parameter left to B would break ZeRO's count)."""
-    pending = zero_bubble.defer_weight_gradients(chunk, DEFERRED_LINEARS)
+    """03 x 02, 06: once lesson 03's ZeroBubblePipeline has given the chunk its W queue (and deferred
+    its nn.Linear layers), lesson 02's linears, their FP8 forms and the blocks' norms defer their
+    weight gradients to it too, so that every parameter of a block, outside the routed experts, gets
+    its gradient in W (checked: a parameter left to B would break ZeRO's count)."""
+    pending = chunk.pending_weight_gradients
+    for module in chunk.modules():
+        if type(module) in DEFERRED_LINEARS:
+            module.__class__ = DEFERRED_LINEARS[type(module)]
+            module.pending_weight_gradients = pending
     deferring = (*DEFERRED_LINEARS.values(), *DEFERRED_NORMS.values())
     for block in chunk.layers:
         for norm in (block.attn_norm, block.mlp_norm):
