@@ -24,7 +24,7 @@ of all micro-batches, gradients zeroed first, no optimizer step; warm-up untimed
 turns; the median over --repeats of rank 0's wall clock, and the CPU time summed over the ranks.
 
 The bubble: --repeats more steps of each variant with every compute action timed from outside (lesson
-03's TimelineRecorder for ours; the same wrapper around torch's PipelineStage.forward_one_chunk,
+03's TimelineRecorder for ours; the same observer of torch's PipelineStage.forward_one_chunk,
 backward_one_chunk and backward_weight_one_chunk), then idle / busy per rank as lesson 03 reports
 it (pipeline_tools.bubble_fraction, the median over those steps), next to the formulas from their
 mean action times: 1F1B's (p-1)/m, and ZB-H1's (p-1)(T_F+T_B-T_W)/(m(T_F+T_B+T_W)). On 2 busy
@@ -32,7 +32,6 @@ cores a rank that waits gives its core to the other, so idle time also absorbs t
 """
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ import torch.distributed as dist
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import cross_entropy_loss
-from picotron_like.metrics import log0
+from picotron_like.metrics import CallObserver, log0
 from picotron_like.model import get_config
 from picotron_like.pipeline_tools import RecordedAction, TimelineRecorder, bubble_fraction, gather_timelines
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
@@ -119,37 +118,40 @@ def torch_schedule(cfg, grid, schedule_class, stage_indices: list[int], n_stages
 
 class StageTimeline:
     """Lesson 03's TimelineRecorder for torch's stages: their per-action methods timed from outside
-    while entered, each call an F, a B (a whole backward, or ZBV's input half) or a W, by the rank's
-    chunk; a barrier of the group starts every rank's clock together."""
+    while entered (CallObserver, Python's profiler hook: nothing of the stages is replaced), each
+    call an F, a B (a whole backward, or ZBV's input half) or a W, by the rank's chunk; a barrier of
+    the group starts every rank's clock together."""
 
     methods = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
 
     def __init__(self, stages, group):
         self.stages, self.group, self.events = stages, group, []
 
-    def _timed(self, kind: str, chunk: int, method):
-        @functools.wraps(method)
-        def timed(micro_batch, *args, **kwargs):
-            start = time.perf_counter()
-            result = method(micro_batch, *args, **kwargs)
-            self.events.append((RecordedAction(kind, chunk, micro_batch), start - self._t0,
-                                time.perf_counter() - self._t0))
-            return result
-        return timed
+    def _chunk(self, frame):
+        """Which of this rank's stages the call runs on, or None for another object's."""
+        return next((chunk for chunk, stage in enumerate(self.stages) if frame.f_locals.get("self") is stage), None)
+
+    def _started(self, frame) -> None:
+        if self._chunk(frame) is not None:
+            self._running.append(time.perf_counter())
+
+    def _ended(self, frame) -> None:
+        chunk = self._chunk(frame)
+        if chunk is not None:
+            action = RecordedAction(self.methods[frame.f_code.co_name], chunk,
+                                    frame.f_locals[frame.f_code.co_varnames[1]])
+            self.events.append((action, self._running.pop() - self._t0, time.perf_counter() - self._t0))
 
     def __enter__(self):
         dist.barrier(group=self.group)
-        self.events, self._t0 = [], time.perf_counter()
-        for chunk, stage in enumerate(self.stages):
-            for name, kind in self.methods.items():
-                setattr(stage, name, self._timed(kind, chunk, getattr(stage, name)))
+        self.events, self._running, self._t0 = [], [], time.perf_counter()
+        self._calls = CallObserver([getattr(type(stage), name) for stage in self.stages for name in self.methods],
+                                   on_call=self._started, on_return=self._ended)
+        self._calls.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for stage in self.stages:
-            for name in self.methods:
-                delattr(stage, name)        # the class's own method shows through again
-        return False
+        return self._calls.__exit__(*exc)
 
 
 # ----------------------------------------------------------------------------- the bubble
