@@ -57,8 +57,10 @@ from picotron_like.metrics import (ActivationMeter, MeteredRun, data_parallel_tr
                                    log_memory_rows, log_traffic_rows, predicted_activation_bytes)
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
-from picotron_like.train import (DataParallelModel, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
+from picotron_like.run_control import StepMeters
+from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
+                                 add_training_flags, autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step,
+                                 plan_run, train)
 
 # ============================================================================ the technique: naive data parallel
 
@@ -302,9 +304,9 @@ def main(argv=None):
          f"({shape.micro_batch_size} x {shape.seq_len} x {shape.grad_accum} micro-batches x {grid.dp_size} ranks)")
 
     activations = ActivationMeter(model)
-    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(activations,),
-                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
+    batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # this rank's share
+    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), batches,
+                       evaluate=partial(evaluate, model, settings=settings), meters=StepMeters((activations,)),
                        cfg=plan.cfg)
     report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len, grid.dp_size,
                       device, throughput.steps), plan)

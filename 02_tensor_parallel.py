@@ -86,8 +86,9 @@ from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_comput
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
-from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype, build_optimizer,
-                                 plan_run, train)
+from picotron_like.run_control import StepMeters
+from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+                                 build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -794,10 +795,10 @@ def main(argv=None):
 
     activations = ActivationMeter(model)
     # Validation is lesson 01's forward-only pass: the vocab-parallel loss reduces over tp inside it.
+    batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # tp ranks: the same
     throughput = train(args, optimizer, partial(data_parallel.train_step, model, optimizer, settings=settings),
-                       plan.batches, grid.dp_rank, device, meters=(activations,),
-                       evaluate=partial(data_parallel.evaluate, model, settings=settings),
-                       val_batches=plan.val_batches, cfg=plan.cfg)
+                       batches, evaluate=partial(data_parallel.evaluate, model, settings=settings),
+                       meters=StepMeters((activations,)), cfg=plan.cfg)
     report(MeteredRun(module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len, grid.shape.world_size,
                       device, throughput.steps), plan, form, settings.compute_dtype)
     shutdown()

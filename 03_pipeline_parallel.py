@@ -94,8 +94,9 @@ from picotron_like.pipeline_tools import (PipelineDeadlock, TimelineRecorder, bu
                                           simulate_pipeline)
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, optimizer_step, plan_run, step_to_meter, train)
+from picotron_like.run_control import StepMeters, step_to_meter
+from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
+                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -786,10 +787,10 @@ def main(argv=None):
     # Both observe a late step from outside: the saved-tensor hooks and Python's profiler hook on
     # the pipeline's forward_step / backward_step.
     activations, timeline = ActivationMeter(*pipeline.chunks), TimelineRecorder(pipeline, grid.pp_group, device)
-    throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(activations, timeline), meter_step=step_to_meter(args),
-                       evaluate=partial(evaluate, pipeline, settings=settings), val_batches=plan.val_batches,
-                       cfg=cfg)
+    batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # this rank's share
+    throughput = train(args, optimizer, partial(train_step, pipeline, optimizer, settings=settings), batches,
+                       evaluate=partial(evaluate, pipeline, settings=settings),
+                       meters=StepMeters((activations, timeline), step=step_to_meter(args)), cfg=cfg)
     report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
                       device, throughput.steps), pipeline, plan, args, grid, timeline)
     shutdown()

@@ -68,8 +68,9 @@ from picotron_like.metrics import ActivationMeter, CallObserver, MeteredRun, log
 from picotron_like.pipeline_tools import SendsInFlight, TimelineRecorder, bubble_fraction, gather_timelines
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
-from picotron_like.train import (StepSettings, add_parallel_flags, autocast_dtype, build_optimizer, plan_run,
-                                 step_to_meter, train)
+from picotron_like.run_control import StepMeters, step_to_meter
+from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, autocast_dtype, build_optimizer,
+                                 plan_run, train)
 
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 Action = pipeline_parallel.Action
@@ -443,11 +444,10 @@ def main(argv=None):
     pipeline_parallel.log_header(args, plan, grid)
 
     activations, timeline = KeptActivationMeter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)
+    batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # this rank's share
     throughput = train(args, optimizer, partial(pipeline_parallel.train_step, pipeline, optimizer, settings=settings),
-                       plan.batches, grid.dp_rank, device, meters=(activations, timeline),
-                       meter_step=step_to_meter(args), evaluate=partial(pipeline_parallel.evaluate, pipeline,
-                                                                        settings=settings),
-                       val_batches=plan.val_batches, cfg=cfg)
+                       batches, evaluate=partial(pipeline_parallel.evaluate, pipeline, settings=settings),
+                       meters=StepMeters((activations, timeline), step=step_to_meter(args)), cfg=cfg)
     report(MeteredRun(modules, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
                       device, throughput.steps), pipeline, plan, args, grid, timeline)
     shutdown()

@@ -79,7 +79,8 @@ from picotron_like.metrics import (ActivationMeter, CallObserver, MeteredRun, da
 from picotron_like.model import GPT, Attention, causal_attention, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
-from picotron_like.train import (StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
+from picotron_like.run_control import StepMeters
+from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
                                  build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
@@ -137,7 +138,7 @@ def context_parallel_batch(batch: StepBatch, split: SequenceSplit, cp_rank: int)
 
 
 def sequence_cut(grid, zigzag: bool):
-    """The shared loop's prepare_batch for this cp rank (context_parallel_batch), or None at cp = 1,
+    """RankBatches' cut for this cp rank (context_parallel_batch), or None at cp = 1,
     where every rank holds whole sequences and there is nothing to cut."""
     if grid.cp_size == 1:
         return None
@@ -686,11 +687,12 @@ def main(argv=None):
 
     activations, attention_work = ActivationMeter(model), AttentionWork()
     step = functools.partial(data_parallel.train_step, model, optimizer, settings=settings)
-    throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                       prepare_batch=sequence_cut(grid, args.zigzag),
-                       meters=(activations, attention_work),
+    # dp: this rank's share of the global batch; cp: its cut of each sequence
+    batches = RankBatches(plan.batches, grid.dp_rank, device, cut=sequence_cut(grid, args.zigzag),
+                          val=plan.val_batches)
+    throughput = train(args, optimizer, step, batches,
                        evaluate=functools.partial(data_parallel.evaluate, model, settings=settings),
-                       val_batches=plan.val_batches, cfg=plan.cfg)
+                       meters=StepMeters((activations, attention_work)), cfg=plan.cfg)
     run = MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, plan.shape.seq_len,
                      grid.shape.world_size, device, throughput.steps)
     report(run, plan, args, grid, cp, attention_work, compute_dtype)

@@ -84,8 +84,9 @@ from picotron_like.model import GPT, count_parameters
 from picotron_like.moe import GroupedExperts, Routing, expert_counts, is_expert_parameter, moe_layers
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, plan_run, train)
+from picotron_like.run_control import StepMeters
+from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
+                                 autocast_dtype, build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -654,10 +655,10 @@ def main(argv=None):
     step = functools.partial(train_step, model, optimizer, settings=settings, bias_update_rate=args.bias_update_rate,
                              balancing_log=BalancingLog([model], (grid.dp_group,)))
     with every_step:
-        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                           meters=(activations, step_routing),
+        batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # this rank's share
+        throughput = train(args, optimizer, step, batches,
                            evaluate=functools.partial(evaluate, model, settings=settings),
-                           val_batches=plan.val_batches, cfg=cfg)
+                           meters=StepMeters((activations, step_routing)), cfg=cfg)
     run = MeteredRun(model.module, optimizer, activations, throughput, cfg, shape.seq_len, grid.shape.world_size,
                      device, throughput.steps)
     report(run, plan, args, grid, step_routing, every_step, grouped)

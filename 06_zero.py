@@ -80,8 +80,9 @@ from picotron_like.metrics import (GatheredParameterMeter, MeteredRun, ModelStat
 from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_rank, group_size, init_distributed,
                                     shutdown, validate_parallel_config)
-from picotron_like.train import (StepResult, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
+from picotron_like.run_control import StepMeters
+from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
+                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -667,10 +668,10 @@ def main(argv=None):
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
 
     gathered = GatheredParameterMeter(model.module)
-    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), plan.batches,
-                       grid.dp_rank, device, meters=(SavedTensorMeters(gathered),),
-                       evaluate=partial(evaluate, model, settings=settings), val_batches=plan.val_batches,
-                       cfg=plan.cfg)
+    batches = RankBatches(plan.batches, grid.dp_rank, device, val=plan.val_batches)    # this rank's share
+    throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), batches,
+                       evaluate=partial(evaluate, model, settings=settings),
+                       meters=StepMeters((SavedTensorMeters(gathered),)), cfg=plan.cfg)
     report(model, MeteredRun(model.module, optimizer, None, throughput, plan.cfg, plan.shape.seq_len, grid.dp_size,
                              device, throughput.steps), gathered, plan.shape.grad_accum)
     shutdown()

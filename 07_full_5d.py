@@ -101,9 +101,9 @@ from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, referenc
 from picotron_like.moe import moe_layers
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
-from picotron_like.train import (AfterStep, DataParallelModel, StepResult, StepSettings, add_parallel_flags,
-                                 add_training_flags, batch_shape, exit_with_error, follow_time_budget, plan_run,
-                                 traffic_not_counted, train)
+from picotron_like.run_control import AfterStep, StepMeters, follow_time_budget
+from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
+                                 add_training_flags, batch_shape, exit_with_error, plan_run, traffic_not_counted, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -1666,11 +1666,14 @@ def main(argv=None):
                                        bias_update_rate=args.bias_update_rate,
                                        balancing_log=balancing_log(model, pipeline, grid)))
     with every_step or nullcontext():
-        throughput = train(args, optimizer, step, plan.batches, grid.dp_rank, device,
-                           prepare_batch=context_parallel.sequence_cut(grid, args.zigzag),
-                           meters=(SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
+        # dp: this rank's share of the global batch; cp: its cut of each sequence
+        batches = RankBatches(plan.batches, grid.dp_rank, device,
+                              cut=context_parallel.sequence_cut(grid, args.zigzag), val=plan.val_batches)
+        meters = StepMeters((SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
+                            step=start_step)
+        throughput = train(args, optimizer, step, batches,
                            evaluate=partial(evaluate, model_or_pipeline, settings=settings),
-                           val_batches=plan.val_batches, cfg=plan.cfg, meter_step=start_step, start_step=start_step,
+                           meters=meters, cfg=plan.cfg, start_step=start_step,
                            after_step=one_after_another(training_sampler(args, plan.cfg, grid, model, settings),
                                                         checkpoint_saver(args, plan.cfg, plan.shape, grid, model,
                                                                          optimizer)))

@@ -36,7 +36,7 @@ from picotron_like.model import GPT
 from picotron_like.moe import moe_layers
 from picotron_like.testing import run_ranks, torchrun_workers
 from picotron_like.topology import ProcessGrid
-from picotron_like.train import plan_run, train
+from picotron_like.train import RankBatches, plan_run, train
 
 CPU = torch.device("cpu")
 COMMON = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256",
@@ -94,8 +94,8 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
         results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
         return results[-1]
 
-    train(args, optimizer, first_steps.observe(step), plan.batches, grid.dp_rank, CPU,
-          prepare_batch=full_5d.context_parallel.sequence_cut(grid, args.zigzag), start_step=start_step,
+    batches = RankBatches(plan.batches, grid.dp_rank, CPU, cut=full_5d.context_parallel.sequence_cut(grid, args.zigzag))
+    train(args, optimizer, first_steps.observe(step), batches, start_step=start_step,
           after_step=full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step,
             "resume_log": resume_log.getvalue().splitlines(),

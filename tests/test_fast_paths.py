@@ -36,7 +36,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
-from picotron_like.train import StepFigures, adamw_implementation, build_optimizer, on_device
+from picotron_like.run_control import StepFigures
+from picotron_like.train import adamw_implementation, build_optimizer, on_device
 
 context_parallel = load_lesson("04_context_parallel")
 
@@ -180,8 +181,8 @@ def test_the_loop_puts_each_step_batch_on_its_device_without_waiting(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_CUDA)])
 def test_a_steps_figures_reach_the_host_without_waiting_for_its_cuda_work(device):
-    """train.StepFigures, the lagged log line's copy: on a GPU, copy() returns while the step's work
-    (here 20 large matmuls) still runs, and read() then gives every value exactly (float32 tensors,
+    """run_control.StepFigures, the lagged log line's copy: on a GPU, copy() returns while the
+    step's work (here 20 large matmuls) still runs, and read() then gives every value exactly (float32 tensors,
     a flag, a Python number, in the order given) and the step's time from CUDA events; on a CPU the
     same values and the host clock's time."""
     where = torch.device(device)

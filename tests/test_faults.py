@@ -71,7 +71,7 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_one_step_with_a_checkp
 def test_the_stop_agreement_reads_each_signal_and_restores_the_handlers():
     """In one process: either signal is noted, agreed on one step later, and named; the handlers
     a program had before the loop are back after it."""
-    from picotron_like.train import AgreedStop
+    from picotron_like.run_control import AgreedStop
 
     before = signal.getsignal(signal.SIGUSR1)
     with AgreedStop() as stop:

@@ -37,7 +37,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, GPTConfig
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, ProcessGrid
-from picotron_like.train import checked_plan, plan_run, train
+from picotron_like.train import RankBatches, checked_plan, plan_run, train
 
 CPU = torch.device("cpu")
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -98,8 +98,8 @@ def init_save_step(argv: list[str], save_dir: str) -> dict:
         results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
         return results[-1]
 
-    train(args, optimizer, step, plan.batches, grid.dp_rank, CPU,
-          prepare_batch=full_5d.context_parallel.sequence_cut(grid, args.zigzag), after_step=save)
+    batches = RankBatches(plan.batches, grid.dp_rank, CPU, cut=full_5d.context_parallel.sequence_cut(grid, args.zigzag))
+    train(args, optimizer, step, batches, after_step=save)
     return {"loss": results[0].loss, "batch": plan.batches.global_batch(0)}
 
 

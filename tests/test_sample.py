@@ -35,7 +35,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
-from picotron_like.train import checked_plan, plan_run, train
+from picotron_like.train import RankBatches, checked_plan, plan_run, train
 
 CPU = torch.device("cpu")
 COMMON = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256",
@@ -95,7 +95,7 @@ def trainer(argv: list[str]) -> dict:
 
     rng = torch.get_rng_state()
     with redirect_stdout(io.StringIO()) as log:
-        train(args, optimizer, step, plan.batches, grid.dp_rank, CPU,
+        train(args, optimizer, step, RankBatches(plan.batches, grid.dp_rank, CPU),
               after_step=full_5d.one_after_another(full_5d.training_sampler(args, plan.cfg, grid, model, settings),
                                                    full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model,
                                                                             optimizer)))

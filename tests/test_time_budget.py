@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like import train
+from picotron_like import run_control, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import GPT, get_config
@@ -55,7 +55,7 @@ def test_the_estimate_fits_the_steps_the_time_left_allows():
     and two steps: 4 + 3 + 4 = 11 s. (60 - 22 - 11) / 2 = 13.5: 13 more steps, 16 in all. A later
     step of 17 s spends it."""
     clock = StepClock(10.0, 2.0, {0: 3.0, 5: 15.0})
-    budget = train.TimeBudget(1.0, clock, val_batches=2)
+    budget = run_control.TimeBudget(1.0, clock, val_batches=2)
     for _ in range(3):
         clock.step()
         budget.note_step()
@@ -110,9 +110,10 @@ def budgeted_runs() -> dict:
                                   val_every=1000, val_batches=2, profile=None)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
-            train.train(args, optimizer, step_fn, TokenBatches(paths[0], SHAPE, seed=3, vocab_size=CFG.vocab_size),
-                        grid.dp_rank, torch.device("cpu"), evaluate=partial(lesson.evaluate, model, settings=settings),
-                        val_batches=TokenBatches(paths[1], SHAPE, seed=3, vocab_size=CFG.vocab_size),
+            batches = train.RankBatches(TokenBatches(paths[0], SHAPE, seed=3, vocab_size=CFG.vocab_size),
+                                        grid.dp_rank, torch.device("cpu"),
+                                        val=TokenBatches(paths[1], SHAPE, seed=3, vocab_size=CFG.vocab_size))
+            train.train(args, optimizer, step_fn, batches, evaluate=partial(lesson.evaluate, model, settings=settings),
                         after_step=lambda step, last: saved.append((step, last)), clock=clock)
         outcome[name] = {"steps": args.steps, "rates": rates, "saved": saved, "printed": printed.getvalue(),
                          "end": clock.now}

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like import train
+from picotron_like import run_control, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
@@ -219,17 +219,17 @@ def lesson01_loop(metrics_path, profile_dir):
                               val_every=2, val_batches=VAL_BATCHES, profile=profile_dir)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        throughput = train.train(args, optimizer, step_fn, batches, grid.dp_rank, torch.device("cpu"),
-                                 evaluate=partial(lesson.evaluate, model, settings=settings), val_batches=val_batches,
-                                 cfg=LOOP_CFG)
+        throughput = train.train(args, optimizer, step_fn,
+                                 train.RankBatches(batches, grid.dp_rank, torch.device("cpu"), val=val_batches),
+                                 evaluate=partial(lesson.evaluate, model, settings=settings), cfg=LOOP_CFG)
     # One device on every validation token of the same batches, with the weights the run ended with.
     windows = torch.cat([val_batches.global_batch(index) for index in range(VAL_BATCHES)])
     with torch.no_grad():
         reference_val = GPT(LOOP_CFG, seed=3).eval()
         reference_val.load_state_dict(model.module.state_dict())
         one_device = reference_val(windows[:, :-1], windows[:, 1:]).item()
-    distributed_val = train.validation_loss(partial(lesson.evaluate, model, settings=settings), val_batches,
-                                            VAL_BATCHES, grid.dp_rank)
+    distributed_val = train.validation_loss(partial(lesson.evaluate, model, settings=settings),
+                                            partial(val_batches.step_batch, dp_rank=grid.dp_rank), VAL_BATCHES)
     return dict(seen=seen, skipped=throughput.skipped_steps, printed=printed.getvalue(), one_device=one_device,
                 distributed_val=distributed_val, final=snapshot(model.module, optimizer))
 
@@ -314,10 +314,9 @@ def test_the_step_line_and_metrics_show_what_memory_the_cpu_can_measure(loop_run
 
 def test_the_step_line_on_a_gpu():
     """The step line's shape on CUDA, from the values the loop hands log_step there."""
-    result = train.StepResult(loss=2.5, grad_norm=0.75)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        train.log_step(3, result, tokens=4096, seconds=0.5, lr=3e-4, mfu=0.4123,
+        run_control.log_step(3, {"loss": 2.5, "grad_norm": 0.75}, tokens=4096, seconds=0.5, lr=3e-4, mfu=0.4123,
                        memory={"max_memory_allocated_bytes": 12.345e9})
     assert printed.getvalue() == ("step    3 | loss 2.5000 | grad norm   0.750 | lr 3.00e-04 |      8192 tok/s |"
                                   "   500.0 ms | MFU 41.2 % | peak mem 12.35 GB\n")
@@ -379,7 +378,7 @@ def test_a_resumed_runs_metrics_give_each_step_once(tmp_path, capsys):
     from picotron_like import plot
     path = tmp_path / "resumed.jsonl"
     path.write_text('{"step": 0, "loss": 5.0}\n{"step": 1, "loss": 4.0}\n{"step": 2, "lo')
-    resumed = train.MetricsFile(path, append=True)
+    resumed = run_control.MetricsFile(path, append=True)
     for step, loss in ((1, 4.1), (2, 3.9)):
         resumed.write({"step": step, "loss": loss})
     resumed.close()
@@ -454,7 +453,7 @@ def test_the_first_step_says_how_long_the_start_took(loop_run):
     lines = [line for line in loop_run[0][0]["printed"].splitlines() if line.startswith("time to the first step")]
     assert len(lines) == 1 and 0 < float(lines[0].split(": ")[1].split()[0]) < 600, lines
     waited = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.5); "
-                             "from picotron_like.train import seconds_since_process_start as s; print(s())"],
+                             "from picotron_like.run_control import seconds_since_process_start as s; print(s())"],
                             capture_output=True, text=True, check=True, cwd=REPO_ROOT)
     assert 1.5 <= float(waited.stdout) < 60, waited.stdout
 
@@ -513,7 +512,7 @@ def lagged_loop(metrics_path: str) -> dict:
     looped = model_and_optimizer()
     args = argparse.Namespace(steps=LOOP_STEPS, lr=3e-3, warmup_steps=1, metrics=metrics_path)
     with contextlib.redirect_stdout(printed), reads:
-        train.train(args, looped[1], step_fn, batches, grid.dp_rank, torch.device("cpu"))
+        train.train(args, looped[1], step_fn, train.RankBatches(batches, grid.dp_rank, torch.device("cpu")))
     marks.append(mark())
     model, optimizer = model_and_optimizer()
     unlagged = []
@@ -531,8 +530,8 @@ def test_the_loop_reads_a_steps_figures_a_step_late_and_prints_the_same_lines(tm
     the end. The lines and the metrics records are those of each step read at once: same steps,
     same values (the loss, the norm, the extra value), in the same order."""
     results = run_ranks(2, lagged_loop, str(tmp_path / "metrics.jsonl"))
-    lagged_read = ("tolist", "train.py:read")
-    agreement = ("item", "train.py:_wait")  # AgreedStop's flag: a CPU tensor that gloo carries, no device wait
+    lagged_read = ("tolist", "run_control.py:read")
+    agreement = ("item", "run_control.py:_wait")  # AgreedStop's flag: a CPU tensor that gloo carries, no device wait
     for rank, result in enumerate(results):
         sites, marks = result["sites"], result["marks"]
         reads_at = [count for count, _ in marks]

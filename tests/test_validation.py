@@ -71,7 +71,8 @@ def validate(evaluate, grid: ProcessGrid, prepare_batch=None) -> float:
     meter (the reports compare training's traffic with its formula)."""
     before = traffic()
     with train.traffic_not_counted():
-        loss = train.validation_loss(evaluate, val_batches(grid.dp_size), VAL_BATCHES, grid.dp_rank, prepare_batch)
+        rank_batches = train.RankBatches(val_batches(grid.dp_size), grid.dp_rank, CPU, cut=prepare_batch)
+        loss = train.validation_loss(evaluate, rank_batches.step_batch, VAL_BATCHES)
         assert traffic() != before, "validation runs collectives"
     assert traffic() == before
     return loss
@@ -167,9 +168,9 @@ def trained_with_validation(metrics_path: str) -> None:
     settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     data = TokenBatches(builtin_corpus_paths()[0], val_batches(2).shape, seed=SEED, vocab_size=CFG.vocab_size)
     with contextlib.redirect_stdout(io.StringIO()):
-        train.train(args, optimizer, partial(full_5d.train_step, model, optimizer, settings=settings), data,
-                    grid.dp_rank, CPU, evaluate=partial(full_5d.evaluate, model, settings=settings),
-                    val_batches=val_batches(2), cfg=CFG)
+        train.train(args, optimizer, partial(full_5d.train_step, model, optimizer, settings=settings),
+                    train.RankBatches(data, grid.dp_rank, CPU, val=val_batches(2)),
+                    evaluate=partial(full_5d.evaluate, model, settings=settings), cfg=CFG)
 
 
 def every_layout(metrics_path: str) -> dict:
