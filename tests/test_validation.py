@@ -66,12 +66,12 @@ def traffic():
     return {key: (entry.calls, entry.payload_bytes) for key, entry in comm.meter.traffic.items()}
 
 
-def validate(evaluate, grid: ProcessGrid, prepare_batch=None) -> float:
+def validate(evaluate, grid: ProcessGrid, cut=None) -> float:
     """The shared loop's validation of `evaluate`, and proof that its traffic stays out of the
     meter (the reports compare training's traffic with its formula)."""
     before = traffic()
     with train.traffic_not_counted():
-        rank_batches = train.RankBatches(val_batches(grid.dp_size), grid.dp_rank, CPU, cut=prepare_batch)
+        rank_batches = train.RankBatches(val_batches(grid.dp_size), grid.dp_rank, CPU, cut=cut)
         loss = train.validation_loss(evaluate, rank_batches.step_batch, VAL_BATCHES)
         assert traffic() != before, "validation runs collectives"
     assert traffic() == before
