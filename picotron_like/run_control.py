@@ -34,6 +34,167 @@ from picotron_like.data import TokenBatches
 from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
 from picotron_like.model import GPTConfig, flops_per_token
 
+
+# ----------------------------------------------------------------------------- the step's line, a step late
+
+
+class LaggedStepLog:
+    """Step N's line is printed once step N+1 is queued: the host reads step N's figures while the
+    device computes step N+1, so it never waits for one step to end before queueing the next.
+    (Printing each line at its step's end would make the host wait for the device every step: the
+    device then idles while the host queues the next step's kernels.) Lines the loop prints in
+    between (say) wait behind the pending line, and flush() prints it at once where what follows
+    needs it (a checkpoint, the end): the output reads as if each line came at its step's end, the
+    same lines in the same order.
+
+    It keeps what a line needs: the step's clock and figures (StepFigures), this rank's memory
+    (StepMemory), the MFU given the model's `cfg` on a GPU of known peak (or --peak-tflops), and
+    the note when a step starts a new pass over `data`. The --metrics file's record is written
+    with the line (appended to from `start_step` on, in a resumed run); Throughput and the count of
+    skipped steps are kept there too, since they need the step's seconds and flag. Leaving the
+    block (an error included) prints what is pending and closes the metrics file."""
+
+    def __init__(self, args, data: TokenBatches, device: torch.device, cfg: GPTConfig | None = None,
+                 start_step: int = 0):
+        self.data, self.device, self.tokens = data, device, data.shape.tokens_per_step
+        self.throughput = Throughput()
+        self.throughput.peak_flops = peak_flops(device, getattr(args, "peak_tflops", None))
+        self.model_flops = flops_per_token(cfg, data.shape.seq_len) if cfg is not None else None
+        self.n_ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self.metrics = MetricsFile(getattr(args, "metrics", None), append=start_step > 0)
+        self.memory = StepMemory(device)
+        self.first_step, self.data_pass, self.steps = start_step, data.epoch_at(start_step), 0
+        self.final_val_loss: float | None = None
+        self.pending: LoggedStep | None = None
+        self.notes: list[str] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.flush()
+        self.metrics.close()
+        return False
+
+    def start(self, step: int, lr: float) -> None:
+        """A step's work is about to be queued: start its clock and memory counters."""
+        if self.data.epoch_at(step) > self.data_pass:
+            self.data_pass = self.data.epoch_at(step)
+            self.say(f"note: step {step} starts pass {self.data_pass + 1} over the data ({self.data.n_tokens:,} "
+                     f"tokens): every window again, in a new order")
+        self.memory.start_step()
+        started_s = seconds_since_process_start() if step == self.first_step else None
+        self.current = (step, lr, started_s, StepFigures(self.device))
+        self.steps += 1
+
+    def queued(self, values: dict, metered: bool) -> None:
+        """The step's work is queued: its `values` (a StepResult's) start for the host, and the
+        step before's line is printed."""
+        step, lr, started_s, figures = self.current
+        figures.copy(values)
+        logged = LoggedStep(step, lr, figures, self.memory.read(), metered, started_s)
+        self.flush()
+        self.pending = logged
+
+    def validated(self, val_loss: float) -> None:
+        """The validation after the pending step: in its record, and on a line after its line."""
+        self.pending.val_loss = self.final_val_loss = val_loss
+        self.say(f"step {self.pending.step:>4} | val loss {val_loss:.4f}")
+
+    def say(self, message: str) -> None:
+        """Print a line after the pending step's line."""
+        if self.pending is None:
+            log0(message)
+        else:
+            self.notes.append(message)
+
+    def flush(self) -> None:
+        """Print the pending step's line (waiting for its figures) and what was said after it."""
+        if self.pending is not None:
+            self._print(self.pending)
+            self.pending = None
+        for note in self.notes:
+            log0(note)
+        self.notes.clear()
+
+    def _print(self, logged: LoggedStep) -> None:
+        values, seconds = logged.figures.read()
+        skipped = bool(values.pop("skipped"))
+        loss, grad_norm = values.pop("loss"), values.pop("grad_norm")
+        self.throughput.record(self.tokens, seconds, logged.metered)
+        self.throughput.skipped_steps += skipped
+        mfu = (model_flops_utilisation(self.tokens / seconds, self.n_ranks, self.model_flops,
+                                       self.throughput.peak_flops)
+               if self.model_flops is not None and self.throughput.peak_flops else None)
+        log_step(logged.step, {"loss": loss, "grad_norm": grad_norm, **values}, self.tokens, seconds, logged.lr,
+                 skipped, mfu, logged.memory)
+        if logged.started_s is not None:
+            log0(f"time to the first step: {logged.started_s + seconds:.1f} s since this process started "
+                 f"(imports, start-up, building and sharding the model, this step)")
+        self.metrics.write({"step": logged.step, "loss": loss, "grad_norm": grad_norm, "lr": logged.lr,
+                            "tokens_per_s": self.tokens / seconds, "seconds": seconds, "skipped": skipped,
+                            **({"mfu": mfu} if mfu is not None else {}), **logged.memory, **values,
+                            **({"val_loss": logged.val_loss} if logged.val_loss is not None else {})})
+
+
+@dataclass
+class LoggedStep:
+    """What the loop knows of a step when its work is queued; its figures reach the host later."""
+
+    step: int
+    lr: float
+    figures: StepFigures
+    memory: dict                        # StepMemory's reading (the allocator's counters are the host's own)
+    metered: bool                       # the meters watched it (Throughput keeps it apart)
+    started_s: float | None = None      # the run's first step: seconds since the process started, at its start
+    val_loss: float | None = None       # the validation after it, if one ran
+
+
+class StepFigures:
+    """One step's figures on their way to the host, and the step's duration, without making the
+    host wait for the device: on a GPU, two timing events around the step's work and a copy of its
+    values into page-locked memory are queued behind it, and read() waits for them only when
+    called, a step later, while the device computes the next step. On a CPU the work is done when
+    the step returns: the values are at hand and the host clock times the step."""
+
+    def __init__(self, device: torch.device):
+        """Start the step's clock (before its first operation is queued)."""
+        self.device, self.on_gpu = device, device.type == "cuda"
+        if self.on_gpu:
+            self.started, self.finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.started.record()
+        else:
+            self.started = time.perf_counter()
+
+    def copy(self, values: dict) -> None:
+        """Stop the clock and start copying `values` (tensors, numbers) to the host."""
+        if self.on_gpu:
+            self.finished.record()
+        else:
+            self.seconds = time.perf_counter() - self.started
+        self.names = list(values)
+        self.numbers = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
+        tensors = [value for value in values.values() if isinstance(value, torch.Tensor)]
+        # float64 holds every float32 and bfloat16 value and every Python float exactly
+        stacked = (torch.stack([t.detach().reshape(()).to(self.device, torch.float64) for t in tensors]) if tensors
+                   else torch.zeros(0, dtype=torch.float64))
+        if self.on_gpu:
+            self.host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
+            self.host.copy_(stacked, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = stacked
+
+    def read(self) -> tuple[dict[str, float], float]:
+        """The values, in the order given, and the step's seconds: a wait, on a GPU, for the step's end."""
+        if self.on_gpu:
+            self.copied.synchronize()
+            self.seconds = self.started.elapsed_time(self.finished) / 1e3
+        copied = iter(self.host.tolist())
+        return {name: self.numbers[name] if name in self.numbers else next(copied) for name in self.names}, self.seconds
+
+
 # How each StepMemory reading is named in the step line: what it measures, not just "memory".
 _MEMORY_LABELS = {"max_memory_allocated_bytes": "peak mem", "max_rss_bytes": "max rss"}
 
@@ -50,42 +211,6 @@ def log_step(step: int, figures: dict[str, float], tokens: int, seconds: float, 
     memory_part = "".join(f" | {_MEMORY_LABELS[key]} {value / 1e9:.2f} GB" for key, value in (memory or {}).items())
     log0(f"step {step:>4} | loss {loss:.4f} | grad norm {grad_norm:7.3f} | {skip_part}{lr_part}"
          f"{extra}{tokens / seconds:>9.0f} tok/s | {seconds * 1e3:>7.1f} ms{mfu_part}{memory_part}")
-
-
-_IMPORTED_AT = time.time()
-
-
-def seconds_since_process_start() -> float:
-    """Wall-clock seconds since this process started, from the kernel's record of it (Linux), else
-    since this module was imported. In a time-boxed run the minutes before the first step count."""
-    try:
-        with open("/proc/self/stat") as stat, open("/proc/stat") as system:
-            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
-            boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
-        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time() - _IMPORTED_AT
-
-
-def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
-    """--profile DIR: a torch.profiler trace of a few steps, one file per rank in DIR
-    (rank<N>.<time>.pt.trace.json), which Perfetto and TensorBoard's profiler plugin open.
-
-    It skips the first step (one-off costs: allocations, the first collective of each group),
-    warms up on the next and records up to three; a shorter run records what it has. CPU activity
-    always, the CUDA kernels too on a GPU. (PyTorch's profiler library itself prints a
-    "profiler_start" and a "profiler_stop" line per rank on stderr: they are not errors.)
-    """
-    if directory is None:
-        return None
-    wait = 1 if steps >= 3 else 0
-    warmup = 1 if steps - wait >= 2 else 0
-    active = min(3, steps - wait - warmup)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return torch.profiler.profile(
-        activities=activities, schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(directory), worker_name=f"rank{rank}"))
 
 
 def _json_number(value):
@@ -115,6 +240,99 @@ class MetricsFile:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+# ----------------------------------------------------------------------------- the meters of one step
+
+
+@dataclass(frozen=True)
+class StepMeters:
+    """Meters (context managers: activation meters, timeline recorders) entered around one step
+    only, `step`: they observe the technique from outside and cost nothing on other steps."""
+
+    meters: tuple = ()
+    step: int = 0
+
+    def watch(self, step: int) -> bool:
+        return bool(self.meters) and step == self.step
+
+    @contextmanager
+    def watching(self, step: int):
+        with ExitStack() as watched:
+            for meter in self.meters if self.watch(step) else ():
+                watched.enter_context(meter)
+            yield
+
+
+# ----------------------------------------------------------------------------- where the run ends
+
+
+class RunControl:
+    """Whether the run ends after this step, asked once after each: every rank agrees on a
+    scheduler's signal (AgreedStop), leaves at once when a peer is lost (PeerLost), and, with
+    --max-minutes, keeps to the time budget (TimeBudget: it sets args.steps once, early, then asks
+    for a stop if the end no longer fits). `timing(work)` times a validation or a checkpoint, the
+    work the budget must keep room for at the end."""
+
+    def __init__(self, args, clock: Callable[[], float], val_batches: int):
+        self.args, self.stop = args, AgreedStop()
+        self.budget = (TimeBudget(args.max_minutes, clock, val_batches,
+                                  planned=getattr(args, "planned_steps", None) is not None)
+                       if getattr(args, "max_minutes", None) is not None else None)
+        self.checkpoint_s = 0.0
+
+    def __enter__(self):
+        self.stop.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.stop.__exit__(*exc)
+
+    def after_step(self, step: int, log: "LaggedStepLog") -> bool:
+        """Whether every rank stops after this step (a signal, the budget); the budget's estimate
+        is said on `log` when it is made."""
+        args, budget = self.args, self.budget
+        self.checkpoint_s = 0.0
+        if budget is not None:
+            budget.note_step()
+            if budget.estimate_due():
+                args.steps = args.planned_steps = budget.planned_steps(step + 1, args.steps)
+                log.say(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
+                        f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
+                        f"the learning rate decays to step {args.steps - 1}")
+            elif budget.spent():
+                self.stop.request_stop()
+        try:
+            return self.stop.after_step()
+        except PeerLost as error:
+            # This step's line is not printed: under NCCL its work may wait for the lost rank forever.
+            print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
+
+    @property
+    def signalled(self) -> bool:
+        """Whether the ranks agreed on a scheduler's signal (its grace period is short)."""
+        return self.stop.agreed_signal.startswith("SIG")
+
+    @contextmanager
+    def timing(self, work: str):
+        started = time.perf_counter()
+        with self.budget.timing(work) if self.budget is not None else nullcontext():
+            yield
+        if work == "checkpoint":
+            self.checkpoint_s = time.perf_counter() - started
+
+    def stopped(self, step: int, saves: bool) -> None:
+        log0(f"stopped after step {step}: {self.stop.agreed_signal} ({self.args.steps - step - 1} steps left)"
+             + (f"; the checkpoint took {self.checkpoint_s:.1f} s: continue with --resume" if saves else ""))
+
+    def summary(self, log: "LaggedStepLog") -> None:
+        """The time budget's last line: what fitted in it."""
+        if self.budget is not None:
+            log0(f"time budget: {log.steps} steps, {log.steps * log.tokens:,} tokens in "
+                 f"{self.budget.clock():.1f} s of {self.budget.budget_s:.0f} s"
+                 + (f"; final val loss {log.final_val_loss:.4f}" if log.final_val_loss is not None else ""))
 
 
 class PeerLost(RuntimeError):
@@ -283,248 +501,7 @@ def follow_time_budget(args, written_settings: dict) -> None:
         args.steps, args.planned_steps = planned, planned
 
 
-class RunControl:
-    """Whether the run ends after this step, asked once after each: every rank agrees on a
-    scheduler's signal (AgreedStop), leaves at once when a peer is lost (PeerLost), and, with
-    --max-minutes, keeps to the time budget (TimeBudget: it sets args.steps once, early, then asks
-    for a stop if the end no longer fits). `timing(work)` times a validation or a checkpoint, the
-    work the budget must keep room for at the end."""
-
-    def __init__(self, args, clock: Callable[[], float], val_batches: int):
-        self.args, self.stop = args, AgreedStop()
-        self.budget = (TimeBudget(args.max_minutes, clock, val_batches,
-                                  planned=getattr(args, "planned_steps", None) is not None)
-                       if getattr(args, "max_minutes", None) is not None else None)
-        self.checkpoint_s = 0.0
-
-    def __enter__(self):
-        self.stop.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.stop.__exit__(*exc)
-
-    def after_step(self, step: int, log: "LaggedStepLog") -> bool:
-        """Whether every rank stops after this step (a signal, the budget); the budget's estimate
-        is said on `log` when it is made."""
-        args, budget = self.args, self.budget
-        self.checkpoint_s = 0.0
-        if budget is not None:
-            budget.note_step()
-            if budget.estimate_due():
-                args.steps = args.planned_steps = budget.planned_steps(step + 1, args.steps)
-                log.say(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
-                        f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
-                        f"the learning rate decays to step {args.steps - 1}")
-            elif budget.spent():
-                self.stop.request_stop()
-        try:
-            return self.stop.after_step()
-        except PeerLost as error:
-            # This step's line is not printed: under NCCL its work may wait for the lost rank forever.
-            print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
-
-    @property
-    def signalled(self) -> bool:
-        """Whether the ranks agreed on a scheduler's signal (its grace period is short)."""
-        return self.stop.agreed_signal.startswith("SIG")
-
-    @contextmanager
-    def timing(self, work: str):
-        started = time.perf_counter()
-        with self.budget.timing(work) if self.budget is not None else nullcontext():
-            yield
-        if work == "checkpoint":
-            self.checkpoint_s = time.perf_counter() - started
-
-    def stopped(self, step: int, saves: bool) -> None:
-        log0(f"stopped after step {step}: {self.stop.agreed_signal} ({self.args.steps - step - 1} steps left)"
-             + (f"; the checkpoint took {self.checkpoint_s:.1f} s: continue with --resume" if saves else ""))
-
-    def summary(self, log: "LaggedStepLog") -> None:
-        """The time budget's last line: what fitted in it."""
-        if self.budget is not None:
-            log0(f"time budget: {log.steps} steps, {log.steps * log.tokens:,} tokens in "
-                 f"{self.budget.clock():.1f} s of {self.budget.budget_s:.0f} s"
-                 + (f"; final val loss {log.final_val_loss:.4f}" if log.final_val_loss is not None else ""))
-
-
-class StepFigures:
-    """One step's figures on their way to the host, and the step's duration, without making the
-    host wait for the device: on a GPU, two timing events around the step's work and a copy of its
-    values into page-locked memory are queued behind it, and read() waits for them only when
-    called, a step later, while the device computes the next step. On a CPU the work is done when
-    the step returns: the values are at hand and the host clock times the step."""
-
-    def __init__(self, device: torch.device):
-        """Start the step's clock (before its first operation is queued)."""
-        self.device, self.on_gpu = device, device.type == "cuda"
-        if self.on_gpu:
-            self.started, self.finished = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.started.record()
-        else:
-            self.started = time.perf_counter()
-
-    def copy(self, values: dict) -> None:
-        """Stop the clock and start copying `values` (tensors, numbers) to the host."""
-        if self.on_gpu:
-            self.finished.record()
-        else:
-            self.seconds = time.perf_counter() - self.started
-        self.names = list(values)
-        self.numbers = {name: float(value) for name, value in values.items() if not isinstance(value, torch.Tensor)}
-        tensors = [value for value in values.values() if isinstance(value, torch.Tensor)]
-        # float64 holds every float32 and bfloat16 value and every Python float exactly
-        stacked = (torch.stack([t.detach().reshape(()).to(self.device, torch.float64) for t in tensors]) if tensors
-                   else torch.zeros(0, dtype=torch.float64))
-        if self.on_gpu:
-            self.host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
-            self.host.copy_(stacked, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host = stacked
-
-    def read(self) -> tuple[dict[str, float], float]:
-        """The values, in the order given, and the step's seconds: a wait, on a GPU, for the step's end."""
-        if self.on_gpu:
-            self.copied.synchronize()
-            self.seconds = self.started.elapsed_time(self.finished) / 1e3
-        copied = iter(self.host.tolist())
-        return {name: self.numbers[name] if name in self.numbers else next(copied) for name in self.names}, self.seconds
-
-
-@dataclass
-class LoggedStep:
-    """What the loop knows of a step when its work is queued; its figures reach the host later."""
-
-    step: int
-    lr: float
-    figures: StepFigures
-    memory: dict                        # StepMemory's reading (the allocator's counters are the host's own)
-    metered: bool                       # the meters watched it (Throughput keeps it apart)
-    started_s: float | None = None      # the run's first step: seconds since the process started, at its start
-    val_loss: float | None = None       # the validation after it, if one ran
-
-
-class LaggedStepLog:
-    """Step N's line is printed once step N+1 is queued: the host reads step N's figures while the
-    device computes step N+1, so it never waits for one step to end before queueing the next.
-    (Printing each line at its step's end would make the host wait for the device every step: the
-    device then idles while the host queues the next step's kernels.) Lines the loop prints in
-    between (say) wait behind the pending line, and flush() prints it at once where what follows
-    needs it (a checkpoint, the end): the output reads as if each line came at its step's end, the
-    same lines in the same order.
-
-    It keeps what a line needs: the step's clock and figures (StepFigures), this rank's memory
-    (StepMemory), the MFU given the model's `cfg` on a GPU of known peak (or --peak-tflops), and
-    the note when a step starts a new pass over `data`. The --metrics file's record is written
-    with the line (appended to from `start_step` on, in a resumed run); Throughput and the count of
-    skipped steps are kept there too, since they need the step's seconds and flag. Leaving the
-    block (an error included) prints what is pending and closes the metrics file."""
-
-    def __init__(self, args, data: TokenBatches, device: torch.device, cfg: GPTConfig | None = None,
-                 start_step: int = 0):
-        self.data, self.device, self.tokens = data, device, data.shape.tokens_per_step
-        self.throughput = Throughput()
-        self.throughput.peak_flops = peak_flops(device, getattr(args, "peak_tflops", None))
-        self.model_flops = flops_per_token(cfg, data.shape.seq_len) if cfg is not None else None
-        self.n_ranks = dist.get_world_size() if dist.is_initialized() else 1
-        self.metrics = MetricsFile(getattr(args, "metrics", None), append=start_step > 0)
-        self.memory = StepMemory(device)
-        self.first_step, self.data_pass, self.steps = start_step, data.epoch_at(start_step), 0
-        self.final_val_loss: float | None = None
-        self.pending: LoggedStep | None = None
-        self.notes: list[str] = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.flush()
-        self.metrics.close()
-        return False
-
-    def start(self, step: int, lr: float) -> None:
-        """A step's work is about to be queued: start its clock and memory counters."""
-        if self.data.epoch_at(step) > self.data_pass:
-            self.data_pass = self.data.epoch_at(step)
-            self.say(f"note: step {step} starts pass {self.data_pass + 1} over the data ({self.data.n_tokens:,} "
-                     f"tokens): every window again, in a new order")
-        self.memory.start_step()
-        started_s = seconds_since_process_start() if step == self.first_step else None
-        self.current = (step, lr, started_s, StepFigures(self.device))
-        self.steps += 1
-
-    def queued(self, values: dict, metered: bool) -> None:
-        """The step's work is queued: its `values` (a StepResult's) start for the host, and the
-        step before's line is printed."""
-        step, lr, started_s, figures = self.current
-        figures.copy(values)
-        logged = LoggedStep(step, lr, figures, self.memory.read(), metered, started_s)
-        self.flush()
-        self.pending = logged
-
-    def validated(self, val_loss: float) -> None:
-        """The validation after the pending step: in its record, and on a line after its line."""
-        self.pending.val_loss = self.final_val_loss = val_loss
-        self.say(f"step {self.pending.step:>4} | val loss {val_loss:.4f}")
-
-    def say(self, message: str) -> None:
-        """Print a line after the pending step's line."""
-        if self.pending is None:
-            log0(message)
-        else:
-            self.notes.append(message)
-
-    def flush(self) -> None:
-        """Print the pending step's line (waiting for its figures) and what was said after it."""
-        if self.pending is not None:
-            self._print(self.pending)
-            self.pending = None
-        for note in self.notes:
-            log0(note)
-        self.notes.clear()
-
-    def _print(self, logged: LoggedStep) -> None:
-        values, seconds = logged.figures.read()
-        skipped = bool(values.pop("skipped"))
-        loss, grad_norm = values.pop("loss"), values.pop("grad_norm")
-        self.throughput.record(self.tokens, seconds, logged.metered)
-        self.throughput.skipped_steps += skipped
-        mfu = (model_flops_utilisation(self.tokens / seconds, self.n_ranks, self.model_flops,
-                                       self.throughput.peak_flops)
-               if self.model_flops is not None and self.throughput.peak_flops else None)
-        log_step(logged.step, {"loss": loss, "grad_norm": grad_norm, **values}, self.tokens, seconds, logged.lr,
-                 skipped, mfu, logged.memory)
-        if logged.started_s is not None:
-            log0(f"time to the first step: {logged.started_s + seconds:.1f} s since this process started "
-                 f"(imports, start-up, building and sharding the model, this step)")
-        self.metrics.write({"step": logged.step, "loss": loss, "grad_norm": grad_norm, "lr": logged.lr,
-                            "tokens_per_s": self.tokens / seconds, "seconds": seconds, "skipped": skipped,
-                            **({"mfu": mfu} if mfu is not None else {}), **logged.memory, **values,
-                            **({"val_loss": logged.val_loss} if logged.val_loss is not None else {})})
-
-
-@dataclass(frozen=True)
-class StepMeters:
-    """Meters (context managers: activation meters, timeline recorders) entered around one step
-    only, `step`: they observe the technique from outside and cost nothing on other steps."""
-
-    meters: tuple = ()
-    step: int = 0
-
-    def watch(self, step: int) -> bool:
-        return bool(self.meters) and step == self.step
-
-    @contextmanager
-    def watching(self, step: int):
-        with ExitStack() as watched:
-            for meter in self.meters if self.watch(step) else ():
-                watched.enter_context(meter)
-            yield
+# ----------------------------------------------------------------------------- after a step; the profiler; the clock
 
 
 @dataclass(frozen=True)
@@ -541,3 +518,38 @@ class AfterStep:
         if self.due(step, last):
             self.run(step, last)
 
+
+def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
+    """--profile DIR: a torch.profiler trace of a few steps, one file per rank in DIR
+    (rank<N>.<time>.pt.trace.json), which Perfetto and TensorBoard's profiler plugin open.
+
+    It skips the first step (one-off costs: allocations, the first collective of each group),
+    warms up on the next and records up to three; a shorter run records what it has. CPU activity
+    always, the CUDA kernels too on a GPU. (PyTorch's profiler library itself prints a
+    "profiler_start" and a "profiler_stop" line per rank on stderr: they are not errors.)
+    """
+    if directory is None:
+        return None
+    wait = 1 if steps >= 3 else 0
+    warmup = 1 if steps - wait >= 2 else 0
+    active = min(3, steps - wait - warmup)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(directory), worker_name=f"rank{rank}"))
+
+
+_IMPORTED_AT = time.time()
+
+
+def seconds_since_process_start() -> float:
+    """Wall-clock seconds since this process started, from the kernel's record of it (Linux), else
+    since this module was imported. In a time-boxed run the minutes before the first step count."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/stat") as system:
+            started_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+            boot = next(int(line.split()[1]) for line in system if line.startswith("btime "))
+        return time.time() - (boot + started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time() - _IMPORTED_AT
