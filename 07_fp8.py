@@ -119,7 +119,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import ActivationMeter, add_traffic, log0, model_flops_utilisation, peak_flops_of_name
+from picotron_like.metrics import (ActivationMeter, add_traffic, log0, model_flops_utilisation, peak_flops_of_name,
+                                   predicted_activation_bytes)
 from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token, get_config
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
 from picotron_like.train import StepSettings, build_optimizer, exit_with_error
@@ -880,8 +881,7 @@ def train_recipe(cfg, recipe: str, batches: TokenBatches, grid: ProcessGrid, arg
 
 
 def report(cfg, runs: dict, args, tokens: int) -> None:
-    lesson_07 = load_lesson("07_full_5d")
-    baseline = lesson_07.predicted_kept_activation_bytes(cfg, args.micro_batch_size, args.seq_len, "none")
+    baseline = predicted_activation_bytes(cfg, args.micro_batch_size, args.seq_len)
     log0(f"\n{'--fp8':<12}{'loss first':>11}{'last':>9}{'vs none':>9}{'kept MB':>10}{'predicted':>11}")
     for recipe, run in runs.items():
         predicted = baseline + kept_bytes_difference(cfg, recipe, tokens, 1, torch.float32, cfg.n_layers)

@@ -73,14 +73,10 @@ plan); docs/running.md (checkpoints, faults, large runs).
 from __future__ import annotations
 
 import argparse
-import copy
-import itertools
 import math
-import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
-from dataclasses import asdict, astuple, dataclass, replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from functools import lru_cache, partial
 
 import torch
@@ -94,16 +90,14 @@ import picotron_like.sample as sampling
 from picotron_like import comm
 from picotron_like.data import StepBatch
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, MeteredRun, ModelStates,
-                                    RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
-                                    predicted_activation_bytes, step_bookkeeping_traffic)
-from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters, reference_init
+from picotron_like.materialise import ReferenceTensors, materialise_held_parameters
+from picotron_like.metrics import BalancingLog, log0
+from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.moe import moe_layers
-from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
+from picotron_like.run_control import AfterStep, StepMeters
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
-from picotron_like.run_control import AfterStep, StepMeters, follow_time_budget
 from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
-                                 add_training_flags, batch_shape, exit_with_error, plan_run, traffic_not_counted, train)
+                                 add_training_flags, batch_shape, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -113,8 +107,8 @@ context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 fp8 = load_lesson("07_fp8")
-
-RECOMPUTE_MODES = ("none", "selective", "full")
+measurement = load_lesson("07_report")
+memory_plan = load_lesson("07_memory_plan")
 
 # ============================================================================ the technique: the plan
 
@@ -126,7 +120,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     values_to_load: a checkpoint or a Hub folder gives every value next (nothing is drawn)."""
     shape = batch_shape(args, grid.dp_size)
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, device)
-    grouped = uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
+    grouped = measurement.uses_grouped_experts(args, cfg, grid.tp_size, precision.param_dtype, device)
     # 03: this rank's pipeline stage, or its v chunks for interleaved 1F1B; the whole GPT at pp = 1.
     # Built on the meta device (shapes, no values) and cut there by the lessons below, so that no
     # rank holds more than its share (the 8b preset whole: 32 GB per rank, 8 ranks per node).
@@ -216,27 +210,6 @@ def split_moe_mlp(block, group) -> None:
         tp.parallelize_mlp(block.mlp.shared_expert, group)
         block.mlp.shared_expert.register_forward_pre_hook(
             lambda module, args: (tp.CopyToTensorParallelRegion.apply(args[0], group),))       # f
-
-
-def attention_of_one_rank(cfg, tp: int, n_layers: int):
-    """Attention as one rank of a tp x pp layout holds it, for lesson 04's formulas: its n_layers
-    layers, n_heads / tp heads and n_kv_heads / tp kv-heads of the same head_dim (hidden / tp
-    keeps it). Lesson 04 counts the attention of the model it is given."""
-    return replace(cfg, hidden=cfg.hidden // tp, n_heads=cfg.n_heads // tp, n_kv_heads=cfg.n_kv_heads // tp,
-                   n_layers=n_layers)
-
-
-def experts_per_tp_rank(cfg, tp: int):
-    """The experts as one tp rank holds them: every expert's inner width ffn_hidden / tp (a shared
-    expert's too). Lesson 05's formulas and its grouped-matmul check read them from this config."""
-    return replace(cfg, ffn_hidden=cfg.ffn_hidden // tp)
-
-
-def uses_grouped_experts(args, cfg, tp: int, dtype, device, capability=None) -> bool:
-    """--grouped-mm where lesson 05's grouped matmul runs fast for the experts as a tp rank holds
-    them: what the model is built with, and what the report and the memory plan (for its GPU) predict with."""
-    return bool(cfg.n_experts) and args.grouped_mm and expert_parallel.grouped_mm_fits(
-        experts_per_tp_rank(cfg, tp), dtype, device, capability)
 
 
 def expert_runner(grouped: bool, grid: ProcessGrid):
@@ -505,16 +478,10 @@ def defer_block_weight_gradients(chunk) -> None:
                                f"block in W, which ZeRO's count of a unit's gradients cannot tell apart")
 
 
-def model_parts(model, pipeline) -> list[torch.nn.Module]:
-    """What the routing meters and lesson 05's formulas take as a rank's parts: with a pipeline its chunks
-    (each PipelineChunk's .module one stage of lesson 03), else the model."""
-    return list(pipeline.chunks) if pipeline is not None else [model]
-
-
 def balancing_log(model, pipeline, grid: ProcessGrid):
     """The log of the step's aux and z losses, summed over the ranks holding other tokens (dp x cp)
     and other layers (pp); a model without them logs and reduces nothing."""
-    return BalancingLog(model_parts(model, pipeline),
+    return BalancingLog(measurement.model_parts(model, pipeline),
                         (grid.dp_cp_group, *((grid.pp_group,) if pipeline is not None else ())))
 
 
@@ -563,6 +530,15 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
         if pipelined:
             return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
         return zero.evaluate(model_or_pipeline, batch, settings)
+
+
+@contextmanager
+def forward_only(model):
+    """A forward outside training (a sample) that leaves the run as it found it: the router loads
+    as the step left them (lesson 05), ZeRO-3's gathered units released after (lesson 06)."""
+    with expert_parallel.router_loads_kept([model.module]):
+        yield
+    zero.release_gathered(model)
 
 
 # ============================================================================ the technique: activation recomputation
@@ -653,264 +629,11 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
     return model
 
 
-# ============================================================================ the technique: materialising the rank's share
-
-
-@dataclass(frozen=True)
-class ReferenceTensors:
-    """The reference GPT's tensors as reference_init defines them: the config and seed that give
-    their values, and each one's whole shape."""
-
-    cfg: object
-    seed: int
-    shapes: dict
-
-    @classmethod
-    def of(cls, cfg, seed: int) -> "ReferenceTensors":
-        return cls(cfg, seed, checkpoints.reference_shapes(cfg))
-
-    def box(self, name: str, offsets: tuple, shape) -> torch.Tensor:
-        """Elements [offsets, offsets + shape) of tensor `name`, on the CPU. The whole tensor is
-        drawn and dropped: its generator's one stream defines every value, a slice cannot be drawn
-        alone."""
-        whole = reference_init(name, self.shapes[name], self.cfg, self.seed)
-        held = whole[tuple(slice(start, start + size) for start, size in zip(offsets, shape))]
-        # A copy of the slice alone lets the whole tensor go.
-        return held.clone(memory_format=torch.contiguous_format) if held.numel() < whole.numel() else held
-
-
-def materialise_held_parameters(chunks: list, reference: ReferenceTensors | None, grid: ProcessGrid,
-                                device) -> None:
-    """Give the chunks, built on the meta device and cut there by lessons 02-05 and 07_fp8, their
-    values on `device`: each parameter those of the box of the reference tensor it holds
-    (reference_offsets, the rule checkpoints reshard by), each buffer the reference's zeros
-    (an MoE layer's router_bias and expert_load). The run starts from exactly the parameters of a
-    model built whole and then cut (tests/test_full_5d_materialise.py), but a rank never holds
-    its whole stage, on the host or on the device.
-
-    Speed: reference_init draws a tensor on one CPU thread (1e8 normals ~0.75 s), each from a
-    generator of its own, and torch releases the GIL while it draws: a pool draws as many
-    tensors at once as this rank has cores (drawing_threads). The host holds the whole tensors
-    being drawn, one per thread. With no `reference` (a run that resumes, or starts from a Hub
-    folder, and so overwrites every value next) nothing is drawn: the parameters hold NaN until
-    loaded, so that one the load missed would make the first loss NaN instead of training unnoticed.
-
-    Identity: torch.utils.swap_tensors gives each parameter object its values and keeps the
-    object, which the modules and the lessons' wrappers refer to, but it drops what the earlier
-    lessons attached to it: attributes (02's tp_split_dim and tp_replicated) and gradient hooks
-    (02's sum over tp of a replicated gain's gradient under sequence parallelism) stay with the
-    meta tensor. Both are put back (put_values_in). ZeRO (06) attaches its hooks after this."""
-    if torch.device(device).type == "meta":
-        return      # a model built to be counted (07_memory_plan's tests): shapes only, nothing to draw
-    named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
-    if reference is None:       # made on the device itself: nothing to draw, nothing to copy
-        for _, param in named:
-            put_values_in(param, torch.full_like(param, float("nan"), device=device))
-    else:
-        def held_values(name: str, param) -> torch.Tensor:
-            return reference.box(name, reference_offsets(name, param, param.shape, grid), param.shape)
-
-        # The pool only draws on the CPU; the copies to the device stay on this thread, whose current
-        # CUDA device is the rank's (init_distributed set it), so no other thread touches CUDA.
-        with ThreadPoolExecutor(drawing_threads()) as pool:
-            for (_, param), values in zip(named, pool.map(held_values, *zip(*named))):
-                put_values_in(param, values.to(device))
-    for buffer in (buffer for chunk in chunks for buffer in chunk.buffers()):
-        torch.utils.swap_tensors(buffer, torch.zeros_like(buffer, device=device))
-
-
-def put_values_in(param: torch.nn.Parameter, values: torch.Tensor) -> None:
-    """`param`, a meta tensor, holds `values` from now on, with its attributes and gradient hooks."""
-    attributes, gradient_hooks = dict(param.__dict__), param._backward_hooks
-    torch.utils.swap_tensors(param, torch.nn.Parameter(values, requires_grad=param.requires_grad))
-    param.__dict__.update(attributes)
-    if gradient_hooks:
-        param._backward_hooks = gradient_hooks      # the setter registers them on the new tensor
-
-
-def drawing_threads() -> int:
-    """This rank's share of the cores it may run on: a node's ranks draw at the same time."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-# ============================================================================ the technique: checkpoints
-
-
-def master_pieces(model):
-    """Each piece of a parameter in this rank's master shards (lesson 06), as (unit, name, shape,
-    start, master): the piece holds elements [start, start + master.numel()) of the (row-major)
-    parameter `name` of shape `shape`, as this rank holds that parameter. Padding is left out."""
-    for unit in model.units:
-        shapes = dict(zip(unit.names, unit.shapes))
-        offsets = dict(zip(unit.names, itertools.accumulate((shape.numel() for shape in unit.shapes), initial=0)))
-        for piece in unit.pieces:
-            if piece.param is not None:
-                yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
-
-
-def reference_slices(model, grid: ProcessGrid) -> list[checkpoints.HeldSlice]:
-    """What this rank holds, each tensor as a slice of the reference GPT's tensor of the same
-    name: the layout's description, from which picotron_like.checkpoint saves, and reshards into
-    any other layout.
-
-    Names: every lesson keeps the reference's (03 numbers a stage's layers as the whole model).
-    Boxes: reference_offsets. Elements: lesson 06's master shards hold a flat range of each box
-    (master_pieces). Replicas are written
-    once: a norm gain every tp rank holds (by tp rank 0), a unit ZeRO-0 keeps whole on each rank
-    of its group (by the group's rank 0), the router biases (by dp, cp and tp rank 0)."""
-    slices = []
-    for unit, name, shape, start, master in master_pieces(model):
-        param = unit.params[unit.names.index(name)]
-        offsets = reference_offsets(name, param, shape, grid)
-        whole_on_every_rank = unit.shard_numel == unit.padded_numel and group_size(unit.group) > 1
-        write = ((grid.tp_rank == 0 or not getattr(param, "tp_replicated", False))
-                 and (not whole_on_every_rank or group_rank(unit.group) == 0))
-        slices.append(checkpoints.HeldSlice(name, offsets, tuple(shape), start, start + master.numel(),
-                                            master, write))
-    persistent = model.module.state_dict().keys()
-    first_replica = grid.dp_rank == grid.cp_rank == grid.tp_rank == 0
-    for name, buffer in model.module.named_buffers():
-        if name in persistent:
-            slices.append(checkpoints.HeldSlice(name, (0,) * buffer.dim(), tuple(buffer.shape), 0, buffer.numel(),
-                                                buffer, first_replica))
-    return slices
-
-
-def reference_offsets(name: str, param, shape, grid: ProcessGrid) -> tuple[int, ...]:
-    """Where this rank's tensor `name`, of `shape` as the rank holds it, begins in the reference
-    tensor of that name: lesson 02 cut a split parameter into tp equal parts along its
-    tp_split_dim, tp rank r keeping part r; lesson 05 gave ep rank r experts [r E/ep, (r+1) E/ep)
-    along dim 0."""
-    offsets = [0] * len(shape)
-    if getattr(param, "tp_split_dim", None) is not None:
-        offsets[param.tp_split_dim] = grid.tp_rank * shape[param.tp_split_dim]
-    if expert_parallel.is_expert_parameter(name):
-        offsets[0] = grid.ep_rank * shape[0]
-    return tuple(offsets)
-
-
-def run_identity(args, shape) -> dict:
-    """What a checkpoint's run and the resuming run must share for the data to continue where it
-    stopped: TokenBatches reads step s's windows at [s G, (s+1) G) of a stream its seed orders."""
-    return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step}
-
-
-def run_settings(args, precision) -> dict:
-    """What a resuming run may change, but is told about when it does (resume's notes): the
-    learning-rate schedule (with a time budget's planned steps: follow_time_budget), clipping, the
-    dtypes the weights and gradients are held in, the data."""
-    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
-            "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
-            "data": args.data or "the built-in corpus",
-            "dtype": str(precision.param_dtype).removeprefix("torch."),
-            "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
-
-
-def checkpoint_to_resume(args, cfg, shape) -> dict | None:
-    """The manifest of --resume's checkpoint, checked against this run (None: start at step 0).
-    Called before any process group (validate): a bad checkpoint is one error line. Refuses too a
-    run that would later overwrite a checkpoint in --save-dir, or has no step left to train."""
-    manifest = None
-    if args.resume is not None:
-        directory = checkpoints.resolve(args.resume, args.save_dir)
-        if directory is not None:
-            manifest = checkpoints.read_manifest(directory, cfg, run_identity(args, shape))
-            follow_time_budget(args, manifest.get("settings", {}))
-    start = manifest["step"] if manifest else 0
-    if manifest and start >= args.steps:
-        raise checkpoints.CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
-                                          f"nothing left to train; raise --steps")
-    saved = checkpoints.list_checkpoints(args.save_dir) if args.save_dir else []
-    later = [path for step, path in saved if step > start]
-    if later:
-        raise checkpoints.CheckpointError(f"{later[-1]}: this run starts at step {start} and would overwrite it; "
-                                          f"resume from it (--resume), or choose another --save-dir")
-    return manifest
-
-
-def resume(manifest, model, optimizer, grid: ProcessGrid, settings: dict) -> int:
-    """Load the checkpoint into this rank's slices, whatever layout wrote it, then every weight
-    from the master (ZeRO's all-gathers); returns the step to continue from (0: no checkpoint).
-    Says which of this run's `settings` (run_settings) and model fields differ from the writer's."""
-    if manifest is None:
-        return 0
-    try:
-        checkpoints.load(manifest, reference_slices(model, grid), optimizer)
-    except checkpoints.CheckpointError as error:     # a damaged file, found by whichever rank read it
-        exit_with_error(error)
-    model.publish_master()
-    layout = ", ".join(f"{key} {value}" for key, value in manifest["layout"].items())
-    log0(f"resumed from {manifest['directory']} at step {manifest['step']} (written with {layout})")
-    for difference in checkpoints.unpinned_differences(manifest, settings):
-        log0(f"note: {difference}: this run's applies from step {manifest['step']}")
-    return manifest["step"]
-
-
-def checkpoint_saver(args, cfg, shape, grid: ProcessGrid, model, optimizer):
-    """train()'s after_step: a checkpoint every --save-every steps and after the last, the run's
-    or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir)."""
-    if args.save_dir is None:
-        return None
-    try:
-        checkpoints.check_shared(args.save_dir)     # every node sees it; writable was checked in validate
-    except checkpoints.CheckpointError as error:
-        exit_with_error(error)
-    slices = reference_slices(model, grid)
-    info = {"model": asdict(cfg), "run": run_identity(args, shape),
-            "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
-                       "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages}}
-
-    def due(step: int, last: bool) -> bool:
-        return last or bool(args.save_every and (step + 1) % args.save_every == 0)
-
-    def save(step: int, last: bool) -> None:
-        info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
-        checkpoints.save(args.save_dir, step + 1, slices, optimizer, info, args.keep_last)
-
-    return AfterStep(due, save)
-
-
-# ============================================================================ the technique: Hugging Face weights in
-
-
-def add_init_flag(parser) -> None:
-    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
-                        help="continued pretraining: start from a Hugging Face Llama or Mixtral folder (config.json "
-                             "and safetensors), each rank reading only its slices; the model is the one config.json "
-                             "describes (no --preset, --n-layers); a checkpoint that --resume finds comes first")
-
-
-def model_config(cfg, args):
-    """The model this run trains: the preset with lesson 05's MoE flags applied, or with
-    --init-from the model its config.json describes (picotron_like.hf refuses what the reference
-    GPT cannot express), refused where the flags ask for another model. The balancing and
-    capacity flags stay free: they change how the model trains, not what its weights mean."""
-    if args.init_from is None:
-        return expert_parallel.moe_config(cfg, args)
-    written = hub.read_config(args.init_from)
-    configured = expert_parallel.moe_config(written, args)
-    asked = [flag for flag, given in (("--preset", args.preset != "tiny"), ("--n-layers", args.n_layers is not None))
-             if given]
-    asked += [f"{field} {getattr(configured, field)!r} where the folder has {getattr(written, field)!r}"
-              for field in ("router", "n_shared_experts") if getattr(configured, field) != getattr(written, field)]
-    if asked:
-        raise ConfigError(f"--init-from {args.init_from} with {', '.join(asked)}: the model is the one its config.json "
-                          f"describes; drop those flags")
-    return configured
-
-
-def init_from_hub(directory, model, grid: ProcessGrid) -> None:
-    """The starting weights from a Hub folder: each rank reads the slices it holds (reference_slices,
-    the description a checkpoint reshards by), then every weight from the master (ZeRO's all-gathers).
-    The optimizer starts afresh: continued pretraining, at step 0 of this run's schedule."""
-    hub.load_slices(directory, reference_slices(model, grid))
-    model.publish_master()
-    log0(f"initial weights from {directory}")
-
-
 # ============================================================================ configuration rules
+
+
+# the model this run trains: the preset with lesson 05's MoE flags, or with --init-from a Hub folder's
+model_config = partial(hub.model_config, configure=expert_parallel.moe_config)
 
 
 def validate(cfg, grid, shape, args, world_size: int) -> None:
@@ -924,7 +647,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     zero.validate_zero(args.dtype, args.reduce_dtype)
-    sample_prompt(args, cfg, grid)
+    sampling.sample_prompt(args, cfg, grid)
     # lesson 04's rules include the grid's
     context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
     if cfg.n_experts:
@@ -938,7 +661,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
     zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum)
     checkpoints.check_flags(args)
-    checkpoint_to_resume(args, cfg, shape)
+    checkpoints.checkpoint_to_resume(args, cfg, shape)
 
 
 def composition_problems(cfg, grid, args) -> list[str]:
@@ -1012,551 +735,6 @@ def expert_degree(ep: int | None, cfg, grid) -> int:
     return ep if ep is not None else (math.gcd(grid.dp * grid.cp, cfg.n_experts) if cfg.n_experts else 1)
 
 
-# ============================================================================ measuring the three challenges
-
-
-def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompute: str, tp: int = 1,
-                                    sequence_parallel: bool = False, cp: int = 1, stage=None,
-                                    compute_dtype: torch.dtype = torch.float32) -> int:
-    """One micro-batch of this rank's model, or of its pipeline stage `stage`, with dense MLPs (a
-    model with experts: lesson 05 then swaps each MoE layer's SwiGLU for its routed bytes).
-
-    --recompute none is the earlier lessons' float32 formula (dense_activation_bytes: 03's for a
-    stage, 02's, or the reference's, over the S/cp tokens of a cp rank). Its difference between two
-    layers and one is one block; the rest (embedding ids, rotary tables, head) no mode changes. Per block and token, in
-    elements, with T_n the tokens a norm sees (/tp under sequence parallelism):
-      none       the earlier formula's block
-      selective  that, less each norm's 1/rms and normalised copy (2 (h + 1) per T_n) and
-                 silu(gate) (f / tp; with experts the shared expert's, f_shared / tp)
-      full       the block's input, h per T_n
-    In the compute dtype e (2 bytes under bf16) autograd keeps every such element in e bytes but
-    those computed in float32 on purpose: a norm's float32 input copy, 1/rms and normalised copy
-    (2h + 1; under selective the norm keeps its input itself, in e) and attention's log-sum-exp
-    (n_heads / tp per token). Outside the blocks only the head's matmul input is in e."""
-    h, e = cfg.hidden, compute_dtype.itemsize
-    tokens = micro_batch * seq_len // cp
-    norm_tokens = tokens // tp if sequence_parallel else tokens
-    swiglu_inner = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
-    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-
-    def none(cfg, stage=None):
-        return dense_activation_bytes(cfg, micro_batch, seq_len, cp, tp, stage, sequence_parallel)
-
-    block = none(replace(cfg, n_layers=2)) - none(replace(cfg, n_layers=1))
-    outside = none(cfg, stage) - layers * block
-    if stage is None or stage.lm_head is not None:
-        outside -= (4 - e) * h * norm_tokens
-    log_sum_exp = cfg.n_heads // tp * tokens
-    elements, in_float32 = {
-        "none": (block // 4, 2 * (2 * h + 1) * norm_tokens + log_sum_exp),
-        "selective": (block // 4 - 2 * (h + 1) * norm_tokens - swiglu_inner * tokens, log_sum_exp),
-        "full": (h * norm_tokens, 0)}[recompute]
-    return outside + layers * (e * elements + (4 - e) * in_float32)
-
-
-def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None,
-                           sequence_parallel: bool = False) -> int:
-    """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32, over
-    its seq_len / cp tokens: with tp > 1 lesson 02's formula (which knows stages), else lesson 03's
-    for a stage or the reference's for the whole model. Context-parallel attention, ring or
-    Ulysses, keeps what the reference keeps for those tokens (lesson 04)."""
-    tokens = seq_len // cp
-    if tp > 1:
-        where = {} if stage is None else dict(n_layers=len(stage.layer_ids),
-                                              with_embedding=stage.tok_embeddings is not None,
-                                              with_head=stage.lm_head is not None)
-        return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel,
-                                                             save_sequence_shard=True, **where)
-    if stage is not None:
-        return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
-    return predicted_activation_bytes(cfg, micro_batch, tokens)
-
-
-def routing_at(routing, pipeline, n_micro: int, kind: str):
-    """Under --recompute full every MoE layer dispatches twice per micro-batch in the metered step:
-    in the forward, and again when backward recomputes its block. The meter numbers a layer's
-    calls in the order they came, which is the order of its chunk's forward and backward actions
-    on this rank (lesson 01: F then B for each micro-batch; with a pipeline, lesson 03's program,
-    in which an interleaved rank's chunks take turns), the same in every step of a meter over
-    several. Returns a copy of the meter holding the calls made at the `kind` actions ("F": the
-    forwards; "B": the recomputed forwards), numbered by their micro-batch."""
-
-    def actions(chunk: int) -> list[tuple[str, int]]:
-        if pipeline is None:
-            return [(action, micro_batch) for micro_batch in range(n_micro) for action in "FB"]
-        return [(step.kind, step.micro_batch) for step in pipeline.program
-                if not is_transfer_batch(step) and step.chunk == chunk]
-
-    by_chunk = {chunk: actions(chunk) for chunk in set(routing.part_of)}
-    kept = copy.copy(routing)
-    kept.calls = []
-    for call in routing.calls:
-        chunk_actions = by_chunk[routing.part_of[call.layer]]
-        action, micro_batch = chunk_actions[call.micro_batch % len(chunk_actions)]
-        if action == kind:
-            kept.calls.append(replace(call, micro_batch=micro_batch))
-    return kept
-
-
-def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
-    """This rank's kept activations at their peak in the metered step under `recompute`: each
-    micro-batch's bytes (with experts, lesson 05's on the step's routing counts, for the experts
-    as a tp rank holds them; under full a block keeps its input only, whatever the routing), then
-    their peak over lesson 03's program."""
-
-    def dense(stage):
-        kept = predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
-                                               args.sequence_parallel, grid.cp_size, stage,
-                                               model.precision.param_dtype)
-        layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-        return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
-                                                grid.tp_size, model.precision.param_dtype, layers, recompute,
-                                                args.sequence_parallel)
-
-    parts = model_parts(model, pipeline)
-    sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
-             for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
-    if cfg.n_experts and recompute != "full":     # each MoE layer's bytes over the dense formula, on its counts
-        experts, dtype = experts_per_tp_rank(cfg, grid.tp_size), model.precision.param_dtype
-        ep, micro = expert_parallel.ExpertParallel.from_grid(grid), shape.micro_batch_size
-        grouped = uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device)
-        for call, sent, received in zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep)):
-            sizes[(routing.part_of[call.layer], call.micro_batch)] += expert_parallel.moe_layer_bytes_over_dense(
-                experts, micro * shape.seq_len // grid.cp_size, micro, sent, received, ep.size, grouped, dtype.itemsize)
-    # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
-    if pipeline is None:
-        return max(sizes.values())
-    return peak_live_micro_batches(pipeline.program, micro_batch_sizes=sizes)
-
-
-def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
-    """Every mode's prediction for this run's metered step, whichever mode ran (`routing`: its
-    RoutingMeter, or None without experts; under full its recomputed calls are left out)."""
-    if routing is not None and args.recompute == "full":
-        routing = routing_at(routing, pipeline, shape.grad_accum, "F")
-    return {mode: predicted_peak_kept_bytes(mode, model, pipeline, cfg, shape, args, grid, routing)
-            for mode in RECOMPUTE_MODES}
-
-
-def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, recompute: str, cp_mode: str,
-                                sequence_parallel: bool, element_bytes: int = 4, recomputed=None,
-                                steps: int = 1) -> dict:
-    """Payload bytes per step that the second forward adds, each message in the weights' dtype
-    (the residual stream's: `element_bytes`). selective: nothing, its checkpoints hold local
-    arithmetic only (a tp norm's entry into its region stays outside). full: each block's forward
-    collectives that the saved tensors need, once more per micro-batch. Non-reentrant checkpoint
-    stops recomputing once the last saved tensor is rebuilt, so the block's last collective (the
-    MLP's row-parallel sum, whose output nothing in the block saves) does not run again. tp: the
-    attention's row-parallel output (all-reduced, or reduce-scattered with the two norms' outputs
-    all-gathered under sequence parallelism); cp ring: cp - 1 K/V blocks; Ulysses: q, k, v out
-    and the output back (o_proj saves its input). With experts (`recomputed`: the RoutingMeter of
-    the recomputed calls of `steps` steps, routing_at's "B"; their mean per step), the MLP's
-    collectives do run again, since combine saves the expert outputs that came back: every
-    dispatch's forward all-to-alls, the counts, the rows out and back, (m + r) h e + 8 E, and
-    under tp the experts' g, r h e (lesson 05's forward share; a shared expert's row-parallel sum
-    comes after combine and does not run again), and under cp the auxiliary loss's cp sum of its
-    counts, 8 E per sequence."""
-    if recompute != "full":
-        return {}
-    runs = n_layers * shape.grad_accum
-    tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
-    tp, cp, d = grid.tp_size, grid.cp_size, cfg.head_dim
-    extra = []
-    if tp > 1:
-        row = runs * tokens * cfg.hidden * element_bytes
-        extra.append({("all_gather_single", "tp"): 2 * row, ("reduce_scatter_single", "tp"): row}
-                     if sequence_parallel else {("all_reduce", "tp"): row})
-    if cp > 1 and cp_mode == "ring":
-        kv = runs * (cp - 1) * 2 * tokens * cfg.n_kv_heads // tp * d * element_bytes
-        extra.append({("isend", "cp"): kv, ("irecv", "cp"): kv})
-    elif cp > 1:
-        extra.append({("all_to_all_single", "cp"):
-                      runs * tokens * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp * d * element_bytes})
-    if cp > 1 and cfg.n_experts and cfg.aux_loss_coef:     # the auxiliary loss's int64 counts per sequence
-        extra.append({("all_reduce", "cp"): runs * 8 * cfg.n_experts * shape.micro_batch_size})
-    if recomputed is not None:
-        routed = routed_traffic(recomputed, grid, cfg.hidden, element_bytes, forward_only=True)
-        extra.append({key: value / steps for key, value in routed.items()})
-    return add_traffic(*extra)
-
-
-def forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing,
-                                   steps: int = 1) -> tuple:
-    """What lesson 06's traffic prediction takes from this lesson: with experts (`routing`, a
-    RoutingMeter over `steps` steps, else None), the routing of the forwards (under --recompute
-    full without the recomputed calls, routing_at's "F"), and predicted_recompute_traffic, per step."""
-    full = routing is not None and args.recompute == "full"
-    extra = predicted_recompute_traffic(cfg, shape, grid, len(model.module.layers), args.recompute, args.cp_mode,
-                                        args.sequence_parallel, model.precision.param_dtype.itemsize,
-                                        routing_at(routing, pipeline, shape.grad_accum, "B") if full else None, steps)
-    return (routing_at(routing, pipeline, shape.grad_accum, "F") if full else routing), extra
-
-
-def predicted_pipeline_traffic(pipeline, precision, n_micro: int) -> dict:
-    """Lesson 03's p2p bytes of this rank's stage (boundaries in the weights' dtype), and the
-    loss and norm scalars the step sums over pp."""
-    if pipeline is None:
-        return {}
-    return add_traffic(pipeline_parallel.predicted_p2p_traffic(pipeline, n_micro, precision.param_dtype.itemsize),
-                       step_bookkeeping_traffic(loss_groups=("pp",), norm_groups=("pp",)))
-
-
-def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
-                            sequence_parallel: bool, precision, routing=None, steps: int = 1):
-    """What tensor, context and expert parallelism move inside this rank's layers, which ZeRO
-    leaves as it is: lessons 02 and 04's formulas, with experts also lesson 05's, whose traffic
-    depends on the routing: `routing` is a RoutingMeter over `steps` steps' forwards, and the
-    result their mean. The formulas count a float32 residual stream; with bf16 weights the stream
-    is bf16, and with experts but no meter the routing is unknown: None then, and the table shows
-    '-' for those rows."""
-    has_experts = bool(cfg.n_experts)
-    if precision.param_dtype != torch.float32 or (has_experts and routing is None):
-        return None
-    module, tp = model.module, grid.tp_size
-    n_layers, micro, n_micro = len(module.layers), shape.micro_batch_size, shape.grad_accum
-    predicted = [context_parallel.predicted_cp_traffic(attention_of_one_rank(cfg, tp, n_layers), micro, shape.seq_len,
-                                                       grid.cp_size, cp_mode, n_micro, 4)]
-    if tp > 1:
-        predicted.append(tensor_parallel.predicted_tp_traffic(
-            cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
-            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None,
-            save_sequence_shard=True))
-    if has_experts:
-        routed = routed_traffic(routing, grid, cfg.hidden, 4)
-        predicted += [expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),
-                      {key: value / steps for key, value in routed.items()}]
-    return add_traffic(*predicted)
-
-
-def routed_traffic(routing, grid: ProcessGrid, hidden: int, element_bytes: int, forward_only: bool = False) -> dict:
-    """The bytes that depend on the routing, from the counts of every call `routing` recorded:
-    lesson 05's all-to-all, and with tp > 1 the experts' g (r h e, forward) and f (r h float32
-    gradients, backward) around the r rows this rank's experts received (tp x experts).
-    `forward_only`: the forward's share (the recomputed forward): of the all-to-all, the counts and
-    the m rows out and r back, (m + r) h e + 8 E, lesson 05's bytes less the backward's rows."""
-    ep = expert_parallel.ExpertParallel.from_grid(grid)
-    predicted = [expert_parallel.predicted_routed_traffic(routing, ep, hidden, element_bytes)]
-    if not ((forward_only and ep.size > 1) or grid.tp_size > 1):
-        return predicted[0]
-    # the same condition on every rank: the counts' gather over ep runs on all of them or none
-    sent, received = expert_parallel.rows_sent_and_received(routing, ep)
-    if forward_only and ep.size > 1:
-        predicted.append({("all_to_all_single", "ep"): -(sum(sent) + sum(received)) * hidden * element_bytes})
-    if grid.tp_size > 1:
-        predicted.append({("all_reduce", "tp"): sum(received) * hidden * (element_bytes + (0 if forward_only else 4))})
-    return add_traffic(*predicted)
-
-
-def expert_layer_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, compute_dtype) -> dict:
-    """What experts change inside the layers of a dense prediction, routing aside (routed_traffic):
-    the cp sum of the auxiliary loss's int64 counts per sequence (cp x balancing), and, with tp > 1
-    and no shared expert, the dense MLP's f and g taken out (an MoE layer's are its experts', or
-    its shared expert's, as many as a dense MLP's)."""
-    extra = []
-    if grid.cp_size > 1 and cfg.aux_loss_coef:
-        extra.append({("all_reduce", "cp"): 8 * cfg.n_experts * shape.micro_batch_size * n_layers * shape.grad_accum})
-    if grid.tp_size > 1 and not cfg.n_shared_experts:
-        rows = shape.micro_batch_size * shape.seq_len // grid.cp_size * shape.grad_accum * n_layers
-        extra.append({("all_reduce", "tp"): -rows * cfg.hidden * (torch.finfo(compute_dtype).bits // 8 + 4)})
-    return add_traffic(*extra)
-
-
-def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: float) -> dict:
-    """Lesson 05's balancing bookkeeping over the dp x cp ranks, and the logged aux and z values
-    summed over pp too when `pipelined` (each stage holds other layers)."""
-    log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    return add_traffic(expert_parallel.balancing_traffic(cfg, n_layers, bias_update_rate, "dp_cp"),
-                       {("all_reduce", "pp"): 4 * log_values} if pipelined and log_values else {})
-
-
-@dataclass(frozen=True)
-class ZeroUnits:
-    """ZeRO x experts in lesson 06's formulas: each module unit's dense parameters, sharded over
-    the n = dp x cp ranks, and its experts', sharded over edp (ExpertUnitsOverEdp). From a built
-    model (of), or in the memory plan from its unit counts; a dense model's experts are zeros."""
-
-    dense: list[int]
-    experts: list[int]
-    n: int
-    edp: int
-
-    @classmethod
-    def of(cls, model, grid: ProcessGrid) -> "ZeroUnits":
-        """A built model's units: a flat unit over the model's dp x cp group is dense, one over edp experts."""
-        def counts(dense: bool) -> list[int]:
-            return [sum(unit.numel for unit in units if (unit.group is model.dp_group) == dense)
-                    for units in model.unit_groups]
-
-        n = grid.dp_size * grid.cp_size
-        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size)
-
-    def model_states(self, stage: int, precision) -> ModelStates:
-        dense = zero.predicted_model_states(self.dense, self.n, stage, precision)
-        experts = zero.predicted_model_states(self.experts, self.edp, stage, precision)
-        return ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
-
-    def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
-        """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
-        return add_traffic(*(zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard_after_forward,
-                                                         group)
-                             for counts, n, group in ((self.dense, self.n, "dp_cp"), (self.experts, self.edp, "edp"))
-                             if any(counts)))
-
-    def gathered_peak(self, precision, reshard_after_forward: bool, prefetch: bool) -> int:
-        """ZeRO-3 gathers a block's dense and expert units together, each padded over its own group."""
-        return zero.predicted_gathered_peak([(zero.padded(dense, self.n) + zero.padded(experts, self.edp))
-                                             * precision.param_dtype.itemsize
-                                             for dense, experts in zip(self.dense, self.experts)],
-                                            reshard_after_forward, prefetch)
-
-
-def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
-                           precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
-    """Every row of the report's traffic table, per step, each lesson's formula added up once: ZeRO's
-    (06), the pipeline's (03), the balancing's (05) and, where predicted_inner_traffic predicts
-    them (`routing` and `steps` as there), tp's, cp's and ep's, with `inner_extra` added to those
-    (the recomputed forward's); else none of them."""
-    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
-    predicted = add_traffic(ZeroUnits.of(model, grid).traffic(model.stage, precision, shape.grad_accum,
-                                                              args.reshard_after_forward),
-                            step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups),
-                            predicted_pipeline_traffic(pipeline, precision, shape.grad_accum),
-                            balancing_traffic(cfg, len(model.module.layers), pipeline is not None,
-                                              args.bias_update_rate))
-    inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
-                                    routing, steps)
-    if inner is None:
-        return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
-                                            grid.tp_size, shape.grad_accum, len(model.module.layers), args.recompute,
-                                            args.sequence_parallel, grid.cp_size)
-    return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic)
-
-
-def report(model, pipeline, optimizer, plan, args, grid: ProcessGrid, activations: ActivationMeter, gathered,
-           routing, throughput, device, every_step=None) -> None:
-    """The activations this rank keeps for backward at their peak in the metered step, measured for
-    the run's --recompute and predicted for every mode (with experts on the metered step's
-    `routing`); lesson 06's model states and ZeRO-3's gathered weights; the traffic of every
-    lesson's collectives next to predicted_step_traffic (with the recomputed forward, with experts
-    on `every_step`'s routing); the compute report."""
-    precision, shape = model.precision, plan.shape
-    with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
-        predicted = predicted_kept_by_mode(model, pipeline, plan.cfg, shape, args, grid, routing)
-        forwards, extra = forwards_and_recompute_traffic(model, pipeline, plan.cfg, shape, args, grid, every_step,
-                                                         throughput.steps)
-    where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
-    log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
-         f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
-    log0(f"{'--recompute':<14}{'measured MB':>13}{'predicted MB':>14}{'saved vs none':>15}")
-    for mode in RECOMPUTE_MODES:
-        measured = f"{activations.peak_bytes / 1e6:.3f}" if mode == args.recompute else "-"
-        saved = f"{100 * (1 - predicted[mode] / predicted['none']):.1f} %" if mode != "none" else "-"
-        log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
-    if args.compile:
-        log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
-    if args.schedule == "zero-bubble":
-        log0("(zero-bubble: measured is what autograd saves, without the inputs and output gradients waiting in "
-             "the W queue; predicted counts each micro-batch whole from its F to its W, more than W keeps)")
-    if extra:
-        log0("the recomputed forward's collectives, in the traffic below, predicted per step"
-             + (" (with experts: on every step's routing)" if every_step is not None else "") + ", MB: "
-             + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
-    units = ZeroUnits.of(model, grid)
-    experts = f", experts over edp = {units.edp}" if any(units.experts) else ""
-    zero.log_model_states(model, optimizer, f"{where}ZeRO-{model.stage} over {units.n} ranks{experts}; weights "
-                          f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
-                          units.model_states(model.stage, precision), gathered,
-                          units.gathered_peak(precision, args.reshard_after_forward, args.prefetch))
-    log0(f"\n== communication per step ({shape.grad_accum} micro-batches) ==")
-    with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
-        predicted = predicted_step_traffic(model, pipeline, plan.cfg, shape, args, grid, precision, forwards,
-                                           throughput.steps, extra)
-    log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
-    log_compute_report(MeteredRun(model.module, optimizer, activations, throughput, plan.cfg, shape.seq_len,
-                                  grid.shape.world_size, device, throughput.steps))
-    if args.fp8 != "none":
-        fp8.log_fp8_compute(plan.cfg, args.fp8, shape.seq_len, throughput.tokens_per_second, grid.shape.world_size,
-                            device, throughput.peak_flops)
-
-
-class FirstStepsMemory:
-    """What this rank holds after each phase of its first steps, observed from outside: the step
-    function and the optimizer's step are wrapped, nothing inside them counts. Everywhere: the
-    bytes of the tensors the model and optimizer hold, by role (lesson 06's measured_model_states);
-    on CUDA also the caching allocator's allocated bytes, its peak during the step, and its
-    reserved bytes. With `snapshot` (CUDA, recording since start_memory_history), PyTorch's
-    allocator history up to the end of those steps is written there, for pytorch.org/memory_viz.
-    A run resumed at `first_step` numbers its rows from there; its first row holds the checkpoint."""
-
-    def __init__(self, model, optimizer, device, n_steps: int = 3, snapshot: str | None = None, first_step: int = 0):
-        self.model, self.optimizer, self.device, self.n_steps = model, optimizer, device, n_steps
-        self.snapshot = snapshot if device.type == "cuda" else None
-        self.first_step = first_step
-        self.rows = [("built" if first_step == 0 else f"built, resumed at step {first_step}", self._sample())]
-        self.steps_seen = 0
-        self._step = optimizer.step
-        optimizer.step = self._observed_optimizer_step
-
-    def _sample(self) -> dict:
-        states = zero.measured_model_states(self.model, self.optimizer)
-        sample = {"parameters": states.parameters, "gradients": states.gradients, "master": states.master_weights,
-                  "Adam": states.optimizer_states, "total": states.total}
-        if self.device.type == "cuda":
-            sample.update(allocated=torch.cuda.memory_allocated(self.device),
-                          peak=torch.cuda.max_memory_allocated(self.device),
-                          reserved=torch.cuda.memory_reserved(self.device))
-        return sample
-
-    def _observed_optimizer_step(self, *args, **kwargs):
-        if self.steps_seen < self.n_steps:
-            self.rows.append((f"step {self.first_step + self.steps_seen}: before optimizer.step", self._sample()))
-        return self._step(*args, **kwargs)
-
-    def observe(self, step_fn):
-        """step_fn, sampled after each of the first n_steps steps (the snapshot written after the last)."""
-        def observed(batch):
-            if self.steps_seen >= self.n_steps:
-                return step_fn(batch)
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-            result = step_fn(batch)
-            self.rows.append((f"step {self.first_step + self.steps_seen}: after", self._sample()))
-            self.steps_seen += 1
-            if self.steps_seen == self.n_steps:
-                self._write_snapshot()
-            return result
-        return observed
-
-    def _write_snapshot(self) -> None:
-        """Write the history once and stop recording: what follows the first steps repeats them."""
-        if self.snapshot:
-            torch.cuda.memory._dump_snapshot(self.snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            log0(f"allocator history written to {self.snapshot} (one file per rank; open it at "
-                 f"https://pytorch.org/memory_viz)")
-            self.snapshot = None
-
-    def report(self) -> None:
-        """The rows (rank 0's) and what they show; a run shorter than n_steps writes its snapshot here."""
-        self._write_snapshot()
-        columns = list(self.rows[0][1])
-        log0("\n== memory over the first steps (rank 0, MB) ==")
-        log0(f"{'phase':<34}" + "".join(f"{name:>12}" for name in columns))
-        for phase, sample in self.rows:
-            log0(f"{phase:<34}" + "".join(f"{sample[name] / 1e6:>12.3f}" for name in columns))
-        adam = ("Adam's two float32 moments appear inside the first optimizer.step(): AdamW creates its states "
-                "lazily, so\nuntil then a run holds 8 bytes per master element less than in every later step."
-                if self.first_step == 0 else
-                "Adam's two float32 moments came back with the checkpoint, before the first step: every row "
-                "holds them.")
-        log0(adam + " ZeRO allocates its\ngradient buffers when it builds its units (a plain PyTorch model gets "
-                    "its .grad at the first backward);\nthe per-parameter gradients autograd writes live only "
-                    "until their unit is flattened and reduced.")
-        if self.device.type == "cuda":
-            log0("On CUDA, 'peak' is the step's high-water mark (activations included). The caching allocator "
-                 "reserves\nblocks during the first step and keeps them: 'reserved' grows at step "
-                 f"{self.first_step} and then stays, so the first\nstep is the one to watch for out-of-memory.")
-
-
-def start_memory_history(path: str | None, device) -> str | None:
-    """--memory-snapshot: start recording the allocator's history (CUDA only), before the model is
-    built; one file per rank (FILE.rankN.pickle). Returns this rank's path, or None."""
-    if path is None:
-        return None
-    if device.type != "cuda":
-        log0("--memory-snapshot: the allocator history is a CUDA feature; nothing is recorded on the CPU")
-        return None
-    torch.cuda.memory._record_memory_history(max_entries=100_000)
-    stem = path.removesuffix(".pickle")
-    return f"{stem}.rank{torch.distributed.get_rank()}.pickle"
-
-
-# ============================================================================ the technique: samples during training
-
-
-def add_sample_flags(parser) -> None:
-    parser.add_argument("--sample-every", type=int, default=0,
-                        help="every N steps and after the last, rank 0 prints what the model writes after "
-                             "--sample-prompt (0: never); layouts without --pp and --cp")
-    parser.add_argument("--sample-prompt", default="\n", help="with --sample-every: the text to continue")
-    parser.add_argument("--sample-tokens", type=int, default=32, help="with --sample-every: tokens to write")
-
-
-def sample_prompt(args, cfg, grid) -> tuple | None:
-    """--sample-every's (tokenizer, prompt ids): the tokenizer recorded beside --data (see
-    picotron_like.sample), or None when off; a ConfigError before any process group otherwise.
-    The layout must give every rank the logits of a whole sequence from its own forward: a
-    pipeline's last stage alone computes logits, in micro-batches of the schedule's shape, and
-    context parallelism holds a piece of each sequence per rank. Those are refused."""
-    if not args.sample_every:
-        return None
-    problems = [f"--{flag} {value} must be 1 or more" for flag, value in
-                (("sample-every", args.sample_every), ("sample-tokens", args.sample_tokens)) if value < 1]
-    problems += [f"--sample-every with --{axis} {degree}: {why}; sample a checkpoint instead (python -m "
-                 f"picotron_like.sample SAVE_DIR), or drop --sample-every" for axis, degree, why in
-                 (("pp", grid.pp, "only the last pipeline stage computes logits"),
-                  ("cp", grid.cp, "each rank holds a piece of every sequence")) if degree > 1]
-    if problems:
-        raise ConfigError("bad sample flags:\n  - " + "\n  - ".join(problems))
-    tokenizer = sampling.sample_tokenizer(sampling.recorded_tokenizer(args.data or sampling.BUILTIN_CORPUS),
-                                          cfg.vocab_size)
-    return tokenizer, sampling.prompt_ids(tokenizer, args.sample_prompt)
-
-
-def sample_text(model, grid: ProcessGrid, settings: StepSettings, tokenizer, prompt: list[int],
-                choice: sampling.Sampling) -> str:
-    """What the model writes after `prompt`, through the layout's own forward: every rank runs it
-    on the same tokens (ZeRO-3 gathers, tp's and ep's collectives need every rank), the tp ranks
-    put their vocabulary slices of the logits together, and every rank picks the next token with
-    picotron_like.sample's rule and a generator of its own, never torch's global one: the
-    training's random streams are not touched. No KV cache: the layers are the layout's, and a
-    short sample is a few forwards of one sequence. The sequence is padded after its end to one
-    length, a multiple of tp (sequence parallelism splits it): causal attention keeps the padding
-    from every position before it, and --compile sees one shape. eval(): the MoE meters and the
-    balancing log record training forwards only; router_loads_kept leaves the bias update alone."""
-    ids, generator = list(prompt), torch.Generator().manual_seed(choice.seed)
-    length = math.ceil((len(prompt) + choice.max_new_tokens) / grid.tp_size) * grid.tp_size
-    model.eval()
-    with torch.no_grad(), traffic_not_counted(), expert_parallel.router_loads_kept([model.module]):
-        for _ in range(choice.max_new_tokens):
-            tokens = torch.zeros(1, length, dtype=torch.long)
-            tokens[0, :len(ids)] = torch.tensor(ids)
-            with settings.autocast():
-                logits = model(tokens.to(settings.device))[0, len(ids) - 1].contiguous()
-            if grid.tp_size > 1:
-                slices = [torch.empty_like(logits) for _ in range(grid.tp_size)]
-                dist.all_gather(slices, logits, group=grid.tp_group)
-                logits = torch.cat(slices)
-            token = torch.tensor([sampling.next_token(logits, choice, generator, tokenizer.vocab_size)],
-                                 device=settings.device)
-            # Every rank computed the same logits and draws the same number; rank 0's token is
-            # sent anyway, so that a last-bit difference between replicas can never give the
-            # ranks of one tp group different tokens to run.
-            dist.broadcast(token, src=0)
-            ids.append(int(token))
-    model.train()
-    zero.release_gathered(model)                # as zero.evaluate: a step starts from shards
-    return tokenizer.decode(ids[len(prompt):])
-
-
-def training_sampler(args, cfg, grid: ProcessGrid, model, settings: StepSettings):
-    """train()'s after_step for --sample-every (None when off): rank 0 prints one line."""
-    prompt = sample_prompt(args, cfg, grid.shape)
-    if prompt is None:
-        return None
-    choice = sampling.Sampling(args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
-
-    def due(step: int, last: bool) -> bool:
-        return last or (step + 1) % args.sample_every == 0
-
-    def sample(step: int, last: bool) -> None:
-        text = sample_text(model, grid, settings, *prompt, choice)
-        log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
-
-    return AfterStep(due, sample)
-
-
 def one_after_another(*hooks: AfterStep | None) -> AfterStep | None:
     """train()'s after_step: each hook given (None: absent) in turn, where it is due."""
     hooks = [hook for hook in hooks if hook is not None]
@@ -1579,12 +757,12 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp", "ep"), fill_axis="dp", bucket_flag=False)
     zero.add_zero_flags(parser)
-    add_sample_flags(parser)
+    sampling.add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
     zero_bubble.add_schedule_flags(parser)
     context_parallel.add_context_parallel_flags(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
-    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+    parser.add_argument("--recompute", choices=measurement.RECOMPUTE_MODES, default="none",
                         help="selective: compute the norms' arithmetic and SwiGLU's silu again in backward (no "
                              "matmul, no collective); full: keep only each block's input and run its forward again")
     parser.add_argument("--compile", action="store_true",
@@ -1594,8 +772,8 @@ def parse_args(argv=None):
                         help="CUDA: record the allocator's history over the first steps and write it to "
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
     checkpoints.add_checkpoint_flags(parser)
-    add_init_flag(parser)
-    add_plan_flags(parser)
+    hub.add_init_flag(parser)
+    memory_plan.add_plan_flags(parser)
     parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
     return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
 
@@ -1609,37 +787,17 @@ def layout_defaults(args):
     return args
 
 
-def add_plan_flags(parser) -> None:
-    parser.add_argument("--plan", action="store_true",
-                        help="no training, no torchrun: print this layout's memory per rank on --gpus GPUs, whether "
-                             "it fits, and the layouts that fit, fastest first (the layout from the usual flags)")
-    parser.add_argument("--gpus", type=int, default=8, help="with --plan: the number of GPUs (the world size)")
-    parser.add_argument("--gpu", default="B300",
-                        help="with --plan: the GPU, whose memory, peak FLOP/s and bandwidths 07_memory_plan.GPUS "
-                             "gives: B300, B200, H200, H100, A100-80GB, A100-40GB")
-    parser.add_argument("--gpu-memory-gb", type=float, default=None,
-                        help="with --plan: the GPU's memory in GiB, instead of the table's")
-    parser.add_argument("--gpus-per-node", type=int, default=8,
-                        help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
-    parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
-    parser.add_argument("--zero-table", action="store_true",
-                        help="no training, no torchrun: print --preset's model states per GPU on 8 and 64 GPUs at "
-                             "every ZeRO stage and precision policy (lesson 06's formula, data parallelism alone)")
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if args.plan:
-        load_lesson("07_memory_plan").print_memory_plan(args)
-        return
+    if args.plan:           # 07_memory_plan: no training, no torchrun
+        return memory_plan.print_memory_plan(args, validate, expert_degree)
     if args.zero_table:
-        print(load_lesson("07_memory_plan").zero_memory_table(args.preset, (8, 64)))
-        return
-    plan = plan_run(args, validate, model_config)
-    manifest = checkpoint_to_resume(args, plan.cfg, plan.shape)
+        return print(memory_plan.zero_memory_table(args.preset, (8, 64)))
+    plan = plan_run(args, validate, model_config)        # every rule checked before any process group
+    manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
-    snapshot = start_memory_history(args.memory_snapshot, device)
-    grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))
+    snapshot = measurement.start_memory_history(args.memory_snapshot, device)
+    grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))     # the five axes' groups
     model, pipeline = parallelize(plan.cfg, grid, args, device,
                                   values_to_load=manifest is not None or args.init_from is not None)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
@@ -1647,38 +805,29 @@ def main(argv=None):
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
-    start_step = resume(manifest, model, optimizer, grid, run_settings(args, model.precision))
-    if args.resume is not None and manifest is None:    # a restarted job's first start, say
-        where = args.save_dir if args.resume == "latest" else args.resume
-        log0(f"--resume: no checkpoint in {where} yet: starting from step 0")
+    start_step = checkpoints.resume(args, manifest, model, optimizer, grid)
     if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
-        init_from_hub(args.init_from, model, grid)
-    activations, gathered = ActivationMeter(model.module), GatheredParameterMeter(model.module)
-    # With experts: the metered step's routing (kept activations) and every step's (traffic).
-    parts = model_parts(model, pipeline)
-    # every_step folds a layer's calls by the step (its forwards per step: twice under full recompute)
-    calls_per_step = plan.shape.grad_accum * (2 if args.recompute == "full" else 1)
-    routing, every_step = ((RoutingMeter(parts), RoutingMeter(parts, calls_per_step))
-                           if plan.cfg.n_experts else (None, None))
+        hub.init_from_hub(args.init_from, model, grid)
+    run = measurement.ComposedRun(model, pipeline, optimizer, plan.cfg, plan.shape, grid, args)
+    meters = measurement.ReportMeters.of(run)
+    first_steps = measurement.FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
     model_or_pipeline = model if pipeline is None else pipeline
-    first_steps = FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
     step = first_steps.observe(partial(train_step, model_or_pipeline, optimizer, settings=settings,
                                        bias_update_rate=args.bias_update_rate,
                                        balancing_log=balancing_log(model, pipeline, grid)))
-    with every_step or nullcontext():
+    with meters.every_step or nullcontext():
         # dp: this rank's share of the global batch; cp: its cut of each sequence
         batches = RankBatches(plan.batches, grid.dp_rank, device,
                               cut=context_parallel.sequence_cut(grid, args.zigzag), val=plan.val_batches)
-        meters = StepMeters((SavedTensorMeters(activations, gathered), *([routing] if routing else [])),
-                            step=start_step)
         throughput = train(args, optimizer, step, batches,
                            evaluate=partial(evaluate, model_or_pipeline, settings=settings),
-                           meters=meters, cfg=plan.cfg, start_step=start_step,
-                           after_step=one_after_another(training_sampler(args, plan.cfg, grid, model, settings),
-                                                        checkpoint_saver(args, plan.cfg, plan.shape, grid, model,
-                                                                         optimizer)))
-    report(model, pipeline, optimizer, plan, args, grid, activations, gathered, routing, throughput, device,
-           every_step)
+                           meters=StepMeters(meters.of_the_metered_step(), step=start_step), cfg=plan.cfg,
+                           start_step=start_step,
+                           after_step=one_after_another(
+                               sampling.training_sampler(args, plan.cfg, grid, model, settings,
+                                                         partial(forward_only, model)),
+                               checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
+    measurement.report(run, meters, throughput, device)
     first_steps.report()
     shutdown()
 

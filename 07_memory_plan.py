@@ -59,8 +59,9 @@ pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
-full_5d = load_lesson("07_full_5d")
+zero_bubble = load_lesson("03_zero_bubble")
 fp8 = load_lesson("07_fp8")
+measurement = load_lesson("07_report")
 
 # ============================================================================ the technique: the memory plan
 
@@ -129,7 +130,7 @@ def stage_outline(cfg, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple:
 @lru_cache(maxsize=None)
 def pipeline_program(schedule: str, pp: int, n_micro: int, pp_rank: int, virtual_stages: int = 1) -> list:
     # lesson 03's schedules and zero-bubble's, as lesson 07 runs them
-    return full_5d.zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
+    return zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
 
 
 def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[int, int]:
@@ -142,14 +143,14 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
     (chunk, micro-batch) pair."""
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
-    experts = full_5d.experts_per_tp_rank(cfg, tp)
-    grouped = full_5d.uses_grouped_experts(args, cfg, tp, precision.param_dtype, torch.device("cuda"),
-                                           GPUS[args.gpu].capability)
+    experts = measurement.experts_per_tp_rank(cfg, tp)
+    grouped = measurement.uses_grouped_experts(args, cfg, tp, precision.param_dtype, torch.device("cuda"),
+                                               GPUS[args.gpu].capability)
 
     def one_micro_batch(stage) -> int:
-        kept = full_5d.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
-                                                       args.sequence_parallel, grid.cp, stage,
-                                                       precision.param_dtype)
+        kept = measurement.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
+                                                           args.sequence_parallel, grid.cp, stage,
+                                                           precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         # --fp8: FP8 copies of the blocks' matmul inputs instead of bf16 ones (07_fp8.py)
         kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len // grid.cp, tp, precision.param_dtype,
@@ -204,7 +205,7 @@ def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
     cp and their experts over edp = dp x cp / ep (unit_parameter_counts)."""
     dense = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
     experts = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
-    return full_5d.ZeroUnits(dense, experts, grid.dp * grid.cp, grid.dp * grid.cp // ep)
+    return measurement.ZeroUnits(dense, experts, grid.dp * grid.cp, grid.dp * grid.cp // ep)
 
 
 def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[dict, int]:
@@ -264,8 +265,8 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     micro, m, e, tp, cp = shape.micro_batch_size, shape.grad_accum, precision.param_dtype.itemsize, grid.tp, grid.cp
     bandwidth = partial(group_bandwidth, grid, gpu=gpu, gpus_per_node=gpus_per_node)
     exposed = 0.0
-    recomputed = full_5d.predicted_recompute_traffic(cfg, shape, layout, n_layers, args.recompute,
-                                                     args.cp_mode, args.sequence_parallel, e)
+    recomputed = measurement.predicted_recompute_traffic(cfg, shape, layout, n_layers, args.recompute,
+                                                         args.cp_mode, args.sequence_parallel, e)
 
     def on_axis(traffic: dict, axis: str) -> dict:
         return {key: value for key, value in add_traffic(traffic, recomputed).items() if key[1] == axis}
@@ -284,7 +285,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     if fp8_on["cp"]:    # the scales along the tokens wait for their amax over cp
         exposed += wire_bytes(fp8_on["cp"], cp) / bandwidth(grid.group_ranks(("cp",)))
     if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
-        traffic = context_parallel.predicted_cp_traffic(full_5d.attention_of_one_rank(cfg, tp, n_layers), micro,
+        traffic = context_parallel.predicted_cp_traffic(measurement.attention_of_one_rank(cfg, tp, n_layers), micro,
                                                         shape.seq_len, cp, "ulysses", m, e)
         exposed += wire_bytes(on_axis(traffic, "cp"), cp) / bandwidth(grid.group_ranks(("cp",)))
     if cfg.n_experts and ep > 1:    # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
@@ -388,8 +389,8 @@ def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str,
     return PlannedLayout(grid, ep, args, pp_rank, memory, live, seconds)
 
 
-def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
-    """Every layout of `world_size` ranks that lesson 07 accepts, for the same global batch (the
+def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int, validate):
+    """Every layout of `world_size` ranks that lesson 07's `validate` accepts, for the same global batch (the
     flags' sequences per step) and micro-batch size: each grid (tp within a node), ZeRO stage,
     recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp.
     Pipelines run 1F1B, interleaved 1F1B over two chunks per rank, and the flags' schedule."""
@@ -413,10 +414,10 @@ def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int):
                                                   "schedule": schedule, "virtual_stages": virtual_stages})
                 shape = batch_shape(candidate, grid.dp)
                 try:
-                    full_5d.validate(cfg, grid, shape, candidate, world_size)
+                    validate(cfg, grid, shape, candidate, world_size)
                 except (ConfigError, ValueError):
                     continue
-                for recompute in full_5d.RECOMPUTE_MODES:
+                for recompute in measurement.RECOMPUTE_MODES:
                     yield grid, ep, argparse.Namespace(**{**vars(candidate), "recompute": recompute}), shape
 
 
@@ -429,11 +430,11 @@ def layout_name(planned: PlannedLayout) -> str:
     return " ".join(parts)
 
 
-def fitting_layouts(cfg, args, usable: float, precision, gpu: str) -> list[PlannedLayout]:
+def fitting_layouts(cfg, args, usable: float, precision, gpu: str, validate) -> list[PlannedLayout]:
     """Every candidate layout whose fullest rank fits in `usable` bytes, fastest first (the lighter
     one first when two tie)."""
     fitting = []
-    for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, args.gpus_per_node):
+    for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, args.gpus_per_node, validate):
         candidate = plan_layout(cfg, candidate_args, grid, ep, shape, precision, gpu, args.gpus_per_node)
         if candidate.peak_bytes <= usable:
             fitting.append(candidate)
@@ -451,7 +452,7 @@ def fastest_per_grid(fitting: list[PlannedLayout]) -> list[PlannedLayout]:
 # ============================================================================ configuration rules
 
 
-def checked_plan_flags(args):
+def checked_plan_flags(args, validate, expert_degree):
     """(model, grid, ep, batch shape) of the flags, checked by lesson 07's own rules on --gpus
     ranks, or one `error:` line and exit 2."""
     try:
@@ -463,9 +464,9 @@ def checked_plan_flags(args):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
         cfg = expert_parallel.moe_config(get_config(args.preset, n_layers=args.n_layers), args)
         grid = grid_from_args(args, args.gpus)
-        ep = full_5d.expert_degree(args.ep, cfg, grid)
+        ep = expert_degree(args.ep, cfg, grid)
         shape = batch_shape(args, grid.dp)
-        full_5d.validate(cfg, grid, shape, args, args.gpus)
+        validate(cfg, grid, shape, args, args.gpus)
     except (ConfigError, ValueError) as error:
         exit_with_error(error)
     return cfg, grid, ep, shape
@@ -474,9 +475,29 @@ def checked_plan_flags(args):
 # ============================================================================ main
 
 
-def print_memory_plan(args) -> None:
-    """--plan: this layout's memory per rank, whether it fits, and the layouts that fit, fastest first."""
-    cfg, grid, ep, shape = checked_plan_flags(args)
+def add_plan_flags(parser) -> None:
+    parser.add_argument("--plan", action="store_true",
+                        help="no training, no torchrun: print this layout's memory per rank on --gpus GPUs, whether "
+                             "it fits, and the layouts that fit, fastest first (the layout from the usual flags)")
+    parser.add_argument("--gpus", type=int, default=8, help="with --plan: the number of GPUs (the world size)")
+    parser.add_argument("--gpu", default="B300",
+                        help="with --plan: the GPU, whose memory, peak FLOP/s and bandwidths 07_memory_plan.GPUS "
+                             "gives: B300, B200, H200, H100, A100-80GB, A100-40GB")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="with --plan: the GPU's memory in GiB, instead of the table's")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
+    parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
+    parser.add_argument("--zero-table", action="store_true",
+                        help="no training, no torchrun: print --preset's model states per GPU on 8 and 64 GPUs at "
+                             "every ZeRO stage and precision policy (lesson 06's formula, data parallelism alone)")
+
+
+def print_memory_plan(args, validate, expert_degree) -> None:
+    """--plan: this layout's memory per rank, whether it fits, and the layouts that fit, fastest
+    first. `validate` and `expert_degree`: lesson 07's rules and --ep's default, which 07 passes
+    (the plan never loads 07: 07 loads the plan)."""
+    cfg, grid, ep, shape = checked_plan_flags(args, validate, expert_degree)
     gpu = args.gpu
     # The plan is for the GPU: --dtype auto is bf16 there.
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
@@ -499,9 +520,9 @@ def print_memory_plan(args) -> None:
     print_peak_makeup(planned, cfg, shape, precision)
     by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
                                               shape, precision, planned.pp_rank)[0]
-               for mode in full_5d.RECOMPUTE_MODES}
+               for mode in measurement.RECOMPUTE_MODES}
     print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
-    fitting = fitting_layouts(cfg, args, usable, precision, gpu)
+    fitting = fitting_layouts(cfg, args, usable, precision, gpu, validate)
     print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
           f"by the estimate below:")

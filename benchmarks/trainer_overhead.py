@@ -106,7 +106,7 @@ def main(argv=None):
 
     log0("\nrecompute   ms/step  vs none   kept for backward (one micro-batch)   peak allocated (CUDA)")
     baseline = None
-    for mode in full_5d.RECOMPUTE_MODES:
+    for mode in load_lesson("07_report").RECOMPUTE_MODES:
         model, step = trainer(argv, mode, plan, grid, device)
         kept, peak = kept_bytes(model, step, device)
         seconds = statistics.median(timed(step, rounds * per_round, device))

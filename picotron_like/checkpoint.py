@@ -24,7 +24,7 @@ moments, its step count; the persistent buffers such as MoE router biases; the r
 and a manifest listing every file's slices, written last. Loading in another layout is index
 arithmetic: each rank asks, for every slice it holds now, which written slices intersect it, and
 copies the overlap. Nothing about tp, pp, ep or ZeRO is known here: the lesson hands over the
-description (lesson 07 says what each rank holds), this module stores and reshards it. Padding of ZeRO's flat
+description (reference_slices), this module stores and reshards it. Padding of ZeRO's flat
 units is not saved; replicas (a norm gain on every tp rank, ZeRO-0's whole copies) are written by
 one rank only (HeldSlice.write), so each element of each reference tensor is stored exactly once,
 which the manifest check verifies before anything is read.
@@ -86,6 +86,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -94,7 +95,10 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, GPTConfig
-from picotron_like.topology import ConfigError
+from picotron_like.moe import is_expert_parameter
+from picotron_like.run_control import AfterStep, follow_time_budget
+from picotron_like.topology import ConfigError, group_rank, group_size
+from picotron_like.train import exit_with_error
 
 FORMAT = "picotron_like checkpoint"
 VERSION = 1
@@ -137,6 +141,58 @@ def reference_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = GPT(cfg, seed=0)
     return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def reference_offsets(name: str, param, shape, grid) -> tuple[int, ...]:
+    """Where a rank's tensor `name`, of `shape` as the rank holds it, begins in the reference
+    tensor of that name: lesson 02 cut a split parameter into tp equal parts along the
+    tp_split_dim it attached, tp rank r keeping part r; lesson 05 gave ep rank r experts
+    [r E/ep, (r+1) E/ep) along dim 0."""
+    offsets = [0] * len(shape)
+    if getattr(param, "tp_split_dim", None) is not None:
+        offsets[param.tp_split_dim] = grid.tp_rank * shape[param.tp_split_dim]
+    if is_expert_parameter(name):
+        offsets[0] = grid.ep_rank * shape[0]
+    return tuple(offsets)
+
+
+def master_pieces(model):
+    """Each piece of a parameter in this rank's master shards (lesson 06), as (unit, name, shape,
+    start, master): the piece holds elements [start, start + master.numel()) of the (row-major)
+    parameter `name` of shape `shape`, as this rank holds that parameter. Padding is left out."""
+    for unit in model.units:
+        shapes = dict(zip(unit.names, unit.shapes))
+        offsets = dict(zip(unit.names, accumulate((shape.numel() for shape in unit.shapes), initial=0)))
+        for piece in unit.pieces:
+            if piece.param is not None:
+                yield unit, piece.name, shapes[piece.name], unit.start + piece.lo - offsets[piece.name], piece.master
+
+
+def reference_slices(model, grid) -> list[HeldSlice]:
+    """What this rank of a sharded model (lesson 06's wrapper, whatever lessons cut it before)
+    holds, each tensor as a slice of the reference GPT's tensor of the same name: the layout's
+    description, which this module saves, and reshards into any other layout.
+
+    Names: every lesson keeps the reference's (03 numbers a stage's layers as the whole model).
+    Boxes: reference_offsets. Elements: the master shards hold a flat range of each box
+    (master_pieces). Replicas are written once: a norm gain every tp rank holds (by tp rank 0),
+    a unit ZeRO-0 keeps whole on each rank of its group (by the group's rank 0), the router
+    biases (by dp, cp and tp rank 0)."""
+    slices = []
+    for unit, name, shape, start, master in master_pieces(model):
+        param = unit.params[unit.names.index(name)]
+        offsets = reference_offsets(name, param, shape, grid)
+        whole_on_every_rank = unit.shard_numel == unit.padded_numel and group_size(unit.group) > 1
+        write = ((grid.tp_rank == 0 or not getattr(param, "tp_replicated", False))
+                 and (not whole_on_every_rank or group_rank(unit.group) == 0))
+        slices.append(HeldSlice(name, offsets, tuple(shape), start, start + master.numel(), master, write))
+    persistent = model.module.state_dict().keys()
+    first_replica = grid.dp_rank == grid.cp_rank == grid.tp_rank == 0
+    for name, buffer in model.module.named_buffers():
+        if name in persistent:
+            slices.append(HeldSlice(name, (0,) * buffer.dim(), tuple(buffer.shape), 0, buffer.numel(), buffer,
+                                    first_replica))
+    return slices
 
 
 # ----------------------------------------------------------------------------- flags
@@ -606,6 +662,94 @@ def _load_optimizer_states(optimizer, states: dict[int, dict]) -> None:
                                    else value.view_as(param).clone() for key, value in states[id(param)].items()}
                            for index, param in enumerate(params) if id(param) in states}
     optimizer.load_state_dict(state_dict)
+
+
+# ----------------------------------------------------------------------------- a training run that saves and resumes
+
+
+def run_identity(args, shape) -> dict:
+    """What a checkpoint's run and the resuming run must share for the data to continue where it
+    stopped: TokenBatches reads step s's windows at [s G, (s+1) G) of a stream its seed orders."""
+    return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step}
+
+
+def run_settings(args, precision) -> dict:
+    """What a resuming run may change, but is told about when it does (resume's notes): the
+    learning-rate schedule (with a time budget's planned steps: follow_time_budget), clipping, the
+    dtypes the weights and gradients are held in, the data."""
+    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
+            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
+            "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
+            "data": args.data or "the built-in corpus",
+            "dtype": str(precision.param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(precision.reduce_dtype).removeprefix("torch.")}
+
+
+def checkpoint_to_resume(args, cfg, shape) -> dict | None:
+    """The manifest of --resume's checkpoint, checked against this run (None: start at step 0).
+    Called before any process group: a bad checkpoint is one error line. Refuses too a run that
+    would later overwrite a checkpoint in --save-dir, or has no step left to train."""
+    manifest = None
+    if args.resume is not None:
+        directory = resolve(args.resume, args.save_dir)
+        if directory is not None:
+            manifest = read_manifest(directory, cfg, run_identity(args, shape))
+            follow_time_budget(args, manifest.get("settings", {}))
+    start = manifest["step"] if manifest else 0
+    if manifest and start >= args.steps:
+        raise CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
+                              f"nothing left to train; raise --steps")
+    saved = list_checkpoints(args.save_dir) if args.save_dir else []
+    later = [path for step, path in saved if step > start]
+    if later:
+        raise CheckpointError(f"{later[-1]}: this run starts at step {start} and would overwrite it; "
+                              f"resume from it (--resume), or choose another --save-dir")
+    return manifest
+
+
+def resume(args, manifest, model, optimizer, grid) -> int:
+    """Load the checkpoint into this rank's slices, whatever layout wrote it, then every weight
+    from the master (ZeRO's all-gathers); returns the step to continue from (0: no checkpoint).
+    Says which of this run's settings (run_settings) and model fields differ from the writer's."""
+    if manifest is None:
+        if args.resume is not None:     # a restarted job's first start, say
+            log0(f"--resume: no checkpoint in {args.save_dir if args.resume == 'latest' else args.resume} yet: "
+                 f"starting from step 0")
+        return 0
+    try:
+        load(manifest, reference_slices(model, grid), optimizer)
+    except CheckpointError as error:     # a damaged file, found by whichever rank read it
+        exit_with_error(error)
+    model.publish_master()
+    layout = ", ".join(f"{key} {value}" for key, value in manifest["layout"].items())
+    log0(f"resumed from {manifest['directory']} at step {manifest['step']} (written with {layout})")
+    for difference in unpinned_differences(manifest, run_settings(args, model.precision)):
+        log0(f"note: {difference}: this run's applies from step {manifest['step']}")
+    return manifest["step"]
+
+
+def checkpoint_saver(args, cfg, shape, grid, model, optimizer) -> AfterStep | None:
+    """train()'s after_step: a checkpoint every --save-every steps and after the last, the run's
+    or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir)."""
+    if args.save_dir is None:
+        return None
+    try:
+        check_shared(args.save_dir)     # every node sees it; writable was checked in check_flags
+    except CheckpointError as error:
+        exit_with_error(error)
+    slices = reference_slices(model, grid)
+    info = {"model": asdict(cfg), "run": run_identity(args, shape),
+            "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
+                       "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages}}
+
+    def due(step: int, last: bool) -> bool:
+        return last or bool(args.save_every and (step + 1) % args.save_every == 0)
+
+    def save_step(step: int, last: bool) -> None:
+        info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
+        save(args.save_dir, step + 1, slices, optimizer, info, args.keep_last)
+
+    return AfterStep(due, save_step)
 
 
 # ----------------------------------------------------------------------------- export and inspect

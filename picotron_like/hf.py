@@ -56,7 +56,8 @@ from pathlib import Path
 
 import torch
 
-from picotron_like.checkpoint import HeldSlice, reference_shapes
+from picotron_like.checkpoint import HeldSlice, reference_shapes, reference_slices
+from picotron_like.metrics import log0
 from picotron_like.model import GPT, GPTConfig
 from picotron_like.topology import ConfigError
 
@@ -341,6 +342,45 @@ def load_gpt(directory) -> GPT:
     load_slices(directory, [HeldSlice(name, (0,) * t.dim(), tuple(t.shape), 0, t.numel(), t.data)
                             for name, t in state.items()])
     return model
+
+
+# ----------------------------------------------------------------------------- a training run that starts from a folder
+
+
+def add_init_flag(parser) -> None:
+    parser.add_argument("--init-from", default=None, metavar="HF_DIR",
+                        help="continued pretraining: start from a Hugging Face Llama or Mixtral folder (config.json "
+                             "and safetensors), each rank reading only its slices; the model is the one config.json "
+                             "describes (no --preset, --n-layers); a checkpoint that --resume finds comes first")
+
+
+def model_config(cfg, args, configure) -> GPTConfig:
+    """The model a run trains: the preset configured by the run's flags (`configure(cfg, args)`,
+    the trainer's: its MoE flags, say), or with --init-from the model its config.json describes
+    (read_config refuses what the reference GPT cannot express), refused where the flags ask for
+    another model. The balancing and capacity flags stay free: they change how the model
+    trains, not what its weights mean."""
+    if args.init_from is None:
+        return configure(cfg, args)
+    written = read_config(args.init_from)
+    configured = configure(written, args)
+    asked = [flag for flag, given in (("--preset", args.preset != "tiny"), ("--n-layers", args.n_layers is not None))
+             if given]
+    asked += [f"{field} {getattr(configured, field)!r} where the folder has {getattr(written, field)!r}"
+              for field in ("router", "n_shared_experts") if getattr(configured, field) != getattr(written, field)]
+    if asked:
+        raise ConfigError(f"--init-from {args.init_from} with {', '.join(asked)}: the model is the one its config.json "
+                          f"describes; drop those flags")
+    return configured
+
+
+def init_from_hub(directory, model, grid) -> None:
+    """The starting weights from a Hub folder: each rank reads the slices it holds (reference_slices,
+    the description a checkpoint reshards by), then every weight from the master (ZeRO's all-gathers).
+    The optimizer starts afresh: continued pretraining, at step 0 of this run's schedule."""
+    load_slices(directory, reference_slices(model, grid))
+    model.publish_master()
+    log0(f"initial weights from {directory}")
 
 
 # ----------------------------------------------------------------------------- writing a folder

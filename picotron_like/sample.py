@@ -17,7 +17,7 @@ Choosing each token, from the logits of the last position:
 
 The draws come from a torch.Generator of the sampler's own, seeded by --seed: the same seed gives
 the same text, and torch's global generator, the one a training run's streams live in, is never
-touched (lesson 07 samples during training with this same function). Ids beyond the tokenizer's
+touched (a training run samples with this same function: training_sampler). Ids beyond the tokenizer's
 vocabulary (a vocabulary padded to a multiple of 64) are never drawn: they have no text.
 
 The KV cache (kv_cache.KVCache). Without one, the n-th token costs a forward over all n positions so
@@ -34,20 +34,25 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from picotron_like import checkpoint as checkpoints
 from picotron_like.data import DataError, TextTokenizer, load_tokenizer
 from picotron_like.kv_cache import KVCache
+from picotron_like.metrics import log0
 from picotron_like.model import GPT
 from picotron_like.moe import moe_layers
+from picotron_like.run_control import AfterStep
 from picotron_like.topology import ConfigError
+from picotron_like.train import traffic_not_counted
 
-BUILTIN_CORPUS = "the built-in corpus"      # what 07's manifest records as the data of a run without --data
+BUILTIN_CORPUS = "the built-in corpus"      # what a checkpoint's manifest records as the data of a run without --data
 
 
 @dataclass(frozen=True)
@@ -141,6 +146,89 @@ def generate(model: GPT, prompt: list[int], sampling: Sampling, vocab_size: int)
             step_input = torch.tensor([[new[-1]]], device=device)
             tokens = torch.cat([tokens, step_input], dim=1)
     return new
+
+
+# ----------------------------------------------------------------------------- samples during training
+
+
+def add_sample_flags(parser) -> None:
+    parser.add_argument("--sample-every", type=int, default=0,
+                        help="every N steps and after the last, rank 0 prints what the model writes after "
+                             "--sample-prompt (0: never); layouts without --pp and --cp")
+    parser.add_argument("--sample-prompt", default="\n", help="with --sample-every: the text to continue")
+    parser.add_argument("--sample-tokens", type=int, default=32, help="with --sample-every: tokens to write")
+
+
+def sample_prompt(args, cfg, grid) -> tuple | None:
+    """--sample-every's (tokenizer, prompt ids): the tokenizer recorded beside --data, or None
+    when off; a ConfigError before any process group otherwise. The layout (`grid`, a GridShape)
+    must give every rank the logits of a whole sequence from its own forward: a pipeline's last
+    stage alone computes logits, in micro-batches of the schedule's shape, and context
+    parallelism holds a piece of each sequence per rank. Those are refused."""
+    if not args.sample_every:
+        return None
+    problems = [f"--{flag} {value} must be 1 or more" for flag, value in
+                (("sample-every", args.sample_every), ("sample-tokens", args.sample_tokens)) if value < 1]
+    problems += [f"--sample-every with --{axis} {degree}: {why}; sample a checkpoint instead (python -m "
+                 f"picotron_like.sample SAVE_DIR), or drop --sample-every" for axis, degree, why in
+                 (("pp", grid.pp, "only the last pipeline stage computes logits"),
+                  ("cp", grid.cp, "each rank holds a piece of every sequence")) if degree > 1]
+    if problems:
+        raise ConfigError("bad sample flags:\n  - " + "\n  - ".join(problems))
+    tokenizer = sample_tokenizer(recorded_tokenizer(args.data or BUILTIN_CORPUS), cfg.vocab_size)
+    return tokenizer, prompt_ids(tokenizer, args.sample_prompt)
+
+
+def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sampling, forward_only) -> str:
+    """What the model writes after `prompt`, through the layout's own forward: every rank runs it
+    on the same tokens (ZeRO-3 gathers, tp's and ep's collectives need every rank), the tp ranks
+    put their vocabulary slices of the logits together, and every rank picks the next token with
+    next_token and a generator of its own, never torch's global one: the training's random
+    streams are not touched. No KV cache: the layers are the layout's, and a short sample is a
+    few forwards of one sequence. The sequence is padded after its end to one length, a
+    multiple of tp (sequence parallelism splits it): causal attention keeps the padding from
+    every position before it, and a compiled model sees one shape. eval(): meters record
+    training forwards only; `forward_only()`, the trainer's, leaves the run as it found it."""
+    ids, generator = list(prompt), torch.Generator().manual_seed(choice.seed)
+    length = math.ceil((len(prompt) + choice.max_new_tokens) / grid.tp_size) * grid.tp_size
+    model.eval()
+    with torch.no_grad(), traffic_not_counted(), forward_only():
+        for _ in range(choice.max_new_tokens):
+            tokens = torch.zeros(1, length, dtype=torch.long)
+            tokens[0, :len(ids)] = torch.tensor(ids)
+            with settings.autocast():
+                logits = model(tokens.to(settings.device))[0, len(ids) - 1].contiguous()
+            if grid.tp_size > 1:
+                slices = [torch.empty_like(logits) for _ in range(grid.tp_size)]
+                dist.all_gather(slices, logits, group=grid.tp_group)
+                logits = torch.cat(slices)
+            token = torch.tensor([next_token(logits, choice, generator, tokenizer.vocab_size)],
+                                 device=settings.device)
+            # Every rank computed the same logits and draws the same number; rank 0's token is
+            # sent anyway, so that a last-bit difference between replicas can never give the
+            # ranks of one tp group different tokens to run.
+            dist.broadcast(token, src=0)
+            ids.append(int(token))
+    model.train()
+    return tokenizer.decode(ids[len(prompt):])
+
+
+def training_sampler(args, cfg, grid, model, settings, forward_only) -> AfterStep | None:
+    """train()'s after_step for --sample-every (None when off): rank 0 prints one line.
+    `forward_only`: sample_text's."""
+    prompt = sample_prompt(args, cfg, grid.shape)
+    if prompt is None:
+        return None
+    choice = Sampling(args.sample_tokens, temperature=0.8, top_k=40, seed=args.seed)
+
+    def due(step: int, last: bool) -> bool:
+        return last or (step + 1) % args.sample_every == 0
+
+    def sample(step: int, last: bool) -> None:
+        text = sample_text(model, grid, settings, *prompt, choice, forward_only)
+        log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
+
+    return AfterStep(due, sample)
 
 
 # ----------------------------------------------------------------------------- command line

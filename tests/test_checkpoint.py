@@ -73,7 +73,7 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     zero = full_5d.zero
     args = full_5d.parse_args([*COMMON, *argv])
     plan = plan_run(args, full_5d.validate, full_5d.expert_parallel.moe_config)
-    manifest = full_5d.checkpoint_to_resume(args, plan.cfg, plan.shape)
+    manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
     for section, values in (written or {}).items():
         manifest[section].update(values)
     grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
@@ -86,8 +86,8 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     optimizer = zero.build_sharded_optimizer(model, args.lr)
     settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     with redirect_stdout(io.StringIO()) as resume_log:
-        start_step = full_5d.resume(manifest, model, optimizer, grid, full_5d.run_settings(args, model.precision))
-    first_steps = full_5d.FirstStepsMemory(model, optimizer, CPU, first_step=start_step)
+        start_step = checkpoints.resume(args, manifest, model, optimizer, grid)
+    first_steps = load_lesson("07_report").FirstStepsMemory(model, optimizer, CPU, first_step=start_step)
     results = []
 
     def step(batch):
@@ -96,7 +96,7 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
 
     batches = RankBatches(plan.batches, grid.dp_rank, CPU, cut=full_5d.context_parallel.sequence_cut(grid, args.zigzag))
     train(args, optimizer, first_steps.observe(step), batches, start_step=start_step,
-          after_step=full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+          after_step=checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step,
             "resume_log": resume_log.getvalue().splitlines(),
             "first_steps": [(phase, sample["Adam"]) for phase, sample in first_steps.rows]}
@@ -249,7 +249,7 @@ def test_damaged_checkpoints_are_refused_with_one_line(saved, tmp_path, monkeypa
         args = full_5d.parse_args([*COMMON, *BASE, *argv])
         plan_shape = plan_run(full_5d.parse_args([*COMMON, *BASE]), full_5d.validate).shape
         with pytest.raises(checkpoints.CheckpointError, match=message):
-            full_5d.checkpoint_to_resume(args, cfg, plan_shape)
+            checkpoints.checkpoint_to_resume(args, cfg, plan_shape)
 
 
 def two_rank_runs(four_rank_checkpoint: str, killed: str, uninterrupted: str) -> dict:

@@ -278,7 +278,7 @@ def layout_run(layout: Fp8Layout) -> dict:
         with meter if step == 0 else nullcontext():
             losses.append(full_5d.train_step(model, optimizer, cut(batches.step_batch(step, grid.dp_rank)),
                                              settings).loss)
-    predicted_kept = (full_5d.predicted_kept_activation_bytes(CFG, layout.micro, layout.seq, layout.recompute, 2,
+    predicted_kept = (load_lesson("07_report").predicted_kept_activation_bytes(CFG, layout.micro, layout.seq, layout.recompute, 2,
                                                               args.sequence_parallel, layout.cp)
                       + full_5d.fp8.kept_bytes_difference(CFG, layout.recipe, layout.micro * layout.seq // layout.cp,
                                                           2, torch.float32, CFG.n_layers, layout.recompute,

@@ -105,7 +105,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     activations, weights = ActivationMeter(model.module), GatheredParameterMeter(model.module)
     # With experts, each step's routing counts: step 0's for the kept activations, every step's
     # for the recomputed forward's traffic.
-    routings = ([RoutingMeter(full_5d.model_parts(model, pipeline)) for _ in range(STEPS)]
+    routings = ([RoutingMeter(load_lesson("07_report").model_parts(model, pipeline)) for _ in range(STEPS)]
                 if cfg.n_experts else [])
     routing = routings[0] if routings else None
     log = full_5d.balancing_log(model, pipeline, grid)
@@ -118,7 +118,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     shape, e = data.shape, model.precision.param_dtype.itemsize
     # Each step's prediction as the report makes it (07's recomputed forward in lesson 06's table),
     # with experts on that step's routing.
-    forwards_and_extra = [full_5d.forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid,
+    forwards_and_extra = [load_lesson("07_report").forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid,
                                                                  routings[step] if routings else None)
                           for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
@@ -126,13 +126,13 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
             "calls": calls,
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "aux": [r.extra.get("aux") for r in results], "biases": biases, "kept": activations.peak_bytes, "traffic": traffic, "gathered": weights.peak_bytes,
-            "predicted_gathered": full_5d.ZeroUnits.of(model, grid).gathered_peak(
+            "predicted_gathered": load_lesson("07_report").ZeroUnits.of(model, grid).gathered_peak(
                 model.precision, model.reshard_after_forward, model.prefetch) if stage == 3 else None,
             "ring_kernels": {block.attn.attention_core.keywords["cp"].ring_kernel for block in model.module.layers}
             if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
-            "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
+            "predicted_kept": load_lesson("07_report").predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
             "predicted_extra": add_traffic(*(extra for _, extra in forwards_and_extra)),
-            "predicted_traffic": add_traffic(*(full_5d.predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
+            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
                                                                            model.precision, forwards, 1, extra)
                                                for forwards, extra in forwards_and_extra))}
 
@@ -306,7 +306,7 @@ def test_selective_recomputes_what_saves_most_for_no_matmul():
         e = dtype.itemsize
         kept = {mode: measured_kept_bytes(mode, dtype) for mode in (*MODES, "attention core")}
         for mode in MODES:
-            assert kept[mode] == lesson().predicted_kept_activation_bytes(CFG, MICRO, SEQ, mode,
+            assert kept[mode] == load_lesson("07_report").predicted_kept_activation_bytes(CFG, MICRO, SEQ, mode,
                                                                           compute_dtype=dtype), (dtype, mode)
         selective, core = kept["none"] - kept["selective"], kept["none"] - kept["attention core"]
         assert selective == token_layers * (2 * (4 * (2 * h + 1) - e * h) + e * f), dtype

@@ -84,7 +84,7 @@ def composed_run(variant: ComposedVariant) -> dict:
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     step_batch = functools.partial(masked_step_batch, data, mask_targets=mask_targets) if variant.masked \
         else data.step_batch
-    parts = full_5d.model_parts(model, pipeline)
+    parts = load_lesson("07_report").model_parts(model, pipeline)
     activations = ActivationMeter(model.module)
     routings = [RoutingMeter(parts) for _ in range(STEPS)]
     comm.meter.reset()
@@ -102,14 +102,14 @@ def composed_run(variant: ComposedVariant) -> dict:
             "ep_rank": grid.ep_rank, "tp_rank": grid.tp_rank,
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "kept": activations.peak_bytes,
-            "predicted_kept": full_5d.predicted_kept_by_mode(model, pipeline, variant.cfg, data.shape, args, grid,
+            "predicted_kept": load_lesson("07_report").predicted_kept_by_mode(model, pipeline, variant.cfg, data.shape, args, grid,
                                                              routings[0])["none"],
             "traffic": traffic,
-            "predicted_traffic": add_traffic(*(full_5d.predicted_step_traffic(model, pipeline, variant.cfg, data.shape,
+            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(model, pipeline, variant.cfg, data.shape,
                                                                               args, grid, model.precision, routing)
                                                for routing in routings)),
             "states": asdict(zero.measured_model_states(model, optimizer)),
-            "predicted_states": asdict(full_5d.ZeroUnits.of(model, grid).model_states(model.stage,
+            "predicted_states": asdict(load_lesson("07_report").ZeroUnits.of(model, grid).model_states(model.stage,
                                                                                       model.precision)),
             "params": gathered(model, lambda unit: unit.master)}
 
@@ -169,7 +169,7 @@ def host_reads_of_two_steps() -> list:
                              bias_update_rate=args.bias_update_rate,
                              balancing_log=full_5d.balancing_log(model, pipeline, grid))
     reads = []
-    with RoutingMeter(full_5d.model_parts(model, pipeline), plan.shape.grad_accum):
+    with RoutingMeter(load_lesson("07_report").model_parts(model, pipeline), plan.shape.grad_accum):
         for index in range(2):
             with HostReads() as counter:
                 step(plan.batches.step_batch(index, grid.dp_rank))

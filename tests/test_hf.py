@@ -88,8 +88,8 @@ def init_save_step(argv: list[str], save_dir: str) -> dict:
     # as main() does: nothing drawn, every value NaN until the folder's arrive (the export below would show a miss)
     model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU, values_to_load=True)
     optimizer = full_5d.zero.build_sharded_optimizer(model, args.lr)
-    full_5d.init_from_hub(args.init_from, model, grid)
-    save = full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)
+    hub.init_from_hub(args.init_from, model, grid)
+    save = checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)
     save(-1, True)      # after_step(s) writes the checkpoint of s + 1 steps done: step 0, the weights as loaded
     settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     results = []

@@ -42,7 +42,7 @@ def loaded_lessons(path) -> set[str]:
 
 def test_every_lesson_is_found():
     assert LESSONS == ["01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel", "03_zero_bubble",
-                       "04_context_parallel", "05_expert_parallel", "06_zero", "07_fp8", "07_full_5d", "07_memory_plan"]
+                       "04_context_parallel", "05_expert_parallel", "06_zero", "07_fp8", "07_full_5d", "07_memory_plan", "07_report"]
 
 
 def test_lesson_01_stands_alone():
@@ -64,6 +64,20 @@ def test_a_continuation_loads_its_own_lesson():
 def test_lesson_07_composes_every_technique():
     assert loaded_lessons(REPO_ROOT / "07_full_5d.py") >= set(LESSONS[:6])
     assert loaded_lessons(REPO_ROOT / "07_memory_plan.py") <= set(LESSONS)
+
+
+def test_no_sibling_loads_07_and_no_lessons_load_each_other_in_a_cycle():
+    """07 loads its siblings (the plan, FP8, the report); a sibling that loaded 07 back would make
+    a cycle, so what they share lives in a sibling both load."""
+    loads = {name: loaded_lessons(REPO_ROOT / f"{name}.py") for name in LESSONS}
+    assert [name for name, loaded in loads.items() if "07_full_5d" in loaded] == []
+
+    def reached(name: str, path: tuple = ()) -> set[str]:
+        assert name not in path, f"a cycle: {' -> '.join(path)} -> {name}"
+        return set().union(loads[name], *(reached(other, (*path, name)) for other in loads[name]))
+
+    for name in LESSONS:
+        reached(name)
 
 
 def test_the_shared_package_knows_no_lesson():

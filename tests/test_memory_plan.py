@@ -82,7 +82,7 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     grid, args = ProcessGrid(shape, ep=ep), layout_args(shape, ep, flags)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
     optimizer = zero.build_sharded_optimizer(model, LR)
-    first_steps = full_5d.FirstStepsMemory(model, optimizer, CPU, n_steps=2)
+    first_steps = load_lesson("07_report").FirstStepsMemory(model, optimizer, CPU, n_steps=2)
     settings = full_5d.step_settings(grid, CPU, model.precision, 1.0)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, shape.dp), seed=SEED,
                         vocab_size=cfg.vocab_size)

@@ -24,10 +24,12 @@ import json
 import os
 from contextlib import redirect_stdout
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
 
+import picotron_like.checkpoint as checkpoints
 import picotron_like.sample as sampling
 from picotron_like.data import load_tokenizer, prepare
 from picotron_like.kv_cache import KVCache
@@ -96,9 +98,9 @@ def trainer(argv: list[str]) -> dict:
     rng = torch.get_rng_state()
     with redirect_stdout(io.StringIO()) as log:
         train(args, optimizer, step, RankBatches(plan.batches, grid.dp_rank, CPU),
-              after_step=full_5d.one_after_another(full_5d.training_sampler(args, plan.cfg, grid, model, settings),
-                                                   full_5d.checkpoint_saver(args, plan.cfg, plan.shape, grid, model,
-                                                                            optimizer)))
+              after_step=full_5d.one_after_another(
+                  sampling.training_sampler(args, plan.cfg, grid, model, settings, partial(full_5d.forward_only, model)),
+                  checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "extra": [r.extra for r in results], "rng unchanged": torch.equal(torch.get_rng_state(), rng),
             "samples": [line for line in log.getvalue().splitlines() if "| sample: " in line]}
@@ -164,7 +166,7 @@ def test_bad_sample_requests_are_one_error_line(tmp_path, capsys, monkeypatch):
     # shards made elsewhere have no record of their tokenizer: say how to give one
     args = full_5d.parse_args([*COMMON, *SAMPLE, "--data", str(tmp_path / "llmc_shard.bin")])
     with pytest.raises(ConfigError, match="no tokenizer recorded beside the data .*--tokenizer"):
-        full_5d.sample_prompt(args, get_config("tiny"), GridShape())
+        sampling.sample_prompt(args, get_config("tiny"), GridShape())
     for argv, message in ((["--temperature", "-1"], "--temperature -1.0 must be 0"),
                           ([], f"{tmp_path / 'none'}: no such checkpoint directory")):
         with pytest.raises(SystemExit) as exit_info:

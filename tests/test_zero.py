@@ -135,12 +135,12 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         predicted_peak = zero.predicted_gathered_peak(
             [zero.padded(count, n) * precision.param_dtype.itemsize for count in counts], reshard, prefetch)
     else:           # lesson 07's sum of them: dense units over dp x cp, experts over edp
-        units = full_5d.ZeroUnits.of(model, grid)
+        units = load_lesson("07_report").ZeroUnits.of(model, grid)
         zero_traffic = units.traffic(stage, precision, n_micro, reshard)
         predicted_peak = units.gathered_peak(precision, reshard, prefetch)
     predicted = add_traffic(zero_traffic, step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups))
     # tp's and cp's own traffic, from lessons 02 and 04's formulas (float32 dense runs; None otherwise)
-    inner = None if alone else full_5d.predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
+    inner = None if alone else load_lesson("07_report").predicted_inner_traffic(model, cfg, data.shape, grid, "ring", False, precision)
     predicted = add_traffic(predicted, inner or {})
     # Dense: the formula from the model's shape alone. Experts: from the flat units' sizes, per group.
     predicted_states = units.model_states(stage, precision) if cfg.n_experts else \
