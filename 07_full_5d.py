@@ -19,10 +19,11 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> activation recomputation                 (this lesson)
       -> the pipeline schedule over the stage     (03)
 
-Lessons 02-06 each teach one technique with data parallelism; everything that spans two of them
-lives here: each seam where two meet (a function of its own, below parallelize), the composed
-step (03's schedule or 01's loop, 06's sharded tail, 05's router biases), the rules of what does
-not compose (composition_problems) and the traffic prediction, each lesson's formula added once.
+Lessons 02-06 each teach one technique with data parallelism; what spans two of them lives here:
+each seam where two meet (one header per pair of lessons, below parallelize), the composed step
+(03's schedule or 01's loop, 06's sharded tail, 05's router biases), recomputation and compile,
+and the rules of what does not compose (composition_problems). main() shows the loop's shape:
+each step dp's share of the global batch, cut along the sequence for cp, through the step.
 
 Activation recomputation trades compute for that memory (torch.utils.checkpoint, non-reentrant:
 a region keeps only its inputs and runs again when backward first needs something inside it).
@@ -42,12 +43,11 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
     traffic      selective: none; full: the blocks' forward collectives once more (but each
                  block's last), and with experts every forward all-to-all of the dispatch
 
-Around the composition, what a real run needs: `--plan` (07_memory_plan.py: will a layout fit,
-and which layouts do, before launch), checkpoints that resume in any layout (--save-dir,
---resume), the GPU fast paths (flash attention, a fused ring block, fused AdamW, --compile).
-FP8 matmuls: --fp8 (07_fp8.py). Lesson 03's zero-bubble schedule (03_zero_bubble.py, --schedule
-zero-bubble) with tp, cp, experts, FP8 and ZeRO-0/1: every block's weight gradients wait for W
-(defer_block_weight_gradients).
+Beside it: 07_report.py measures the run against each lesson's formulas (the tables below),
+07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_fp8.py makes
+the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
+on the meta device (materialise), checkpoints that resume in any layout (checkpoint: --save-dir,
+--resume), Hub weights in (hf: --init-from), samples during training (sample: --sample-every).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
 
 Run it:
@@ -162,6 +162,11 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
 # ============================================================================ the technique: the seams, where two lessons meet
 
 
+# ---------------------------------------------------------------------------- 02 x 05: tensor parallelism x experts
+# Lesson 02 splits dense layers and refuses experts; an expert must be split after 05 cut the experts over ep,
+# with 02's f and g around the experts alone, since the router and the dispatch run whole on every tp rank.
+
+
 def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool) -> None:
     """tp x experts, the dense half: lesson 02 splits the dense layers; an MoE block's router,
     dispatch and combine stay whole on every tp rank (split_moe_mlp), and its experts are split
@@ -238,6 +243,10 @@ def split_experts_over_tensor_parallel(chunk, group) -> None:
                                                                     group))
 
 
+# ---------------------------------------------------------------------------- 04 x 05: context parallelism x balancing
+# A cp rank holds a piece of every sequence, and the auxiliary loss counts choices per whole sequence.
+
+
 def sum_over_group(counts: torch.Tensor, group) -> torch.Tensor:
     comm.call(dist.all_reduce, counts, group=group)
     return counts
@@ -252,6 +261,10 @@ def count_choices_over_context_parallel(chunk, group) -> None:
                                     whole_sequence_counts=partial(sum_over_group, group=group))
 
 
+# ---------------------------------------------------------------------------- 02 x 04: context parallelism x tensor parallelism
+# Both split attention: cp the tokens, tp the heads; each must run among the ranks that hold the other's same part.
+
+
 def context_parallel_peers(grid: ProcessGrid, args):
     """cp x tp: the attention core lesson 04 replaces receives the heads lesson 02 left this tp
     rank, of the tokens this cp rank holds; its ring (or all-to-all) runs among the ranks of the
@@ -259,14 +272,8 @@ def context_parallel_peers(grid: ProcessGrid, args):
     return context_parallel.ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
 
 
-def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
-    """ZeRO x pipeline: a rank's interleaved chunks are different layers sharded over the same
-    dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (StageChunks);
-    the schedule drives each chunk through a view whose data-parallel switch is that wrapper's
-    (PipelineChunk), and each unit is reduced once, in its own chunk's last backward: ZeRO-0/1,
-    whose gradients stay whole through the step (composition_problems says why not 2/3). The dp x cp group itself is the seam of 01 and 04: cp ranks hold the same weights
-    and each computed part of their gradient, so they are summed (ZeRO: reduce-scattered) with dp's."""
-    return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
+# ---------------------------------------------------------------------------- 05 x 06: experts x ZeRO
+# An expert's weight is held by the edp ranks, not by every dp x cp rank that ZeRO shards over.
 
 
 class ExpertUnitsOverEdp:
@@ -297,6 +304,21 @@ def wrap_zero_with_experts(module, grid, args, precision):
     if args.zero_stage == 3:
         return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
     return with_experts(module, grid.dp_cp_group, precision, **({"replicate": True} if args.zero_stage == 0 else {}))
+
+
+# ---------------------------------------------------------------------------- 03 x 06: pipeline x ZeRO
+# A rank's pipeline chunks are different layers of one model, stepped by one optimizer over one group.
+
+
+def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
+    """ZeRO x pipeline: a rank's interleaved chunks are different layers sharded over the same
+    dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (StageChunks);
+    the schedule drives each chunk through a view whose data-parallel switch is that wrapper's
+    (PipelineChunk), and each unit is reduced once, in its own chunk's last backward: ZeRO-0/1,
+    whose gradients stay whole through the step (composition_problems says why not 2/3). The dp x
+    cp group itself is the seam of 01 and 04: cp ranks hold the same weights and each computed
+    part of their gradient, so they are summed (ZeRO: reduce-scattered) with dp's."""
+    return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
 
 
 class StageChunks(torch.nn.Module):

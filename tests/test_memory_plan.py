@@ -28,6 +28,7 @@ from functools import partial
 import pytest
 import torch
 
+import picotron_like.materialise as materialise
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, GatheredParameterMeter, SavedTensorMeters, peak_flops_of_name
@@ -150,7 +151,7 @@ def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, e
 
     def drawn(name, *args):     # a full-size model built to be counted: no value may be drawn (8b: minutes)
         raise AssertionError(f"{name} drawn while building on the meta device")
-    monkeypatch.setattr(full_5d, "reference_init", drawn)
+    monkeypatch.setattr(materialise, "reference_init", drawn)
     zero = full_5d.zero
     cfg = get_config(preset)
     precision = zero.Precision(weights, gradients)
