@@ -143,7 +143,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                 count_choices_over_context_parallel(chunk, grid.cp_group)
         # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens)
         fp8.apply_fp8(chunk, args.fp8, grid.tp_group, grid.cp_group if grid.cp_size > 1 else None)
-    # this lesson: each parameter the reference's values of what this rank holds of it, on the device
+    # picotron_like.materialise: each parameter the reference's values of what this rank holds of it, on the device
     materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = (wrap_zero_with_experts(one_module(chunks, grid), grid, args, precision) if cfg.n_experts else

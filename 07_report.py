@@ -240,7 +240,7 @@ def predicted_recompute_traffic(cfg, shape, grid: ProcessGrid, n_layers: int, re
 
 def forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing,
                                    steps: int = 1) -> tuple:
-    """What lesson 06's traffic prediction takes from this lesson: with experts (`routing`, a
+    """What lesson 06's traffic prediction takes from 07's recomputation: with experts (`routing`, a
     RoutingMeter over `steps` steps, else None), the routing of the forwards (under --recompute
     full without the recomputed calls, routing_at's "F"), and predicted_recompute_traffic, per step."""
     full = routing is not None and args.recompute == "full"
