@@ -94,7 +94,7 @@ from picotron_like.materialise import ReferenceTensors, materialise_held_paramet
 from picotron_like.metrics import BalancingLog, log0
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
 from picotron_like.moe import moe_layers
-from picotron_like.run_control import AfterStep, StepMeters
+from picotron_like.run_control import StepMeters, one_after_another
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
 from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
                                  add_training_flags, batch_shape, plan_run, train)
@@ -755,20 +755,6 @@ def expert_degree(ep: int | None, cfg, grid) -> int:
     """--ep's default: lesson 05's over the dp x cp ranks that hold other tokens (as many ep ranks
     as those ranks and the experts allow: their greatest common divisor) with experts, else 1."""
     return ep if ep is not None else (math.gcd(grid.dp * grid.cp, cfg.n_experts) if cfg.n_experts else 1)
-
-
-def one_after_another(*hooks: AfterStep | None) -> AfterStep | None:
-    """train()'s after_step: each hook given (None: absent) in turn, where it is due."""
-    hooks = [hook for hook in hooks if hook is not None]
-
-    def due(step: int, last: bool) -> bool:
-        return any(hook.due(step, last) for hook in hooks)
-
-    def run(step: int, last: bool) -> None:
-        for hook in hooks:
-            hook(step, last)
-
-    return AfterStep(due, run) if hooks else None
 
 
 # ============================================================================ main

@@ -519,6 +519,20 @@ class AfterStep:
             self.run(step, last)
 
 
+def one_after_another(*hooks: AfterStep | None) -> AfterStep | None:
+    """train()'s after_step: each hook given (None: absent) in turn, where it is due."""
+    hooks = [hook for hook in hooks if hook is not None]
+
+    def due(step: int, last: bool) -> bool:
+        return any(hook.due(step, last) for hook in hooks)
+
+    def run(step: int, last: bool) -> None:
+        for hook in hooks:
+            hook(step, last)
+
+    return AfterStep(due, run) if hooks else None
+
+
 def step_profiler(directory, steps: int, device: torch.device) -> torch.profiler.profile | None:
     """--profile DIR: a torch.profiler trace of a few steps, one file per rank in DIR
     (rank<N>.<time>.pt.trace.json), which Perfetto and TensorBoard's profiler plugin open.

@@ -36,6 +36,7 @@ from picotron_like.kv_cache import KVCache
 from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
+from picotron_like.run_control import one_after_another
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import RankBatches, checked_plan, plan_run, train
 
@@ -98,7 +99,7 @@ def trainer(argv: list[str]) -> dict:
     rng = torch.get_rng_state()
     with redirect_stdout(io.StringIO()) as log:
         train(args, optimizer, step, RankBatches(plan.batches, grid.dp_rank, CPU),
-              after_step=full_5d.one_after_another(
+              after_step=one_after_another(
                   sampling.training_sampler(args, plan.cfg, grid, model, settings, partial(full_5d.forward_only, model)),
                   checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
