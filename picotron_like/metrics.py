@@ -225,7 +225,7 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
 
 
 def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch.float32,
-                         regathered_input: bool = False, matmul_copies_weight: bool = False) -> dict[str, int]:
+                         regathered_input: bool = False, matmul_scratch_bytes: int = 0) -> dict[str, int]:
     """What the chunked loss's backward (loss.LinearCrossEntropy) holds at its peak besides what
     forward kept, in bytes, for n = `tokens` tokens over a vocabulary slice of V words of the LM head,
     hidden h, its weights stored and multiplied in `dtype` (e bytes: float32, or bf16 as lessons 06
@@ -235,21 +235,22 @@ def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch
                 the shard, the input gathered again beside it                          (2 n h e)
       "chunk"   one chunk's recomputed logits in float32, beside their product in e     c V 4 in float32,
                 (or beside the gradient cast back to e)                               c V (4 + e) else
-                `matmul_copies_weight` (the CPU's bf16 matmul, oneDNN, packs a copy of
-                W for dx = g W; cuBLAS does not): the larger of that and c V e + V h e
-      "targets" each target's index in the slice (int64), two masks and two per-token
-                scales (float32), and the loss's float32 gradient                     18 n + 4
+                or, if larger, c V e beside what the matmul dx = g W allocates for
+                itself, `matmul_scratch_bytes` (cuBLAS: nothing; the CPU's oneDNN packs
+                its bf16 operands: a copy of W on some CPUs, less where bf16 is native)
+      "targets" each target's index in the slice (int64), whether it lies in the slice
+                (a mask), two per-token scales (float32), the loss's float32 gradient  17 n + 4
     This comes at the start of backward, while every activation is still alive: with a large
     vocabulary, the step's peak. tests/test_loss_memory.py measures it on the CPU allocator (the
-    loss summed, as a training step asks for it): to the byte in float32; in bf16 oneDNN adds
-    some KiB of scratch of its own."""
+    loss summed, as a training step asks for it): to the byte in float32; in bf16, with the bare
+    matmul's allocation measured on the same CPU, up to some KiB of oneDNN scratch."""
     e = dtype.itemsize
     chunk = min(tokens, loss_chunk_tokens(vocab_slice))
     logits = chunk * vocab_slice * (4 + e if e != 4 else 4)
-    if matmul_copies_weight and e != 4:
-        logits = max(logits, chunk * vocab_slice * e + vocab_slice * hidden * e)
+    if e != 4:
+        logits = max(logits, chunk * vocab_slice * e + matmul_scratch_bytes)
     return {"dW": vocab_slice * hidden * e, "dx": tokens * hidden * e * (1 + regathered_input),
-            "chunk": logits, "targets": 18 * tokens + 4}
+            "chunk": logits, "targets": 17 * tokens + 4}
 
 
 def predicted_loss_transient_bytes(*args, **kwargs) -> int:
