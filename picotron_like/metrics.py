@@ -34,6 +34,7 @@ import sys
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -383,10 +384,13 @@ class RoutedCall:
 
 
 class RoutingMeter:
-    """Every training forward's routing counts, per MoE layer, while entered: a wrapper around
-    whatever dispatch is plugged into the layers' expert_compute seam (moe.py) reads them, so
-    the dispatch counts nothing itself. The counts stay on the device while training runs (no
-    host synchronisation per layer) and move to the CPU once, when the meter is left.
+    """Every training forward's routing counts, per MoE layer, while entered: a forward hook on
+    each layer reads the choices its forward left (last_choices, moe.py), so neither the layer nor
+    the dispatch counts anything for the meter. The hook is always called, also when a forward
+    stops early: activation checkpointing's recomputation stops as soon as backward has what it
+    needs, and a recomputed forward's routing is part of the step's work. The counts stay on the
+    device while training runs (no host synchronisation per layer) and move to the CPU once, when
+    the meter is left.
 
     `parts`: the modules holding the layers (a model, or a rank's pipeline chunks: part_of says
     which holds each). With a `period` (a layer's forwards per step), a meter over a whole run
@@ -401,15 +405,12 @@ class RoutingMeter:
         self.calls: list[RoutedCall] = []
         self._forwards = [0] * len(self.layers)     # per layer: its forwards recorded so far
         self._slots: dict[tuple[int, int], RoutedCall] = {}     # (layer, micro_batch) -> its call
+        self._hooks = []
 
-    def _recording(self, index: int, compute):
-        def recorded(tokens, routing, experts):
-            layer = self.layers[index]
-            if layer.training:      # a validation forward is no step's work
-                counts = expert_counts(routing.expert_ids, layer.n_experts, routing.kept)
-                self._record(index, counts, (~routing.kept).sum())
-            return compute(tokens, routing, experts)
-        return recorded
+    def _after_forward(self, index: int, layer, inputs, output) -> None:
+        if layer.training:      # a validation forward is no step's work
+            expert_ids, kept = layer.last_choices
+            self._record(index, expert_counts(expert_ids, layer.n_experts, kept), (~kept).sum())
 
     def _record(self, index: int, counts: torch.Tensor, dropped: torch.Tensor) -> None:
         forward = self._forwards[index]
@@ -420,14 +421,13 @@ class RoutingMeter:
             known, counts=known.counts + counts, dropped=known.dropped + dropped, n_calls=known.n_calls + 1)
 
     def __enter__(self):
-        self._computes = [layer.expert_compute for layer in self.layers]
-        for index, layer in enumerate(self.layers):
-            layer.expert_compute = self._recording(index, layer.expert_compute)
+        self._hooks = [layer.register_forward_hook(partial(self._after_forward, index), always_call=True)
+                       for index, layer in enumerate(self.layers)]
         return self
 
     def __exit__(self, *exc):
-        for layer, compute in zip(self.layers, self._computes):
-            layer.expert_compute = compute
+        for hook in self._hooks:
+            hook.remove()
         self.calls = [replace(call, counts=call.counts.cpu(), dropped=int(call.dropped))
                       for call in self._slots.values()]
         return False

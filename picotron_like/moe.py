@@ -291,6 +291,8 @@ class MixtureOfExperts(nn.Module):
       last_aux_loss, last_z_loss   the detached balancing losses of the last forward, as they were
                                    added to the objective (0 when disabled); a step's value is their
                                    sum over layers and micro-batches
+      last_choices                 (expert_ids, kept) of the last forward's Routing: which experts
+                                   its tokens chose, and which choices capacity kept
     """
 
     def __init__(self, cfg, shared_expert: nn.Module | None = None):
@@ -375,6 +377,7 @@ class MixtureOfExperts(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         seq_len = x.shape[1]
         routing = self.route(tokens, seq_len)
+        self.last_choices = (routing.expert_ids, routing.kept)
         with torch.no_grad():
             self.expert_load += expert_counts(routing.expert_ids, self.n_experts)
         out = self.expert_compute(tokens, routing, self.experts)
