@@ -555,7 +555,7 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 
 
 @contextmanager
-def forward_only(model):
+def outside_training(model):
     """A forward outside training (a sample) that leaves the run as it found it: the router loads
     as the step left them (lesson 05), ZeRO-3's gathered units released after (lesson 06)."""
     with expert_parallel.router_loads_kept([model.module]):
@@ -833,7 +833,7 @@ def main(argv=None):
                            start_step=start_step,
                            after_step=one_after_another(
                                sampling.training_sampler(args, plan.cfg, grid, model, settings,
-                                                         partial(forward_only, model)),
+                                                         partial(outside_training, model)),
                                checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
     measurement.report(run, meters, throughput, device)
     first_steps.report()

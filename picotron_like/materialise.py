@@ -63,7 +63,7 @@ def materialise_held_parameters(chunks: list, reference: ReferenceTensors | None
     over tp of a replicated gain's gradient under sequence parallelism) stay with the meta
     tensor. Both are put back (put_values_in). ZeRO (06) attaches its hooks after this."""
     if torch.device(device).type == "meta":
-        return      # a model built to be counted (07_memory_plan's tests): shapes only, nothing to draw
+        return      # a model built to be counted (a memory plan's): shapes only, nothing to draw
     named = [(name, param) for chunk in chunks for name, param in chunk.named_parameters()]
     if reference is None:       # made on the device itself: nothing to draw, nothing to copy
         for _, param in named:

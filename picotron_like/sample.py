@@ -179,7 +179,7 @@ def sample_prompt(args, cfg, grid) -> tuple | None:
     return tokenizer, prompt_ids(tokenizer, args.sample_prompt)
 
 
-def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sampling, forward_only) -> str:
+def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sampling, forward_context) -> str:
     """What the model writes after `prompt`, through the layout's own forward: every rank runs it
     on the same tokens (ZeRO-3 gathers, tp's and ep's collectives need every rank), the tp ranks
     put their vocabulary slices of the logits together, and every rank picks the next token with
@@ -188,11 +188,11 @@ def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sam
     few forwards of one sequence. The sequence is padded after its end to one length, a
     multiple of tp (sequence parallelism splits it): causal attention keeps the padding from
     every position before it, and a compiled model sees one shape. eval(): meters record
-    training forwards only; `forward_only()`, the trainer's, leaves the run as it found it."""
+    training forwards only; `forward_context()`, the trainer's, leaves the run as it found it."""
     ids, generator = list(prompt), torch.Generator().manual_seed(choice.seed)
     length = math.ceil((len(prompt) + choice.max_new_tokens) / grid.tp_size) * grid.tp_size
     model.eval()
-    with torch.no_grad(), traffic_not_counted(), forward_only():
+    with torch.no_grad(), traffic_not_counted(), forward_context():
         for _ in range(choice.max_new_tokens):
             tokens = torch.zeros(1, length, dtype=torch.long)
             tokens[0, :len(ids)] = torch.tensor(ids)
@@ -213,9 +213,9 @@ def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sam
     return tokenizer.decode(ids[len(prompt):])
 
 
-def training_sampler(args, cfg, grid, model, settings, forward_only) -> AfterStep | None:
+def training_sampler(args, cfg, grid, model, settings, forward_context) -> AfterStep | None:
     """train()'s after_step for --sample-every (None when off): rank 0 prints one line.
-    `forward_only`: sample_text's."""
+    `forward_context`: sample_text's."""
     prompt = sample_prompt(args, cfg, grid.shape)
     if prompt is None:
         return None
@@ -225,7 +225,7 @@ def training_sampler(args, cfg, grid, model, settings, forward_only) -> AfterSte
         return last or (step + 1) % args.sample_every == 0
 
     def sample(step: int, last: bool) -> None:
-        text = sample_text(model, grid, settings, *prompt, choice, forward_only)
+        text = sample_text(model, grid, settings, *prompt, choice, forward_context)
         log0(f"step {step:>4} | sample: {args.sample_prompt + text!r}")
 
     return AfterStep(due, sample)

@@ -100,7 +100,7 @@ def trainer(argv: list[str]) -> dict:
     with redirect_stdout(io.StringIO()) as log:
         train(args, optimizer, step, RankBatches(plan.batches, grid.dp_rank, CPU),
               after_step=one_after_another(
-                  sampling.training_sampler(args, plan.cfg, grid, model, settings, partial(full_5d.forward_only, model)),
+                  sampling.training_sampler(args, plan.cfg, grid, model, settings, partial(full_5d.outside_training, model)),
                   checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "extra": [r.extra for r in results], "rng unchanged": torch.equal(torch.get_rng_state(), rng),
