@@ -331,22 +331,25 @@ class Pipeline:
     train.DataParallelModel, here lesson 01's): the wrapper's require_backward_grad_sync is
     switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
-    receiver allocates its buffer without being told the size; boundary_dtype: its dtype, float32
-    (the residual stream stays float32 under autocast) unless the weights themselves are bf16.
+    receiver allocates its buffer without being told the size; boundary_dtype: its dtype.
     1F1B runs written out (one_f_one_b: receive, compute, send, as a reader should see it first);
     every other schedule runs its communication program (run_program), the same steps generated
     by communication_program. Both alternate exchange (one batch of transfers) with forward_step /
     backward_step (one action each).
     """
 
+    # The residual stream stays float32 under autocast (only matmul inputs are lowered), so a
+    # boundary is float32 at any compute dtype.
+    boundary_dtype = torch.float32
+
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
-                 device, compute_dtype=torch.float32, boundary_dtype=torch.float32):
+                 device, compute_dtype=torch.float32):
         self.chunks, self.schedule, self.virtual_stages = chunks, schedule, virtual_stages
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
         self.peer_ranks = dist.get_process_group_ranks(grid.pp_group)  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
-        self.device, self.compute_dtype, self.boundary_dtype = device, compute_dtype, boundary_dtype
+        self.device, self.compute_dtype = device, compute_dtype
         units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
         self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
         self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
@@ -360,8 +363,7 @@ class Pipeline:
 
         Returns this rank's share of the loss: on the last stage its micro-batches' summed token
         losses over batch.n_targets, 0 elsewhere. Every rank reads the same micro-batches: the first
-        stage uses the inputs, the last the targets. A micro-batch is (inputs, targets) or
-        (inputs, targets, positions).
+        stage uses the inputs, the last the targets. A micro-batch is (inputs, targets).
         """
         return self.one_f_one_b(batch) if self.schedule == "1f1b" else self.run_program(batch)
 
@@ -431,10 +433,7 @@ class Pipeline:
         stage = action.chunk * self.pp + self.pp_rank
         micro_batch = batch.micro_batches[action.micro_batch]
         tokens, targets = micro_batch[0].to(self.device), micro_batch[1].to(self.device)
-        # Positions come from the data when it carries them, not from x: a micro-batch cut along the
-        # sequence holds positions that x's shape does not tell.
-        positions = (micro_batch[2].to(self.device) if len(micro_batch) > 2
-                     else torch.arange(tokens.shape[1], device=self.device))
+        positions = torch.arange(tokens.shape[1], device=self.device)
         x = tokens if stage == 0 else inputs[(stage, action.micro_batch)].requires_grad_()
         with torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
             out = self.chunks[action.chunk](x, targets, positions, reduction="sum")
@@ -467,8 +466,6 @@ class Pipeline:
         for transfer in transfers:
             message, peer = transfer.message, self.peer_ranks[transfer.peer]
             if transfer.direction == "recv":
-                # The residual stream stays float32 under autocast (only matmul inputs are lowered),
-                # so a boundary is float32 at any compute dtype, unless the weights are bf16.
                 buffer = torch.empty(self.activation_shape, dtype=self.boundary_dtype, device=self.device)
                 (inputs if message.kind == "activation" else grads)[(message.stage, message.micro_batch)] = buffer
                 operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))

@@ -152,7 +152,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
-    pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel)
+    pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel,
+                              args.zigzag)
     if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
         for chunk in chunks:
             defer_block_weight_gradients(chunk)
@@ -344,15 +345,17 @@ class PipelineChunk(torch.nn.Module, DataParallelModel):
     the chunk; the data-parallel switch the schedule sets before each backward (on for a chunk's
     last one), the group, the wait and the zeroing are the one ZeRO wrapper's. One switch serves
     every chunk: a unit's gradients arrive only during its own chunk's backward, so the switch is
-    on exactly when a unit's last micro-batch arrives."""
+    on exactly when a unit's last micro-batch arrives. positions: this cp rank's tokens' true
+    positions (None at cp = 1), which replace the schedule's 0 .. s-1: a cp rank's tokens lie
+    elsewhere in the sequence, the same places in every micro-batch."""
 
-    def __init__(self, sharded: "zero.ZeroDataParallel", chunk: torch.nn.Module):
+    def __init__(self, sharded: "zero.ZeroDataParallel", chunk: torch.nn.Module, positions=None):
         super().__init__()
-        self.module = chunk
+        self.module, self.positions = chunk, positions
         object.__setattr__(self, "sharded", sharded)    # not a submodule: this chunk's modules are its own
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+    def forward(self, x, targets=None, positions=None, reduction: str = "mean"):
+        return self.module(x, targets, positions if self.positions is None else self.positions, reduction)
 
     @property
     def require_backward_grad_sync(self) -> bool:
@@ -373,17 +376,37 @@ class PipelineChunk(torch.nn.Module, DataParallelModel):
         self.sharded.zero_grad(set_to_none)
 
 
+class WeightsDtypeBoundary:
+    """Lesson 03's Pipeline, or its zero-bubble continuation, with a boundary in the weights' dtype:
+    03's boundary is float32, the residual stream under autocast, but with bf16 weights (--dtype)
+    the residual stream itself is bf16."""
+
+    def __init__(self, *args, boundary_dtype: torch.dtype, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.boundary_dtype = boundary_dtype
+
+
+class ComposedPipeline(WeightsDtypeBoundary, pipeline_parallel.Pipeline):
+    pass
+
+
+class ComposedZeroBubblePipeline(WeightsDtypeBoundary, zero_bubble.ZeroBubblePipeline):
+    pass
+
+
 def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
-                   precision, sequence_parallel: bool = False):
+                   precision, sequence_parallel: bool = False, zigzag: bool = False):
     """Lesson 03's Pipeline over this rank's chunks, or None without pipeline parallelism. The
     boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
-    dtype: with bf16 weights the residual stream itself is bf16."""
+    dtype; each chunk rotates them by their true positions (lesson 04's cut)."""
     if grid.pp_size == 1:
         return None
     b, s, h = pipeline_parallel.activation_shape(cfg, shape)
     tokens = s // grid.cp_size // (grid.tp_size if sequence_parallel else 1)
-    chunks = [PipelineChunk(model, chunk) for chunk in model.module.chunks]
-    pipeline_class = zero_bubble.ZeroBubblePipeline if schedule == "zero-bubble" else pipeline_parallel.Pipeline
+    positions = (context_parallel.SequenceSplit(grid.cp_size, zigzag).positions(grid.cp_rank, s).to(device)
+                 if grid.cp_size > 1 else None)
+    chunks = [PipelineChunk(model, chunk, positions) for chunk in model.module.chunks]
+    pipeline_class = ComposedZeroBubblePipeline if schedule == "zero-bubble" else ComposedPipeline
     return pipeline_class(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
                           device, precision.param_dtype, boundary_dtype=precision.param_dtype)
 
