@@ -336,16 +336,15 @@ def prepare_balancing(model: nn.Module, sequences_per_step: int) -> nn.Module:
 
 
 @torch.no_grad()
-def update_router_biases(parts, group, rate: float, grad_norm: torch.Tensor) -> None:
+def update_router_biases(model: nn.Module, group, rate: float, grad_norm: torch.Tensor) -> None:
     """Auxiliary-loss-free balancing after the optimizer step: every rank that routed different
     tokens must move the bias by the same total load, or the replicas of the router drift apart.
-    `parts`: this rank's modules holding MoE layers.
 
     A step optimizer_step skipped (a non-finite `grad_norm`, the same on every rank) moves no
     bias and keeps counting its load, as if it had not run. That is decided on the device (the
     rate times 0 or 1), so the host waits for nothing."""
     stepped = torch.isfinite(grad_norm)
-    for layer in (layer for part in parts for layer in moe_layers(part)):
+    for layer in moe_layers(model):
         load = layer.expert_load.clone()
         comm.call(dist.all_reduce, load, group=group)
         counted = layer.expert_load.clone()
@@ -360,7 +359,7 @@ def train_step(model: ExpertDataParallel, optimizer, batch: StepBatch, settings:
     the aux and z losses of the step go to the log."""
     result = data_parallel.train_step(model, optimizer, batch, settings)
     if bias_update_rate:
-        update_router_biases([model.module], model.dp_group, bias_update_rate, result.values["grad_norm"])
+        update_router_biases(model.module, model.dp_group, bias_update_rate, result.values["grad_norm"])
     return result if balancing_log is None else result.with_extra(balancing_log.step_values())
 
 
@@ -370,15 +369,15 @@ def evaluate(model: ExpertDataParallel, batch: StepBatch, settings: StepSettings
     they are not part of the validation loss. Routing adds each forward's choices to
     expert_load; those of validation tokens are taken back out, or the next router-bias update
     would balance on tokens the step never trained on."""
-    with router_loads_kept([model]):
+    with router_loads_kept(model):
         return data_parallel.evaluate(model, batch, settings)
 
 
 @contextlib.contextmanager
-def router_loads_kept(parts):
-    """The parts' MoE layers' expert_load as it was before the block: what validation routes is not
+def router_loads_kept(model: nn.Module):
+    """The model's MoE layers' expert_load as it was before the block: what validation routes is not
     what the step trained on."""
-    layers = [layer for part in parts for layer in moe_layers(part)]
+    layers = moe_layers(model)
     loads = [layer.expert_load.clone() for layer in layers]
     yield
     for layer, load in zip(layers, loads):
@@ -431,10 +430,9 @@ def moe_config(cfg, args):
     return replace(cfg, **{field: getattr(args, flag) for flag, field in MOE_FLAGS.items() if hasattr(args, flag)})
 
 
-def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: float = 0.0,
-                             token_axes: str = "dp") -> None:
+def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: float = 0.0) -> None:
     """This lesson's rules, before any process group: experts to spread, ep dividing them and the
-    `token_ranks` it is drawn from (the dp ranks; `token_axes` names them)."""
+    `token_ranks` it is drawn from (the dp ranks)."""
     problems = []
     if not cfg.n_experts:
         problems.append("the model has no experts: lesson 05 needs a mixture-of-experts preset; use --preset tiny-moe")
@@ -442,7 +440,7 @@ def validate_expert_parallel(cfg, ep: int, token_ranks: int, bias_update_rate: f
         problems.append(f"n_experts={cfg.n_experts} is not divisible by --ep {ep}: each ep rank holds "
                         f"n_experts/ep whole experts; pick an ep that divides {cfg.n_experts}")
     if ep < 1 or token_ranks % ep:
-        problems.append(f"--ep {ep} does not divide {token_axes} = {token_ranks}: the ep ranks are drawn from the "
+        problems.append(f"--ep {ep} does not divide dp = {token_ranks}: the ep ranks are drawn from the "
                         f"ranks holding other tokens; pick an ep that divides {token_ranks}")
     if not bias_update_rate >= 0:
         problems.append(f"--bias-update-rate {bias_update_rate} must be 0 (off) or positive")
@@ -546,13 +544,13 @@ def predicted_routed_traffic(routing: RoutingMeter, ep: ExpertParallel, hidden: 
                                              for call, m, r in zip(routing.calls, *rows_sent_and_received(routing, ep)))}
 
 
-def balancing_traffic(cfg, n_layers: int, bias_update_rate: float, token_group: str) -> dict:
-    """The step's balancing bookkeeping, summed over the ranks holding other tokens (`token_group`,
-    dp here): BalancingLog's enabled values (aux, z: one float each), and with
+def balancing_traffic(cfg, n_layers: int, bias_update_rate: float) -> dict:
+    """The step's balancing bookkeeping, summed over the ranks holding other tokens (dp):
+    BalancingLog's enabled values (aux, z: one float each), and with
     auxiliary-loss-free balancing the router loads, E floats per MoE layer."""
     log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    return add_traffic({("all_reduce", token_group): 4 * log_values} if log_values else {},
-                       {("all_reduce", token_group): 4 * cfg.n_experts * n_layers} if bias_update_rate else {})
+    return add_traffic({("all_reduce", "dp"): 4 * log_values} if log_values else {},
+                       {("all_reduce", "dp"): 4 * cfg.n_experts * n_layers} if bias_update_rate else {})
 
 
 def predicted_traffic(module: nn.Module, grid: ProcessGrid, routing: RoutingMeter, bias_update_rate: float,
@@ -566,7 +564,7 @@ def predicted_traffic(module: nn.Module, grid: ProcessGrid, routing: RoutingMete
     routed = predicted_routed_traffic(routing, ep, module.cfg.hidden, 4)
     expert_bytes = 4 * sum(p.numel() for name, p in module.named_parameters() if is_expert_parameter(name))
     return dict(technique=add_traffic({key: Fraction(value, steps) for key, value in routed.items()},
-                                      balancing_traffic(module.cfg, len(module.layers), bias_update_rate, "dp")),
+                                      balancing_traffic(module.cfg, len(module.layers), bias_update_rate)),
                 gradients=add_traffic(data_parallel_traffic(sum(p.numel() for p in module.parameters())),
                                       {("all_reduce", "dp"): -expert_bytes, ("all_reduce", "edp"): expert_bytes}),
                 loss_groups=("dp",), norm_groups=("ep",) if ep.size > 1 else ())

@@ -560,7 +560,7 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
         loss = data_parallel.forward_backward(model, batch, settings)
     result = zero.finish_step(model, optimizer, loss, settings)
     if bias_update_rate:
-        expert_parallel.update_router_biases([model.module], model.dp_group, bias_update_rate,
+        expert_parallel.update_router_biases(model.module, model.dp_group, bias_update_rate,
                                              result.values["grad_norm"])
     if balancing_log is None:
         return result
@@ -571,7 +571,9 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
     """The forward-only loss through lesson 03's schedule or lesson 01's loop, the router loads as
     the step left them (lesson 05), ZeRO-3's gathered units released (lesson 06)."""
     pipelined = isinstance(model_or_pipeline, pipeline_parallel.Pipeline)
-    with expert_parallel.router_loads_kept(getattr(model_or_pipeline, "chunks", [model_or_pipeline])):
+    # a pipeline's chunks all belong to the one ZeRO-wrapped model
+    model = model_or_pipeline.chunks[0].sharded if pipelined else model_or_pipeline
+    with expert_parallel.router_loads_kept(model):
         if pipelined:
             return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
         return zero.evaluate(model_or_pipeline, batch, settings)
@@ -581,7 +583,7 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
 def outside_training(model):
     """A forward outside training (a sample) that leaves the run as it found it: the router loads
     as the step left them (lesson 05), ZeRO-3's gathered units released after (lesson 06)."""
-    with expert_parallel.router_loads_kept([model.module]):
+    with expert_parallel.router_loads_kept(model.module):
         yield
     zero.release_gathered(model)
 
@@ -696,8 +698,11 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     # lesson 04's rules include the grid's
     context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
     if cfg.n_experts:
-        expert_parallel.validate_expert_parallel(cfg, expert_degree(args.ep, cfg, grid), grid.dp * grid.cp,
-                                                 args.bias_update_rate, f"dp*cp = {grid.dp}*{grid.cp}")
+        # The ep ranks are drawn from the dp x cp ranks (the grid's rule, which names them); to lesson 05's
+        # rules those are the ranks holding other tokens.
+        ep = expert_degree(args.ep, cfg, grid)
+        grid.check_ep(ep)
+        expert_parallel.validate_expert_parallel(cfg, ep, grid.dp * grid.cp, args.bias_update_rate)
         uneven = tensor_parallel.split_problems(cfg, grid.tp)
         if uneven:
             raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(uneven))

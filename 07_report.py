@@ -323,7 +323,10 @@ def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: flo
     """Lesson 05's balancing bookkeeping over the dp x cp ranks, and the logged aux and z values
     summed over pp too when `pipelined` (each stage holds other layers)."""
     log_values = bool(cfg.aux_loss_coef) + bool(cfg.z_loss_coef)
-    return add_traffic(expert_parallel.balancing_traffic(cfg, n_layers, bias_update_rate, "dp_cp"),
+    # Lesson 05's sums run over its ranks holding other tokens, dp; here those are the dp x cp ranks.
+    over_dp_cp = {(operation, "dp_cp"): count for (operation, _), count
+                  in expert_parallel.balancing_traffic(cfg, n_layers, bias_update_rate).items()}
+    return add_traffic(over_dp_cp,
                        {("all_reduce", "pp"): 4 * log_values} if pipelined and log_values else {})
 
 

@@ -99,17 +99,18 @@ class GridShape:
         """The expert-parallel groups: every dp x cp group, in rank order, cut into consecutive
         runs of `ep` ranks. Consecutive, because neighbouring ranks share a node: the all-to-all
         that carries tokens to their experts then stays on the fastest links when it can."""
-        self._check_ep(ep)
+        self.check_ep(ep)
         return [members[i: i + ep] for members in self.group_ranks(("dp", "cp"))
                 for i in range(0, len(members), ep)]
 
     def edp_group_ranks(self, ep: int) -> list[list[int]]:
         """The expert-data-parallel groups: the members at the same place of every ep group of one
         dp x cp group; they hold the same experts and see different tokens."""
-        self._check_ep(ep)
+        self.check_ep(ep)
         return [members[i::ep] for members in self.group_ranks(("dp", "cp")) for i in range(ep)]
 
-    def _check_ep(self, ep: int) -> None:
+    def check_ep(self, ep: int) -> None:
+        """The rule every layout with experts obeys: the ep groups cut each dp x cp group evenly."""
         if ep < 1 or (self.dp * self.cp) % ep:
             raise ConfigError(f"--ep {ep} does not divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp}: "
                               f"expert parallelism splits the dp x cp ranks into groups of ep; "
