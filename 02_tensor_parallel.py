@@ -675,11 +675,20 @@ def tp_parameter_count(cfg, tp: int) -> int:
     return (count_parameters(cfg)["total"] - norms) // tp + norms
 
 
+def stage_parts(cfg, stage: nn.Module | None) -> tuple[int, bool, bool]:
+    """What the formulas below count: the layers, whether the embedding and the head are there. The
+    whole GPT's (stage None), or a pipeline stage's that apply_tensor_parallel split (it works on
+    either): a stage may lack the embedding or the head."""
+    if stage is None:
+        return cfg.n_layers, True, True
+    return len(stage.layers), stage.tok_embeddings is not None, stage.lm_head is not None
+
+
 def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: int, sequence_parallel: bool,
-                         compute_dtype=torch.float32, n_layers: int | None = None, with_embedding: bool = True,
-                         with_head: bool = True, save_sequence_shard: bool = False) -> dict:
+                         compute_dtype=torch.float32, save_sequence_shard: bool = False,
+                         stage: nn.Module | None = None) -> dict:
     """Payload bytes on the tp group per optimizer step: n_micro micro-batches through a GPT, or
-    through a pipeline stage of `n_layers` layers with or without the embedding and the head.
+    through a pipeline stage (stage_parts).
 
     Per micro-batch, with N = b*s*h: the embedding's g, 2 per layer forward (after o_proj and
     down_proj), 2 per layer backward (the norms' f), and the head's f backward: 4L + 2 messages of N.
@@ -689,7 +698,7 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
     norm gains' gradients (h float32 each) are summed; saving the shard, the column layers gather
     each norm's output again in backward (2L + 1 more all-gathers of N, float32).
     """
-    layers = cfg.n_layers if n_layers is None else n_layers
+    layers, with_embedding, with_head = stage_parts(cfg, stage)
     N = micro_batch * seq_len * cfg.hidden
     n_norms = 2 * layers + with_head
     row_bytes = 2 * layers * N * (torch.finfo(compute_dtype).bits // 8)  # o_proj and down_proj outputs
@@ -708,10 +717,9 @@ def predicted_tp_traffic(cfg, micro_batch: int, seq_len: int, n_micro: int, tp: 
 
 
 def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool,
-                                  n_layers: int | None = None, with_embedding: bool = True,
-                                  with_head: bool = True, save_sequence_shard: bool = False) -> int:
+                                  save_sequence_shard: bool = False, stage: nn.Module | None = None) -> int:
     """Bytes autograd saves for one micro-batch on one tp rank (float32, dense model), for a whole
-    GPT or a pipeline stage, with the loss summed as a training step asks for it.
+    GPT or a pipeline stage (stage_parts), with the loss summed as a training step asks for it.
 
     Per token and layer, in elements:
       two RMSNorms, each: input, 1/rms, normalised input (/tp with SP)    2 * (2h + 1)
@@ -724,7 +732,7 @@ def predicted_tp_activation_bytes(cfg, micro_batch: int, seq_len: int, tp: int, 
     the head's final norm and input (as a block's norm), the loss's log-sum-exp (one float32 per
     token, whatever V and tp: VocabParallelCrossEntropy) and its int64 targets.
     """
-    layers = cfg.n_layers if n_layers is None else n_layers
+    layers, with_embedding, with_head = stage_parts(cfg, stage)
     tokens = micro_batch * seq_len
     h, f = cfg.hidden, cfg.ffn_hidden
     # Integers throughout, so that the prediction is exact: sequence parallelism needs s % tp == 0

@@ -276,10 +276,10 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
                                             args.recompute, args.sequence_parallel, cp)
     fp8_on = {axis: {key: value for key, value in fp8_traffic.items() if key[1] == axis} for axis in ("tp", "cp")}
 
-    if tp > 1:      # on the critical path: every block waits for its all-reduces
-        traffic = tensor_parallel.predicted_tp_traffic(
+    if tp > 1:      # on the critical path: every block waits for its all-reduces (lesson 02's, chunk by chunk)
+        traffic = add_traffic(*(tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
-            n_layers, chunks[0].tok_embeddings is not None, chunks[-1].lm_head is not None, save_sequence_shard=True)
+            save_sequence_shard=True, stage=chunk) for chunk in chunks))
         tp_traffic = add_traffic(on_axis(traffic, "tp"), fp8_on["tp"])
         exposed += wire_bytes(tp_traffic, tp) / bandwidth(grid.group_ranks(("tp",)))
     if fp8_on["cp"]:    # the scales along the tokens wait for their amax over cp

@@ -120,11 +120,8 @@ def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int
     Ulysses, keeps what the reference keeps for those tokens (lesson 04)."""
     tokens = seq_len // cp
     if tp > 1:
-        where = {} if stage is None else dict(n_layers=len(stage.layer_ids),
-                                              with_embedding=stage.tok_embeddings is not None,
-                                              with_head=stage.lm_head is not None)
         return tensor_parallel.predicted_tp_activation_bytes(cfg, micro_batch, tokens, tp, sequence_parallel,
-                                                             save_sequence_shard=True, **where)
+                                                             save_sequence_shard=True, stage=stage)
     if stage is not None:
         return pipeline_parallel.predicted_chunk_activation_bytes(stage, cfg, micro_batch, tokens)
     return predicted_activation_bytes(cfg, micro_batch, tokens)
@@ -277,8 +274,7 @@ def predicted_inner_traffic(model, cfg, shape, grid: ProcessGrid, cp_mode: str,
     if tp > 1:
         predicted.append(tensor_parallel.predicted_tp_traffic(
             cfg, micro, shape.seq_len // grid.cp_size, n_micro, tp, sequence_parallel, torch.float32,
-            n_layers, with_embedding=module.tok_embeddings is not None, with_head=module.lm_head is not None,
-            save_sequence_shard=True))
+            save_sequence_shard=True, stage=module))
     if has_experts:
         routed = routed_traffic(routing, grid, cfg.hidden, 4)
         predicted += [expert_layer_traffic(cfg, shape, grid, n_layers, torch.float32),

@@ -252,13 +252,17 @@ def check_pipeline_stages(tokens, group, form):
     with ActivationMeter(second) as second_saved:
         loss = second.head_loss(second.layers[0](hidden, rope), targets, reduction="sum")
     loss.backward()
-    predicted = [tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, n_layers=1, with_head=False,
-                                                         **FORMS[form]),
-                 tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, n_layers=1, with_embedding=False,
-                                                         **FORMS[form])]
+    predicted = [tp_lesson.predicted_tp_activation_bytes(CFG, *inputs.shape, tp, stage=stage, **FORMS[form])
+                 for stage in (first, second)]
+    predicted_traffic = {}
+    for stage in (first, second):
+        for (kind, _), value in tp_lesson.predicted_tp_traffic(CFG, 2, SEQ, 1, tp, stage=stage,
+                                                               **FORMS[form]).items():
+            predicted_traffic[kind] = predicted_traffic.get(kind, 0) + value
     return {"loss": loss.item() / targets.numel(),
             "traffic": {kind: entry.payload_bytes for (kind, _), entry in comm.meter.traffic.items()},
-            "activations": [first_saved.peak_bytes, second_saved.peak_bytes], "predicted_activations": predicted}
+            "activations": [first_saved.peak_bytes, second_saved.peak_bytes], "predicted_activations": predicted,
+            "predicted_traffic": predicted_traffic}
 
 
 def check_layers():
@@ -295,13 +299,7 @@ def test_layers_and_torch_tensor_parallel_match_single_device():
         for form, stages in result["stages"].items():
             assert stages["loss"] == pytest.approx(result["reference"], rel=1e-6, abs=0)
             assert stages["activations"] == stages["predicted_activations"]
-            predicted = {}
-            for first_stage in (True, False):
-                for (kind, _), value in tp_lesson.predicted_tp_traffic(
-                        CFG, 2, SEQ, 1, result["world"], n_layers=1, with_embedding=first_stage,
-                        with_head=not first_stage, **FORMS[form]).items():
-                    predicted[kind] = predicted.get(kind, 0) + value
-            assert stages["traffic"] == predicted, form
+            assert stages["traffic"] == stages["predicted_traffic"], form
         # PyTorch's DTensor tensor parallelism runs on gloo/CPU in this torch and agrees (its gradients
         # were compared inside the ranks).
         assert result["torch_tp"] == pytest.approx(result["reference"], rel=1e-6, abs=0)
