@@ -1,0 +1,114 @@
+"""What a step-time estimate knows of a machine: a device profile, published or measured.
+
+A profile holds figures, not formulas: the achieved FLOP/s of matrix multiplications over a grid
+of shapes, of attention, the memory bandwidth an elementwise kernel reaches, the host time each
+launched operation costs, and each collective's latency and bus bandwidth inside a node and
+between nodes. The step-time model (07_memory_plan.py) reads them; `--calibrate` measures them on
+the machine it runs on and writes them to a JSON file that `--plan --device-profile FILE` reads;
+the GPUs of the built-in table (`published_profile`) carry figures derived from published ones,
+their source stated in the profile.
+
+The file is JSON, one object with the fields of DeviceProfile. A link's entry maps each
+collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) to [latency_s,
+bus_bytes_per_s]: the bus bandwidth as nccl-tests define it, so that one figure describes the
+link whatever the group size (the algorithm's factor, 2 (n-1)/n for a ring all-reduce, is the
+model's). A GEMM point is [M, N, K, flop_per_s] for an (M x K) @ (K x N) product; an attention
+point is [batch_x_heads, q_tokens, kv_tokens, head_dim, causal, flop_per_s], FLOPs counted as the
+kernel does its work (a causal kernel skips the masked half).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+FORMAT = "picotron_like device profile 1"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+LINKS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str                               # "H100 (published)", "cpu: 4 ranks on 2 cores (calibrated)"
+    source: str                             # where the figures come from: a publication, or the run that measured them
+    device_type: str                        # "cuda" or "cpu"
+    memory_gib: float                       # per rank (a GPU's memory; on a CPU, the host's share of each rank)
+    ranks_per_node: int                     # ranks joined by the fast link (NVLink; one host's ranks on a CPU)
+    capability: tuple[int, int] | None      # CUDA compute capability (which kernels a run gets); None on a CPU
+    peak_flops: dict[str, float]            # dense FLOP/s by dtype name: "bfloat16", "float8", "float32"
+    gemm: dict[str, list[list[float]]]      # by dtype name: [M, N, K, achieved FLOP/s]
+    attention: dict[str, list[list[float]]]  # by dtype name: [batch x heads, q tokens, kv tokens, head_dim, causal, FLOP/s]
+    memory_bandwidth: float                 # bytes/s (read + written) an elementwise kernel reaches
+    kernel_overhead_s: float                # host time per launched operation (dispatch and launch, eager)
+    links: dict[str, dict[str, list[float]]]  # "intra" / "inter" -> collective -> [latency_s, bus bytes/s]
+    overlap: float = 1.0                    # share of an overlapped collective's time that compute hides
+    extra: dict = field(default_factory=dict)  # what the measuring run recorded beside (host, cores, ranks, commit)
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be read or is not a device profile: one line, naming the file."""
+
+
+def save_profile(profile: DeviceProfile, path: str) -> None:
+    with open(path, "w") as file:
+        json.dump({"format": FORMAT, **asdict(profile)}, file, indent=1)
+        file.write("\n")
+
+
+def load_profile(path: str) -> DeviceProfile:
+    """The profile in `path`, checked field by field, or a ProfileError that says what is wrong."""
+    try:
+        with open(path) as file:
+            raw = json.load(file)
+    except OSError as error:
+        raise ProfileError(f"--device-profile {path}: cannot read it ({error.strerror or error})") from None
+    except json.JSONDecodeError as error:
+        raise ProfileError(f"--device-profile {path}: not JSON ({error.msg} at line {error.lineno}); "
+                           f"write one with --calibrate") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise ProfileError(f"--device-profile {path}: not a device profile (its \"format\" must be {FORMAT!r}); "
+                           f"write one with --calibrate")
+    raw.pop("format")
+    names = set(DeviceProfile.__dataclass_fields__)
+    missing = sorted(name for name in names if name not in raw and name not in ("overlap", "extra"))
+    if missing or set(raw) - names:
+        raise ProfileError(f"--device-profile {path}: " + (f"missing {', '.join(missing)}" if missing else
+                                                           f"unknown fields {', '.join(sorted(set(raw) - names))}"))
+    if raw["capability"] is not None:
+        raw["capability"] = tuple(raw["capability"])
+    profile = DeviceProfile(**raw)
+    problem = profile_problem(profile)
+    if problem:
+        raise ProfileError(f"--device-profile {path}: {problem}")
+    return profile
+
+
+def profile_problem(profile: DeviceProfile) -> str | None:
+    """What makes `profile` unusable, in a few words, or None."""
+
+    def positive(value) -> bool:
+        return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+    if profile.device_type not in ("cuda", "cpu"):
+        return f"device_type {profile.device_type!r} is neither 'cuda' nor 'cpu'"
+    if not positive(profile.memory_gib) or not isinstance(profile.ranks_per_node, int) or profile.ranks_per_node < 1:
+        return "memory_gib and ranks_per_node must be positive"
+    if not positive(profile.memory_bandwidth) or not (positive(profile.kernel_overhead_s)
+                                                      or profile.kernel_overhead_s == 0):
+        return "memory_bandwidth must be positive and kernel_overhead_s not negative"
+    if not 0 <= profile.overlap <= 1:
+        return f"overlap {profile.overlap} is not a share between 0 and 1"
+    if not profile.gemm or any(len(point) != 4 or not all(positive(value) for value in point)
+                               for points in profile.gemm.values() for point in points):
+        return "gemm needs, for at least one dtype, points [M, N, K, FLOP/s] of positive numbers"
+    if any(len(point) != 6 or not positive(point[-1]) for points in profile.attention.values() for point in points):
+        return "an attention point is [batch x heads, q tokens, kv tokens, head_dim, causal, FLOP/s]"
+    for link in LINKS:
+        collectives = profile.links.get(link)
+        if collectives is None or set(collectives) != set(COLLECTIVES):
+            return f"links[{link!r}] must give each of {', '.join(COLLECTIVES)}"
+        if any(len(pair) != 2 or not (positive(pair[0]) or pair[0] == 0) or not positive(pair[1])
+               for pair in collectives.values()):
+            return f"links[{link!r}]: each collective is [latency_s >= 0, bus bytes/s > 0]"
+    return None
