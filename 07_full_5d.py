@@ -828,7 +828,7 @@ def main(argv=None):
     if args.plan:           # 07_memory_plan: no training, no torchrun
         return memory_plan.print_memory_plan(args, validate, expert_degree)
     if args.zero_table:
-        return print(memory_plan.zero_memory_table(args.preset, (8, 64)))
+        return print(memory_plan.zero_memory_table(args, (8, 64)))
     plan = plan_run(args, validate, model_config)        # every rule checked before any process group
     manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()

@@ -49,10 +49,11 @@ import torch
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import loss_chunk_tokens
 from picotron_like.metrics import add_traffic, loss_transient_parts, peak_flops_of_name
-from picotron_like.model import count_parameters, flops_per_token, get_config
+from picotron_like.model import count_parameters, flops_per_token
 from picotron_like.pipeline_tools import peak_live_micro_batches
 from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
-from picotron_like.train import batch_shape, check_flag_ranges, exit_with_error, grid_from_args
+from picotron_like.train import (batch_shape, check_flag_ranges, config_from_flags, exit_with_error, grid_from_args,
+                                 model_name)
 
 tensor_parallel = load_lesson("02_tensor_parallel")
 pipeline_parallel = load_lesson("03_pipeline_parallel")
@@ -462,7 +463,7 @@ def checked_plan_flags(args, validate, expert_degree):
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
-        cfg = expert_parallel.moe_config(get_config(args.preset, n_layers=args.n_layers), args)
+        cfg = expert_parallel.moe_config(config_from_flags(args), args)
         grid = grid_from_args(args, args.gpus)
         ep = expert_degree(args.ep, cfg, grid)
         shape = batch_shape(args, grid.dp)
@@ -489,7 +490,7 @@ def add_plan_flags(parser) -> None:
                         help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
     parser.add_argument("--zero-table", action="store_true",
-                        help="no training, no torchrun: print --preset's model states per GPU on 8 and 64 GPUs at "
+                        help="no training, no torchrun: print the model's states per GPU on 8 and 64 GPUs at "
                              "every ZeRO stage and precision policy (lesson 06's formula, data parallelism alone)")
 
 
@@ -504,7 +505,7 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu].memory_gib) * GIB
     usable = capacity * (1 - PLAN_MARGIN)
     planned = plan_layout(cfg, args, grid, ep, shape, precision, gpu, args.gpus_per_node)
-    print(f"memory plan: {args.preset} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "
+    print(f"memory plan: {model_name(args)} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "
           f"{gpu} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: {usable / GIB:.1f} GiB)")
     schedule = (f"{args.schedule}" + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
                 + ", " if grid.pp > 1 else "")
@@ -576,15 +577,19 @@ def print_layout_table(layouts: list[PlannedLayout]) -> None:
               f"{s['bubble']:>8.3f}{s['communication']:>8.3f}")
 
 
-def zero_memory_table(preset: str, gpu_counts=(8, 64)) -> str:
-    """--zero-table: lesson 06's model states per GPU in GB for a preset over data parallelism
-    alone, at every ZeRO stage and precision policy (padding included, activations not)."""
-    counts = unit_parameter_counts(get_config(preset))
+def zero_memory_table(args, gpu_counts=(8, 64)) -> str:
+    """--zero-table: lesson 06's model states per GPU in GB for the flags' model over data
+    parallelism alone, at every ZeRO stage and precision policy (padding included, activations not)."""
+    try:
+        check_flag_ranges(args)
+        counts = unit_parameter_counts(config_from_flags(args))
+    except (ConfigError, ValueError) as error:
+        exit_with_error(error)
     policies = {"bf16 / bf16 grads": zero.Precision(torch.bfloat16, torch.bfloat16),
                 "bf16 / fp32 grads": zero.Precision(torch.bfloat16, torch.float32),
                 "fp32": zero.Precision(torch.float32, torch.float32)}
     header = f"{'policy':<20}{'stage':>6}" + "".join(f"{f'{n} GPUs GB':>12}" for n in gpu_counts)
-    rows = [f"{preset}: {sum(counts) / 1e9:.2f} B parameters, model states per GPU", header]
+    rows = [f"{model_name(args)}: {sum(counts) / 1e9:.2f} B parameters, model states per GPU", header]
     for name, precision in policies.items():
         for stage in range(4):
             sizes = [zero.predicted_model_states(counts, n, stage, precision).total / 1e9 for n in gpu_counts]

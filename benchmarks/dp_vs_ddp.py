@@ -19,9 +19,10 @@ from picotron_like import comm
 from picotron_like.data import TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
-from picotron_like.model import GPT, get_config
+from picotron_like.model import GPT
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
-from picotron_like.train import StepSettings, add_training_flags, batch_shape, build_optimizer, resolve_steps
+from picotron_like.train import (StepSettings, add_training_flags, batch_shape, build_optimizer, config_from_flags,
+                                 resolve_steps)
 
 
 def time_steps(step_fn, steps):
@@ -42,7 +43,7 @@ def main():
     lesson = load_lesson("01_data_parallel")
     device = init_distributed()
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
-    cfg = get_config(args.preset)
+    cfg = config_from_flags(args)
     shape = batch_shape(args, grid.dp_size)
     batches = TokenBatches(args.data or builtin_corpus_paths()[0], shape, seed=args.seed, vocab_size=cfg.vocab_size)
     settings = StepSettings(device, torch.float32, args.max_grad_norm)

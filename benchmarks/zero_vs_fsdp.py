@@ -54,10 +54,10 @@ from torch.nn.parallel import DistributedDataParallel
 from picotron_like.data import TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
-from picotron_like.model import GPT, get_config
+from picotron_like.model import GPT
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown
 from picotron_like.train import (StepSettings, add_training_flags, autocast_dtype, batch_shape, build_optimizer,
-                                 resolve_steps)
+                                 config_from_flags, resolve_steps)
 
 data_parallel = load_lesson("01_data_parallel")
 zero = load_lesson("06_zero")
@@ -302,9 +302,7 @@ def main():
     args = parse_args()
     device = init_distributed()
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
-    cfg = get_config(args.preset)
-    if args.n_layers is not None:
-        cfg = type(cfg)(**{**cfg.__dict__, "n_layers": args.n_layers})
+    cfg = config_from_flags(args)
     shape = batch_shape(args, grid.dp_size)
     batches = TokenBatches(args.data or builtin_corpus_paths()[0], shape, seed=args.seed, vocab_size=cfg.vocab_size)
     compute_dtype = autocast_dtype(args.dtype, device)

@@ -60,6 +60,7 @@ from picotron_like.checkpoint import HeldSlice, reference_shapes, reference_slic
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, GPTConfig
 from picotron_like.topology import ConfigError
+from picotron_like.train import MODEL_SHAPE_FLAGS
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # model_type -> (architecture, the defaults of transformers' config class for what a file may omit)
@@ -351,7 +352,8 @@ def add_init_flag(parser) -> None:
     parser.add_argument("--init-from", default=None, metavar="HF_DIR",
                         help="continued pretraining: start from a Hugging Face Llama or Mixtral folder (config.json "
                              "and safetensors), each rank reading only its slices; the model is the one config.json "
-                             "describes (no --preset, --n-layers); a checkpoint that --resume finds comes first")
+                             "describes (no --preset, no model-shape flag); a checkpoint that --resume finds comes "
+                             "first")
 
 
 def model_config(cfg, args, configure) -> GPTConfig:
@@ -364,8 +366,8 @@ def model_config(cfg, args, configure) -> GPTConfig:
         return configure(cfg, args)
     written = read_config(args.init_from)
     configured = configure(written, args)
-    asked = [flag for flag, given in (("--preset", args.preset != "tiny"), ("--n-layers", args.n_layers is not None))
-             if given]
+    asked = ["--preset"] * (args.preset != "tiny") + [f"--{field.replace('_', '-')}" for field in MODEL_SHAPE_FLAGS
+                                                      if getattr(args, field, None) is not None]
     asked += [f"{field} {getattr(configured, field)!r} where the folder has {getattr(written, field)!r}"
               for field in ("router", "n_shared_experts") if getattr(configured, field) != getattr(written, field)]
     if asked:

@@ -252,6 +252,16 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
     """Model, data and optimisation flags; each lesson adds the flags of its own technique."""
     parser.add_argument("--preset", default="tiny", help="model shape from picotron_like.model.PRESETS")
     parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
+    parser.add_argument("--hidden", type=int, default=None, help="override the preset's model width (d_model)")
+    parser.add_argument("--n-heads", type=int, default=None,
+                        help="override the preset's attention heads (they must divide --hidden)")
+    parser.add_argument("--n-kv-heads", type=int, default=None,
+                        help="override the preset's key/value heads (they must divide --n-heads; equal: no "
+                             "grouped-query attention)")
+    parser.add_argument("--ffn-hidden", type=int, default=None,
+                        help="override the preset's MLP width (SwiGLU's inner width; each expert's with experts)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="override the preset's vocabulary (the data's tokens must be below it)")
     parser.add_argument("--data", default=None,
                         help="token shard(s), a path or glob in the llm.c .bin layout; default: the built-in corpus")
     parser.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
@@ -324,6 +334,34 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_fla
                             help="data-parallel gradient bucket size in MB (PyTorch DDP uses 25)")
 
 
+# The flags that override a field of --preset's GPTConfig, each named as the field it sets.
+MODEL_SHAPE_FLAGS = ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
+
+
+def model_shape_flags(args) -> str:
+    """The model-shape flags given, as typed ("--hidden 2048 --n-layers 16"; "" when none)."""
+    return " ".join(f"--{field.replace('_', '-')} {getattr(args, field)}" for field in MODEL_SHAPE_FLAGS
+                    if getattr(args, field, None) is not None)
+
+
+def model_name(args) -> str:
+    """The model the flags describe, in words: the preset, and the shape flags given over it."""
+    return " with ".join(filter(None, (args.preset, model_shape_flags(args))))
+
+
+def config_from_flags(args) -> GPTConfig:
+    """--preset's model with the model-shape flags given over it, or one ConfigError naming the
+    flags when together they describe a model GPTConfig cannot build (heads that do not divide the
+    width, an odd head size)."""
+    given = {field: getattr(args, field) for field in MODEL_SHAPE_FLAGS if getattr(args, field, None) is not None}
+    try:
+        return get_config(args.preset, **given)
+    except ValueError as error:
+        if not given:
+            raise
+        raise ConfigError(f"--preset {model_name(args)}: {error}") from None
+
+
 # (flag, the rule it must satisfy, the rule in words). Checked before anything else runs, so a
 # negative learning rate or a zero step count is one line, not a traceback from deep in torch.
 _FLAG_RULES = [
@@ -336,7 +374,7 @@ _FLAG_RULES = [
     ("grad_accum", lambda v: v >= 1, "at least 1"),
     ("global_batch_tokens", lambda v: v >= 1, "at least 1"),
     ("seed", lambda v: v >= 0, "0 or more"),
-    ("n_layers", lambda v: v >= 1, "at least 1"),
+    *((field, lambda v: v >= 1, "at least 1") for field in MODEL_SHAPE_FLAGS),
     ("bucket_mb", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     ("val_every", lambda v: v >= 0, "0 (off) or more"),
     ("val_batches", lambda v: v >= 1, "at least 1"),
@@ -436,7 +474,7 @@ def checked_plan(args, validate: Callable[[GPTConfig, GridShape, BatchShape, obj
     resolve_steps(args)
     collective_timeout_s()      # a bad PICOTRON_LIKE_TIMEOUT_S is one line too, not a failed init
     grid = grid_from_args(args, world_size)
-    cfg = get_config(args.preset, n_layers=args.n_layers)
+    cfg = config_from_flags(args)
     if configure is not None:
         cfg = configure(cfg, args)
     shape = batch_shape(args, grid.dp)

@@ -227,6 +227,8 @@ def test_lesson_07_refuses_a_bad_folder_or_another_model_before_any_collective(r
         ("--init-from", folders["llama"], "--preset", "tiny-moe"): "with --preset: the model is the one its "
                                                                   "config.json describes",
         ("--init-from", folders["mixtral"], "--router", "sigmoid"): "router 'sigmoid' where the folder has 'softmax'",
+        ("--init-from", folders["llama"], "--hidden", "64"): "with --hidden: the model is the one its config.json "
+                                                             "describes",
     }
     for flags, words in cases.items():
         args = full_5d.parse_args([*COMMON, *flags])

@@ -6,6 +6,8 @@ import contextlib
 import io
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -135,6 +137,13 @@ def plan(flags: str, monkeypatch, world_size: int = 2, seen_shapes=None):
                                    "micro_batch_size*seq_len*dp = 8*128*2 = 2048 tokens; use 2048 tokens"),
     ("--dp 3", "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2"),
     ("--peak-tflops 0", "--peak-tflops 0.0 must be a positive number"),
+    ("--n-heads 0", "--n-heads 0 must be at least 1"),
+    ("--ffn-hidden -8", "--ffn-hidden -8 must be at least 1"),
+    # the model-shape flags together: the config's own rules, naming the flags given
+    ("--n-kv-heads 3", "--preset tiny with --n-kv-heads 3: invalid GPTConfig: n_heads=4 is not divisible by "
+                       "n_kv_heads=3"),
+    ("--hidden 100 --n-heads 4 --n-kv-heads 4", "--preset tiny with --hidden 100 --n-heads 4 --n-kv-heads 4: "
+                                                "invalid GPTConfig: head_dim=25 must be even for rotary embeddings"),
     # another lesson's axis: refused with a pointer to lesson 07, --ep too (lesson 05 defines it)
     ("--pp 2", "--pp 2: this lesson teaches its technique with data parallelism alone; pipeline parallelism "
                "composes with it in lesson 07: run 07_full_5d.py with the same flags"),
@@ -155,6 +164,43 @@ def test_several_bad_flags_are_reported_together(monkeypatch):
     with pytest.raises(Stopped) as stopped:
         plan("--steps 0 --lr -1 --sequence-parallel", monkeypatch)
     assert str(stopped.value).count("\n  - ") == 3
+
+
+SMALL_FLAGS = "--n-layers 3 --hidden 96 --n-heads 6 --n-kv-heads 3 --ffn-hidden 256 --vocab-size 300"
+
+
+def test_the_model_shape_flags_set_the_model_the_lesson_validates_and_trains(monkeypatch):
+    """Each model-shape flag overrides its field of --preset's config; the others keep the preset's."""
+    assert plan(SMALL_FLAGS, monkeypatch).cfg == SMALL
+    assert plan("--preset 8b --hidden 2048", monkeypatch).cfg == replace(get_config("8b"), hidden=2048)
+
+
+def test_a_lesson_trains_the_model_its_shape_flags_describe():
+    """Lesson 01 under torchrun on 2 ranks with a model given by flags alone: it builds that model
+    (its parameter count) and trains it."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(REPO_ROOT / "01_data_parallel.py"), *SMALL_FLAGS.split(), "--steps", "2",
+                          "--seq-len", "32", "--micro-batch-size", "2"],
+                         capture_output=True, text=True, timeout=240, cwd=REPO_ROOT,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{count_parameters(SMALL)['total']:,} parameters" in run.stdout, run.stdout
+    assert len(re.findall(r"^step +\d+ \| loss \d+\.\d+", run.stdout, re.M)) == 2, run.stdout
+
+
+def test_the_plan_states_a_model_no_preset_has(capsys):
+    """--plan for the Ultra-Scale Playbook's smallest model (nanotron's shape: 16 layers of width
+    2048, 32 heads and as many key/value heads, MLP 8192, Llama 3's vocabulary) from the 8b preset
+    and shape flags: it plans that model (its parameter count; the head untied, as every model here)."""
+    flags = {"n_layers": 16, "hidden": 2048, "n_heads": 32, "n_kv_heads": 32, "ffn_hidden": 8192}
+    load_lesson("07_full_5d").main(["--plan", "--preset", "8b", "--gpus", "1", "--gpu", "H100", "--seq-len", "4096",
+                                    "--micro-batch-size", "1", "--grad-accum", "1",
+                                    *[word for field, value in flags.items()
+                                      for word in (f"--{field.replace('_', '-')}", str(value))]])
+    first = capsys.readouterr().out.splitlines()[0]
+    total = count_parameters(replace(get_config("8b"), **flags))["total"]
+    assert first.startswith(f"memory plan: 8b with --n-layers 16 --hidden 2048 --n-heads 32 --n-kv-heads 32 "
+                            f"--ffn-hidden 8192 ({total / 1e9:.2f} B parameters) on 1 x H100"), first
 
 
 def test_the_lesson_validates_the_batch_shape_that_runs(monkeypatch):
