@@ -6,7 +6,7 @@ import re
 import pytest
 
 from benchmarks.published_data import PUBLISHED_DIR, model_config, read_published
-from picotron_like.model import count_parameters
+from picotron_like.model import count_parameters, flops_per_token
 
 PLAYBOOK = "ultrascale_playbook_best_configs"
 CELLS = ("model_b", "nodes", "dp", "tp", "pp", "grad_accum", "micro_batch", "zero_stage", "mfu_percent",
@@ -66,3 +66,45 @@ def test_the_playbook_shapes_give_the_models_published_sizes():
         parameters = counts["total"] - row["tied_embeddings"] * counts["embedding"]
         assert parameters == pytest.approx(row["model_b"] * 1e9, rel=0.01), row
         assert float(f"{parameters:.3g}") == row["model_b"] * 1e9, row
+
+
+def test_each_peer_row_states_a_model_and_a_figure():
+    for row in read_published("peers"):
+        for column in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "gpus"):
+            assert isinstance(row[column], int), (column, row)
+        assert row["mlp"] in ("swiglu", "gelu"), row
+        figures = (row["tokens_per_s_per_gpu"], row["tflops_per_gpu"], row["mfu_percent"])
+        assert any(figure is not None for figure in figures), row
+
+
+def test_each_stated_peer_layout_fills_its_gpus_and_its_batch():
+    for row in read_published("peers"):
+        degrees = [row[axis] for axis in ("dp", "tp", "pp", "cp")]
+        if None not in degrees:
+            assert degrees[0] * degrees[1] * degrees[2] * degrees[3] == row["gpus"], row
+        if None not in (row["dp"], row["local_batch"], row["global_batch"]):
+            assert row["dp"] * row["local_batch"] * (row["grad_accum"] or 1) == row["global_batch"], row
+
+
+def test_our_flops_per_token_gives_the_mfu_the_peers_state():
+    """torchtitan states 33% to 39% MFU for its bf16 FSDP runs of Llama 3.1 8B on 8 and 128 H100s at
+    the H100 SXM peak of 989 TFLOP/s; Megatron-LM prints each row's MFU next to its TFLOP/s per GPU. Our
+    flops_per_token (6 N with the head + the full s x s attention) reproduces torchtitan's range from its
+    tokens/s, and 989 TFLOP/s turns Megatron-LM's TFLOP/s into its MFU: the conventions agree."""
+    peak = 989e12
+    torchtitan_bf16 = [row for row in read_published("peers") if row["framework"] == "torchtitan"
+                       and row["precision"] == "bf16" and row["gpus"] in (8, 128) and row["tp"] == 1]
+    assert len(torchtitan_bf16) == 4
+    for row in torchtitan_bf16:
+        mfu = row["tokens_per_s_per_gpu"] * flops_per_token(model_config(row), row["seq_len"]) / peak
+        assert 0.325 <= mfu < 0.395, (mfu, row)
+    megatron = [row for row in read_published("peers") if row["tflops_per_gpu"] is not None]
+    assert len(megatron) == 9
+    for row in megatron:
+        assert round(row["tflops_per_gpu"] * 1e12 / peak * 100) == row["mfu_percent"], row
+
+
+def test_model_config_refuses_a_gelu_row():
+    gelu = next(row for row in read_published("peers") if row["mlp"] == "gelu")
+    with pytest.raises(ValueError, match="SwiGLU only"):
+        model_config(gelu)
