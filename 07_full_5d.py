@@ -84,6 +84,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import picotron_like.calibrate as calibration
 import picotron_like.checkpoint as checkpoints
 import picotron_like.hf as hub
 import picotron_like.sample as sampling
@@ -810,6 +811,7 @@ def parse_args(argv=None):
     checkpoints.add_checkpoint_flags(parser)
     hub.add_init_flag(parser)
     memory_plan.add_plan_flags(parser)
+    calibration.add_calibrate_flags(parser)
     parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
     return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
 
@@ -829,6 +831,8 @@ def main(argv=None):
         return memory_plan.print_memory_plan(args, validate, expert_degree)
     if args.zero_table:
         return print(memory_plan.zero_memory_table(args, (8, 64)))
+    if args.calibrate:      # picotron_like.calibrate: this machine's device profile for --plan, no training
+        return calibration.calibrate(args)
     plan = plan_run(args, validate, model_config)        # every rule checked before any process group
     manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
     device = init_distributed()
