@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
@@ -110,6 +111,7 @@ zero = load_lesson("06_zero")
 fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
 memory_plan = load_lesson("07_memory_plan")
+autotune = load_lesson("07_autotune")
 
 # ============================================================================ the technique: the plan
 
@@ -811,6 +813,7 @@ def parse_args(argv=None):
     checkpoints.add_checkpoint_flags(parser)
     hub.add_init_flag(parser)
     memory_plan.add_plan_flags(parser)
+    autotune.add_autotune_flags(parser)
     calibration.add_calibrate_flags(parser)
     parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
     return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
@@ -829,6 +832,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.plan:           # 07_memory_plan: no training, no torchrun
         return memory_plan.print_memory_plan(args, validate, expert_degree)
+    if args.autotune:       # 07_autotune: the plan's best layouts, each trained by a child torchrun of this file
+        return autotune.autotune(args, sys.argv[1:] if argv is None else argv, validate, expert_degree)
     if args.zero_table:
         return print(memory_plan.zero_memory_table(args, (8, 64)))
     if args.calibrate:      # picotron_like.calibrate: this machine's device profile for --plan, no training

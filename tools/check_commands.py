@@ -16,7 +16,8 @@ backslash goes on on the next one, `a && b` is two commands, and an optional par
 
 Skipped, each on its own line with the reason: installs (pip), the test suite (pytest, .ci/run: it
 takes minutes, run it as README.md says), what needs a GPU (benchmarks/gpu_check.sh,
---memory-snapshot, a preset other than tiny and tiny-moe under torchrun), more than 8 ranks or more
+--memory-snapshot, a preset other than tiny and tiny-moe under torchrun or --autotune, whose children
+train under torchrun), more than 8 ranks or more
 than one node, templates (N, DIR, HOST, <lesson>.py, ...), inputs that neither the repository nor
 an earlier command of the same file provides (--data shards, --resume with no earlier --save-dir,
 run.jsonl), and this script itself. A file a command writes to a positional argument reads here as
@@ -314,6 +315,9 @@ def needs_gpu(command: Command, target: str | None) -> str:
 
 def needs_more_ranks(command: Command) -> str:
     launch = launched(command.words)
+    if "--autotune" in command.words:       # its children run --gpus ranks each
+        gpus = option(command.words, "--gpus") or "8"
+        return f"--autotune --gpus {gpus}: {gpus} ranks (at most {MAX_RANKS} here)" if int(gpus) > MAX_RANKS else ""
     if launch is None:
         return ""
     options = split_launch(launch)[0]
@@ -328,7 +332,8 @@ def needs_more_ranks(command: Command) -> str:
 
 def needs_gpu_memory(command: Command, args: list[str]) -> str:
     preset = option(args, "--preset")
-    if command.kind in ("train", "launch") and preset and preset not in CPU_PRESETS:
+    trains = command.kind in ("train", "launch") or "--autotune" in args     # --autotune's children train it
+    if trains and preset and preset not in CPU_PRESETS:
         return f"--preset {preset} is sized for GPUs (a CPU trains {' and '.join(CPU_PRESETS)})"
     return ""
 
