@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import statistics
@@ -198,9 +199,13 @@ def failure_reason(returncode: int | None, log: str, timeout_s: float) -> str:
         rest = [line.strip() for line in lines[first + 1:first + 4] if line.startswith("  ")]
         return " ".join([lines[first].removeprefix("error: "), *rest])
     # a rank's exception comes before torchrun's own (ChildFailedError), which only says a rank failed
-    raised = [line.strip() for line in lines if line.split(":", 1)[0].endswith(("Error", "Exception"))
-              and "ChildFailedError" not in line]
+    raised = [found.group(0).strip() for found in map(EXCEPTION.search, lines)
+              if found and not found.group(0).startswith("ChildFailedError")]
     return f"exit code {returncode}" + (f": {raised[0]}" if raised else "")
+
+
+# an exception's last line, after any prefix torchrun gives a rank's output ("[rank1]: ")
+EXCEPTION = re.compile(r"\b[A-Za-z_]*(Error|Exception):( .*)?$")
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:

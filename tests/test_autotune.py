@@ -113,3 +113,19 @@ def test_bad_input_is_one_error_line_before_any_child():
         assert runs[flags].returncode == 2, (flags, stdout, stderr)
         assert stderr.count("error: ") == 1 and words in stderr and "Traceback" not in stderr, (flags, stderr)
         assert stdout == "", (flags, stdout)
+
+
+def test_a_failed_childs_reason_is_one_line():
+    """What a row says of a child that gave no timed steps, read off its output as torchrun leaves it."""
+    reason = load_lesson("07_autotune").failure_reason
+    assert reason(None, "step 0 | loss 5.5\n", 12.4) == "timed out after 12 s"
+    out_of_memory = ("[rank1]: Traceback (most recent call last):\n"
+                     "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert reason(1, out_of_memory, 60) == ("out of memory: [rank1]: torch.OutOfMemoryError: CUDA out of memory. "
+                                            "Tried to allocate 2.00 GiB")
+    refused = "error: bad configuration:\n  - first rule\n  - second rule\nW1206 torchrun's own line\n"
+    assert reason(1, refused, 60) == "bad configuration: - first rule - second rule"
+    raised = ("Traceback (most recent call last):\n[rank0]: RuntimeError: a rank's own failure\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert reason(1, raised, 60) == "exit code 1: RuntimeError: a rank's own failure"
