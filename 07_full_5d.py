@@ -44,8 +44,9 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
                  block's last), and with experts every forward all-to-all of the dispatch
 
 Beside it: 07_report.py measures the run against each lesson's formulas (the tables below),
-07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_fp8.py makes
-the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
+07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
+measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
+07_fp8.py makes the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
 on the meta device (materialise), checkpoints that resume in any layout (checkpoint: --save-dir,
 --resume), Hub weights in (hf: --init-from), samples during training (sample: --sample-every).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
