@@ -121,9 +121,10 @@ from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, model_flops_utilisation, peak_flops_of_name,
                                    predicted_activation_bytes)
-from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token, get_config
+from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
-from picotron_like.train import StepSettings, build_optimizer, exit_with_error
+from picotron_like.train import (StepSettings, add_model_flags, build_optimizer, check_flag_ranges, config_from_flags,
+                                 exit_with_error, model_name)
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -852,7 +853,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 07's FP8: every recipe trained on data-parallel ranks "
                                                  "(run with torchrun)",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--preset", default="tiny")
+    add_model_flags(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
@@ -901,7 +902,8 @@ def report(cfg, runs: dict, args, tokens: int) -> None:
 def main(argv=None):
     args = parse_args(argv)
     try:
-        cfg = get_config(args.preset)
+        check_flag_ranges(args)
+        cfg = config_from_flags(args)
         problems = fp8_problems(cfg, GridShape(), argparse.Namespace(**{**vars(args), "fp8": "mxfp8"}))
         if problems:
             raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
@@ -912,7 +914,7 @@ def main(argv=None):
     grid = ProcessGrid(GridShape(dp=dp))
     batches = TokenBatches(builtin_corpus_paths()[0], BatchShape(args.micro_batch_size, args.seq_len, 1, dp),
                            seed=args.seed, vocab_size=cfg.vocab_size)
-    log0(f"lesson 07, FP8: dp={dp}, {args.preset}, {args.steps} steps of {dp * args.micro_batch_size} x "
+    log0(f"lesson 07, FP8: dp={dp}, {model_name(args)}, {args.steps} steps of {dp * args.micro_batch_size} x "
          f"{args.seq_len} tokens per recipe, float32 elsewhere (compute and master weights)")
     runs = {recipe: train_recipe(cfg, recipe, batches, grid, args, device) for recipe in FP8_CHOICES}
     report(cfg, runs, args, args.micro_batch_size * args.seq_len)

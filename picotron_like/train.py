@@ -247,9 +247,8 @@ class StepResult:
 # ----------------------------------------------------------------------------- the flags every lesson shares
 
 
-def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, grad_accum: int = 2,
-                       steps: int = 30) -> None:
-    """Model, data and optimisation flags; each lesson adds the flags of its own technique."""
+def add_model_flags(parser) -> None:
+    """--preset and the model-shape flags over it (config_from_flags builds the model they describe)."""
     parser.add_argument("--preset", default="tiny", help="model shape from picotron_like.model.PRESETS")
     parser.add_argument("--n-layers", type=int, default=None, help="override the preset's number of layers")
     parser.add_argument("--hidden", type=int, default=None, help="override the preset's model width (d_model)")
@@ -262,6 +261,12 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                         help="override the preset's MLP width (SwiGLU's inner width; each expert's with experts)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="override the preset's vocabulary (the data's tokens must be below it)")
+
+
+def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, grad_accum: int = 2,
+                       steps: int = 30) -> None:
+    """Model, data and optimisation flags; each lesson adds the flags of its own technique."""
+    add_model_flags(parser)
     parser.add_argument("--data", default=None,
                         help="token shard(s), a path or glob in the llm.c .bin layout; default: the built-in corpus")
     parser.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
