@@ -158,7 +158,7 @@ def torchrun_flags(args) -> list[str]:
 
 def run_child(command: list[str], log_path: Path, timeout_s: float) -> int | None:
     """Run `command` with its output in `log_path`: its exit code, or None when it ran past
-    `timeout_s` (or this process was interrupted), its whole process tree killed then."""
+    `timeout_s`. Its whole process tree is killed then, and when this process is interrupted."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -174,14 +174,19 @@ def kill_torchrun(process: subprocess.Popen) -> None:
     """Kill a torchrun and its ranks. Each rank leads a session of its own, so killing torchrun's
     process group alone would leave them running; torchrun is stopped first, so that it starts
     no rank (a restart) between the reading of its ranks and their killing."""
-    os.killpg(process.pid, signal.SIGSTOP)
+    signal_group(process.pid, signal.SIGSTOP)
     for rank in torchrun_workers(process.pid):
-        try:
-            os.killpg(rank, signal.SIGKILL)     # a rank's own children too (compile workers)
-        except ProcessLookupError:
-            continue
-    os.killpg(process.pid, signal.SIGKILL)
+        signal_group(rank, signal.SIGKILL)      # a rank's own children too (compile workers)
+    signal_group(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def signal_group(leader: int, signum: int) -> None:
+    """Send `signum` to the process group that `leader` leads, unless it has just ended."""
+    try:
+        os.killpg(leader, signum)
+    except ProcessLookupError:
+        pass
 
 
 def failure_reason(returncode: int | None, log: str, timeout_s: float) -> str:
