@@ -21,11 +21,17 @@ group, no GPU:
 
 It prints them for the fullest rank (the pipeline stage that holds most), the verdict against 90%
 of the GPU's memory (the rest: CUDA context, NCCL, allocator fragmentation), and every layout that
-fits the same global batch, ranked by an estimated step time: compute at half the GPU's peak,
-recomputation's extra forward, lesson 03's bubble, and the communication nothing hides, from the
-lessons' traffic formulas at NVLink or network bandwidth; its assumptions are printed with it.
-With --fp8 the blocks' matmuls count at the GPU's FP8 peak (where they run on FP8 tensor cores)
-and tp's all-reduces of the amaxes join tp's traffic.
+fits the same global batch, ranked by an estimated step time, with the tokens/s per GPU and the
+MFU the step line would print. The estimate prices every operation of a stage's micro-batch from
+a device profile (picotron_like.step_costs: each GEMM of the layout's split at the rate measured
+for its shape, attention by its kernel, elementwise passes by bytes over memory bandwidth, each
+collective by its algorithm's latency and bytes over its group's link), adds recomputation's
+extra forward and lesson 03's bubble, and overlaps communication only where the code does; its
+assumptions are printed with it. The profile is --gpu's published one
+(picotron_like/published_profiles.py), its kernels' and links' shares fitted on the Ultra-Scale
+Playbook's measured runs (benchmarks/step_time_vs_published.py checks it against all of them).
+With --fp8 the blocks' matmuls count at the profile's FP8 rate (where they run on FP8 tensor
+cores) and tp's all-reduces of the amaxes join tp's traffic.
 
 Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
@@ -39,18 +45,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections import defaultdict
-from dataclasses import dataclass
-from functools import lru_cache, partial
+from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import loss_chunk_tokens
-from picotron_like.metrics import add_traffic, loss_transient_parts, peak_flops_of_name
+from picotron_like import step_costs
+from picotron_like.device_profile import DeviceProfile
+from picotron_like.metrics import add_traffic, loss_transient_parts
 from picotron_like.model import count_parameters, flops_per_token
 from picotron_like.pipeline_tools import peak_live_micro_batches
+from picotron_like.published_profiles import PUBLISHED_GPUS, published_profile
 from picotron_like.topology import ConfigError, GridShape, GroupLayout, ProcessGrid
 from picotron_like.train import (batch_shape, check_flag_ranges, config_from_flags, exit_with_error, grid_from_args,
                                  model_name)
@@ -81,17 +89,6 @@ class LaidOutGrid(ProcessGrid):
         return GroupLayout(members.index(self.rank), len(members))
 
 
-class GPU(NamedTuple):
-    """What the plan assumes of a GPU (HGX boards; a PCIe card has less of the first three)."""
-
-    memory_gib: int                 # as sold: an H100's 80 GB are 80 x 2^30 bytes (--gpu-memory-gb overrides it)
-    nvlink_gbps: int                # per direction, within a node
-    network_gbps: int               # per direction and GPU, to other nodes
-    capability: tuple[int, int]     # CUDA compute capability: which kernels a run gets (05's grouped matmul)
-
-
-GPUS = {"B300": GPU(288, 900, 100, (10, 3)), "B200": GPU(180, 900, 50, (10, 0)), "H200": GPU(141, 450, 50, (9, 0)),
-        "H100": GPU(80, 450, 50, (9, 0)), "A100-80GB": GPU(80, 300, 25, (8, 0)), "A100-40GB": GPU(40, 300, 25, (8, 0))}
 # The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
 # NCCL's buffers, and the blocks the caching allocator holds but cannot hand out (fragmentation).
 PLAN_MARGIN = 0.10
@@ -134,7 +131,8 @@ def pipeline_program(schedule: str, pp: int, n_micro: int, pp_rank: int, virtual
     return zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
 
 
-def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[int, int]:
+def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
+                             device: DeviceProfile) -> tuple[int, int]:
     """(kept bytes at the schedule's peak, micro-batches live then) on pipeline rank `pp_rank`:
     one micro-batch of each of its chunks by this lesson's formula (recompute mode, compute dtype,
     the chunk's layers), walked over lesson 03's program; with experts lesson 05's per-layer bytes
@@ -146,7 +144,7 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
     e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
     experts = measurement.experts_per_tp_rank(cfg, tp)
     grouped = measurement.uses_grouped_experts(args, cfg, tp, precision.param_dtype, torch.device("cuda"),
-                                               GPUS[args.gpu].capability)
+                                               device.capability)
 
     def one_micro_batch(stage) -> int:
         kept = measurement.predicted_kept_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
@@ -209,7 +207,8 @@ def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
     return measurement.ZeroUnits(dense, experts, grid.dp * grid.cp, grid.dp * grid.cp // ep)
 
 
-def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int) -> tuple[dict, int]:
+def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
+                   device: DeviceProfile) -> tuple[dict, int]:
     """Pipeline stage `pp_rank`'s bytes per rank by component (every rank of a stage holds the
     same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
     on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
@@ -217,7 +216,7 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     states = units.model_states(args.zero_stage, precision)
     gathered = (units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
                 if args.zero_stage == 3 else 0)
-    activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank)
+    activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank, device)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
               "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
               "activations": activations,
@@ -229,133 +228,307 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
 
 
 # ============================================================================ the technique: the step-time estimate
+# A layout's step on its slowest pipeline stage, operation by operation, each priced from the
+# device's profile by picotron_like.step_costs (GEMMs by their shape, attention by its kernel,
+# elementwise passes by bytes, collectives by latency and bus bandwidth on their group's link),
+# then overlapped only where the code overlaps: see plan_assumptions, printed with the plan.
 
-# The estimate's assumptions, printed with it (plan_assumptions).
-MATMUL_EFFICIENCY = 0.5          # of the GPU's dense bf16 peak (FP8's for --fp8's matmuls), for the model's FLOPs
-RECOMPUTE_COST = {"none": 0.0, "selective": 0.02, "full": 1 / 3}   # of the step's compute
+# Elementwise traffic per element (bytes read and written, and launched kernels), in the
+# weights' dtype e unless float32 is said, of one block's forward; its backward moves twice that.
+NORM_PASSES = (4, 5)             # RMSNorm: x read and y written, twice over (float32 statistics); 5 kernels eager
+ROTARY_PASSES = (4, 6)           # q and k: read, rotated half, written back
+SWIGLU_PASSES = (5, 2)           # silu(gate) read and written, times up: two read, one written
+RESIDUAL_PASSES = (3, 1)         # x + f(x): two read, one written
+# The chunked loss, per logit: the float32 logits written and read for the maximum and the sum of
+# exponentials (forward), and again for softmax minus the target (backward), its gradient in e.
+LOSS_FLOAT32_PASSES = (3, 4)
+# AdamW's tail per parameter of this rank's shard, float32: parameter, gradient and two moments
+# read, three written; the weights' cast back (4 read, e written); the gradient norm's read.
+OPTIMIZER_BYTES = 7 * 4 + 4 + 4
+OPTIMIZER_KERNELS_PER_UNIT = 12  # foreach AdamW over one unit's pieces, the norm, the cast
+# Each micro-batch's gradients flattened into their unit's buffer (read, written) and added to it.
+ACCUMULATE_BYTES = 5 * 4
 
 
-def group_bandwidth(grid: GridShape, groups: list[list[int]], gpu: str, gpus_per_node: int) -> float:
-    """Bytes/s a rank of these groups sends at: NVLink when each group sits inside one node, else the network."""
-    nvlink, network = GPUS[gpu].nvlink_gbps, GPUS[gpu].network_gbps
-    inside = all(len({rank // gpus_per_node for rank in members}) == 1 for members in groups)
-    return (nvlink if inside else network) * 1e9
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def wire_bytes(traffic: dict, n: int) -> float:
-    """A ring's bytes per rank for payloads by (collective, group): an all-reduce sends 2 (n-1)/n
-    of its payload, a gather, scatter or all-to-all (n-1)/n, a send all of it."""
-    ring = (n - 1) / n
-    factors = {"all_reduce": 2 * ring, "all_gather_single": ring, "reduce_scatter_single": ring,
-               "all_to_all_single": ring, "isend": 1.0}
-    return sum(payload * factors.get(kind, 0.0) for (kind, _), payload in traffic.items())
+def hidden_behind(comm: float, compute: float, overlap: float) -> float:
+    """What a collective adds to a step when it runs beside `compute` seconds of work: its part
+    beyond that work, and of the part beside it, the share contention does not hide."""
+    return max(0.0, comm - compute) + (1 - overlap) * min(comm, compute)
 
 
-def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str, gpus_per_node: int,
-                           pp_rank: int) -> dict:
-    """Step time by cause (see plan_assumptions): the model's FLOPs on this rank at a fixed share of
-    the GPU's peak; recomputation's extra forward; lesson 03's bubble; the communication that
-    nothing hides, by the lessons' traffic formulas for this stage, at its group's bandwidth."""
-    layout = LaidOutGrid(grid, ep, rank=grid.rank_of(pp=pp_rank))
-    compute = compute_seconds_per_token(cfg, shape.seq_len, args.fp8, gpu) * shape.tokens_per_step / grid.world_size
-    recompute = compute * RECOMPUTE_COST[args.recompute]
-    bubble = (compute + recompute) * pipeline_parallel.bubble_formula(args.schedule, grid.pp, shape.grad_accum,
-                                                                      args.virtual_stages)
+def block_gemms(cfg, tokens: int, tp: int, ep: int) -> list[tuple[int, int, int]]:
+    """One block's forward matmuls on a tp rank, (M, N, K) for (M x K) @ (K x N): the
+    projections of the whole sequence (sequence parallelism gathers it first), the MLP's, or the
+    experts' (balanced routing: each of this rank's E / ep experts receives k T ep / E rows) and
+    the shared expert's."""
+    h, d = cfg.hidden, cfg.head_dim
+    gemms = [(tokens, cfg.n_heads * d // tp, h), (tokens, cfg.n_kv_heads * d // tp, h),
+             (tokens, cfg.n_kv_heads * d // tp, h), (tokens, h, cfg.n_heads * d // tp)]
+    if not cfg.n_experts:
+        return gemms + [(tokens, cfg.ffn_hidden // tp, h)] * 2 + [(tokens, h, cfg.ffn_hidden // tp)]
+    rows = max(1, cfg.experts_per_token * tokens * ep // cfg.n_experts)
+    experts = ([(rows, cfg.ffn_hidden // tp, h)] * 2 + [(rows, h, cfg.ffn_hidden // tp)]) * (cfg.n_experts // ep)
+    shared = cfg.n_shared_experts * cfg.ffn_hidden // tp
+    return gemms + [(tokens, cfg.n_experts, h)] + experts + ([(tokens, shared, h)] * 2 + [(tokens, h, shared)]) * (
+        shared > 0)
+
+
+def gemm_pass_seconds(device, gemms, dtype: str) -> tuple[float, float]:
+    """(forward, backward) of these matmuls: the backward's input gradient (M x N) @ (N x K) and
+    weight gradient (K x M) @ (M x N), each priced by its own shape."""
+    forward = sum(step_costs.gemm_seconds(device, m, n, k, dtype) for m, n, k in gemms)
+    backward = sum(step_costs.gemm_seconds(device, m, k, n, dtype) + step_costs.gemm_seconds(device, k, n, m, dtype)
+                   for m, n, k in gemms)
+    return forward, backward
+
+
+def attention_pass_seconds(cfg, device, micro: int, seq_len: int, tp: int, cp: int, cp_mode: str,
+                           dtype: str) -> tuple[float, float]:
+    """(forward, backward) of one block's attention kernels on a rank. Ring (zigzag): cp kernels
+    of the rank's s / cp queries, one causal against its own keys, cp - 1 against half of another
+    rank's block; Ulysses: one causal kernel of the whole sequence over heads / cp."""
+    heads = micro * cfg.n_heads // tp
+    if cp > 1 and cp_mode == "ulysses":
+        kernels = [(heads // cp, seq_len, seq_len, True)]
+    else:
+        block = seq_len // cp
+        kernels = [(heads, block, block, True)] + [(heads, block, block // 2, False)] * (cp - 1)
+    return tuple(sum(step_costs.attention_seconds(device, bh, q, kv, cfg.head_dim, causal, dtype, backward)
+                     for bh, q, kv, causal in kernels) for backward in (False, True))
+
+
+def block_elementwise(cfg, tokens: int, tp: int, sequence_parallel: bool, e: int) -> tuple[float, int]:
+    """(bytes, kernels) of one block's forward elementwise passes: two norms and two residual adds
+    over the rank's tokens (a tp shard of them under sequence parallelism), rotary on q and k,
+    SwiGLU's product over the rank's MLP width."""
+    local = tokens // tp if sequence_parallel else tokens
+    width = (cfg.experts_per_token * cfg.ffn_hidden + cfg.n_shared_experts * cfg.ffn_hidden
+             if cfg.n_experts else cfg.ffn_hidden) // tp
+    parts = [(local * cfg.hidden, NORM_PASSES)] * 2 + [(local * cfg.hidden, RESIDUAL_PASSES)] * 2 + [
+        (tokens * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, ROTARY_PASSES),
+        (tokens * width, SWIGLU_PASSES)]
+    return sum(count * passes * e for count, (passes, _) in parts), sum(kernels for _, (_, kernels) in parts)
+
+
+class MicroBatchSeconds(NamedTuple):
+    """One micro-batch through one pipeline stage, by part: what the per-step sums add up."""
+    forward: float              # GEMMs and attention
+    backward: float
+    elementwise: float          # forward and backward
+    recompute: float
+    tp: float                   # tp's collectives, on the critical path
+    cp: float                   # cp's exposed rest
+    ep: float                   # the experts' all-to-alls
+    pp: float                   # the boundary's sends and receives
+
+    @property
+    def total(self) -> float:
+        return sum(self)
+
+
+def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int) -> \
+        MicroBatchSeconds:
+    """One micro-batch's work on pipeline rank `pp_rank` (its v chunks when interleaved)."""
+    micro, seq, tp, cp = shape.micro_batch_size, shape.seq_len, grid.tp, grid.cp
+    tokens, e, dtype = micro * seq // cp, precision.param_dtype.itemsize, dtype_name(precision.param_dtype)
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages)
-    n_layers = sum(len(chunk.layer_ids) for chunk in chunks)
-    micro, m, e, tp, cp = shape.micro_batch_size, shape.grad_accum, precision.param_dtype.itemsize, grid.tp, grid.cp
-    bandwidth = partial(group_bandwidth, grid, gpu=gpu, gpus_per_node=gpus_per_node)
-    exposed = 0.0
-    recomputed = measurement.predicted_recompute_traffic(cfg, shape, layout, n_layers, args.recompute,
-                                                         args.cp_mode, args.sequence_parallel, e)
+    layers = sum(len(chunk.layer_ids) for chunk in chunks)
+    with_embedding, with_head = any(chunk.tok_embeddings is not None for chunk in chunks), \
+        any(chunk.lm_head is not None for chunk in chunks)
+    block_dtype = ("float8" if args.fp8 != "none" and device.capability is not None
+                   and fp8.runs_on_fp8_tensor_cores(args.fp8, device.capability) and "float8" in device.gemm
+                   else dtype)
+    gemm_f, gemm_b = gemm_pass_seconds(device, block_gemms(cfg, tokens, tp, ep), block_dtype)
+    attn_f, attn_b = attention_pass_seconds(cfg, device, micro, seq, tp, cp, args.cp_mode, dtype)
+    elem_bytes, elem_kernels = block_elementwise(cfg, tokens, tp, args.sequence_parallel, e)
+    elem_f = step_costs.memory_seconds(device, elem_bytes, elem_kernels)
+    forward, backward, elementwise = layers * (gemm_f + attn_f), layers * (gemm_b + attn_b), 3 * layers * elem_f
+    recompute = {"none": 0.0, "selective": layers * elem_f * 2 / 3,     # the norms' and silu's share, again
+                 "full": layers * (gemm_f + attn_f + elem_f)}[args.recompute]
+    if with_head:       # the chunked loss: each chunk's logits in forward, again in backward, then dx and dW
+        words = cfg.vocab_size // tp
+        chunk = min(tokens, loss_chunk_tokens(words))
+        n_chunks = -(-tokens // chunk)
+        head_f, head_b = gemm_pass_seconds(device, [(chunk, words, cfg.hidden)], dtype)
+        forward += n_chunks * head_f
+        backward += n_chunks * (head_f + head_b)
+        logits = chunk * words
+        elementwise += n_chunks * step_costs.memory_seconds(
+            device, logits * (sum(LOSS_FLOAT32_PASSES) * 4 + 2 * e), 12)
+    if with_embedding:  # a gather forward, a scatter-add of the rows' gradients backward
+        elementwise += step_costs.memory_seconds(device, 4 * tokens * cfg.hidden * e, 3)
 
-    def on_axis(traffic: dict, axis: str) -> dict:
-        return {key: value for key, value in add_traffic(traffic, recomputed).items() if key[1] == axis}
+    def collective(kind: str, payload: float, axes: tuple[str, ...], calls: int) -> float:
+        ranks = next(members for members in grid.group_ranks(axes) if grid.rank_of(pp=pp_rank) in members)
+        return step_costs.collective_seconds(device, kind, payload, ranks, calls)
 
-    # --fp8: the amaxes' all-reduces over tp and cp, sequence parallelism's FP8 all-gather (07_fp8.py)
-    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, micro * shape.seq_len // cp, tp, m, n_layers,
-                                            args.recompute, args.sequence_parallel, cp)
-    fp8_on = {axis: {key: value for key, value in fp8_traffic.items() if key[1] == axis} for axis in ("tp", "cp")}
-
-    if tp > 1:      # on the critical path: every block waits for its all-reduces (lesson 02's, chunk by chunk)
+    names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
+             "all_to_all_single": "all_to_all", "isend": "p2p"}
+    tp_seconds = 0.0
+    if tp > 1:          # lesson 02's bytes; calls: 4 per block and the embedding's and head's, and the norms'
         traffic = add_traffic(*(tensor_parallel.predicted_tp_traffic(
-            cfg, micro, shape.seq_len // cp, m, tp, args.sequence_parallel, precision.param_dtype,
-            save_sequence_shard=True, stage=chunk) for chunk in chunks))
-        tp_traffic = add_traffic(on_axis(traffic, "tp"), fp8_on["tp"])
-        exposed += wire_bytes(tp_traffic, tp) / bandwidth(grid.group_ranks(("tp",)))
-    if fp8_on["cp"]:    # the scales along the tokens wait for their amax over cp
-        exposed += wire_bytes(fp8_on["cp"], cp) / bandwidth(grid.group_ranks(("cp",)))
-    if cp > 1 and args.cp_mode == "ulysses":    # the ring hides its sends behind each block's attention
-        traffic = context_parallel.predicted_cp_traffic(measurement.attention_of_one_rank(cfg, tp, n_layers), micro,
-                                                        shape.seq_len, cp, "ulysses", m, e)
-        exposed += wire_bytes(on_axis(traffic, "cp"), cp) / bandwidth(grid.group_ranks(("cp",)))
-    if cfg.n_experts and ep > 1:    # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
-        routed = cfg.experts_per_token * micro * shape.seq_len // cp
-        traffic = {("all_to_all_single", "ep"): m * n_layers * 4 * routed * cfg.hidden * e}
-        exposed += wire_bytes(traffic, ep) / bandwidth(grid.ep_group_ranks(ep))
-    if grid.dp * cp > 1:
-        exposed += exposed_zero_seconds(cfg, args, grid, ep, precision, m, compute, pp_rank, bandwidth)
-    if grid.pp > 1:
-        boundary = micro * shape.seq_len // cp // (tp if args.sequence_parallel else 1) * cfg.hidden
-        sent = pipeline_parallel.predicted_p2p_bytes(m, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
-        exposed += sent / bandwidth(grid.group_ranks(("pp",)))
-    return {"compute": compute, "recompute": recompute, "bubble": bubble, "communication": exposed}
+            cfg, micro, seq // cp, 1, tp, args.sequence_parallel, precision.param_dtype, save_sequence_shard=True,
+            stage=chunk) for chunk in chunks), fp8_traffic_on(cfg, args, shape, grid, layers, "tp"))
+        messages = 4 * layers + with_embedding + with_head
+        calls = ({"all_gather_single": messages + 2 * layers + with_head, "reduce_scatter_single": messages,
+                  "all_reduce": 3 * with_head + 1} if args.sequence_parallel else {"all_reduce": messages + 3 * with_head})
+        if args.recompute == "full":    # the blocks' forward collectives again (07's recompute traffic)
+            traffic = add_traffic(traffic, {key: value / shape.grad_accum for key, value in
+                                            measurement.predicted_recompute_traffic(
+                                                cfg, shape, LaidOutGrid(grid, ep, grid.rank_of(pp=pp_rank)), layers,
+                                                "full", args.cp_mode, args.sequence_parallel, e).items()
+                                            if key[1] == "tp"})
+        tp_seconds = sum(collective(names[kind], payload, ("tp",), calls.get(kind, 2 * layers))
+                         for (kind, _), payload in traffic.items())
+    cp_seconds = 0.0
+    if cp > 1:
+        kv_block = 2 * tokens * cfg.n_kv_heads // tp * cfg.head_dim * e
+        if args.cp_mode == "ring":      # each K/V block's send hides behind the attention of the block before
+            send = collective("p2p", kv_block, ("cp",), 1)
+            block_f, block_b = attn_f / cp, attn_b / cp
+            cp_seconds = layers * (cp - 1) * (hidden_behind(send, block_f, device.overlap)
+                                           + hidden_behind(2 * send, block_b, device.overlap))
+        else:
+            traffic = context_parallel.predicted_cp_traffic(measurement.attention_of_one_rank(cfg, tp, layers), micro,
+                                                            seq, cp, "ulysses", 1, e)
+            cp_seconds = sum(collective(names[kind], payload, ("cp",), 8 * layers)
+                             for (kind, _), payload in traffic.items() if kind in names)
+        amaxes = fp8_traffic_on(cfg, args, shape, grid, layers, "cp")
+        cp_seconds += sum(collective("all_reduce", payload, ("cp",), layers) for payload in amaxes.values())
+    ep_seconds = 0.0
+    if cfg.n_experts and ep > 1:        # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
+        routed = cfg.experts_per_token * tokens
+        ranks = next(members for members in grid.ep_group_ranks(ep) if grid.rank_of(pp=pp_rank) in members)
+        ep_seconds = step_costs.collective_seconds(device, "all_to_all", layers * 4 * routed * cfg.hidden * e, ranks,
+                                                   4 * layers)
+    pp_seconds = 0.0
+    if grid.pp > 1:     # lesson 03's sends and receives, each waited for
+        boundary = tokens // (tp if args.sequence_parallel else 1) * cfg.hidden
+        sent = pipeline_parallel.predicted_p2p_bytes(1, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
+        messages = sent // (boundary * e)
+        pp_seconds = 2 * collective("p2p", sent, ("pp",), messages)    # as many received as sent
+    return MicroBatchSeconds(forward, backward, elementwise, recompute, tp_seconds, cp_seconds, ep_seconds, pp_seconds)
 
 
-def compute_seconds_per_token(cfg, seq_len: int, recipe: str, gpu: str) -> float:
-    """One token's model FLOPs at MATMUL_EFFICIENCY of the GPU's peak; with --fp8, the share that
-    07_fp8 runs as FP8 matmuls at the FP8 peak where they run on FP8 tensor cores (tensorwise and
-    rowwise from sm_89), the rest at bf16's. The quantisations' elementwise passes are not counted."""
-    flops, bf16_peak = flops_per_token(cfg, seq_len), peak_flops_of_name(gpu)
-    fp8_flops = fp8.fp8_matmul_flops_per_token(cfg) if recipe != "none" else 0
-    fp8_peak = (peak_flops_of_name(gpu, fp8=True) if fp8.runs_on_fp8_tensor_cores(recipe, GPUS[gpu].capability)
-                else bf16_peak)
-    return ((flops - fp8_flops) / bf16_peak + fp8_flops / fp8_peak) / MATMUL_EFFICIENCY
+def fp8_traffic_on(cfg, args, shape, grid: GridShape, layers: int, axis: str) -> dict:
+    """--fp8's amax all-reduces (and sequence parallelism's FP8 gathers) of one micro-batch on `axis` (07_fp8.py)."""
+    traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp, grid.tp, 1,
+                                        layers, args.recompute, args.sequence_parallel, grid.cp)
+    return {key: value for key, value in traffic.items() if key[1] == axis}
 
 
-def exposed_zero_seconds(cfg, args, grid: GridShape, ep: int, precision, m: int, compute: float, pp_rank: int,
-                         bandwidth) -> float:
-    """Lesson 06's traffic over dp x cp (experts: over edp) for stage `pp_rank`, less what the
-    step hides: the gradient reduction behind backward, ZeRO-3's gathers behind compute."""
-    n = grid.dp * grid.cp
-    traffic = zero_units(cfg, args, grid, ep, pp_rank).traffic(args.zero_stage, precision, m, args.reshard_after_forward)
-    groups = {"dp_cp": (n, grid.group_ranks(("dp", "cp"))), "edp": (n // ep, grid.edp_group_ranks(ep))}
-    seconds = defaultdict(float)
-    for (kind, group), payload in traffic.items():
-        size, members = groups[group]
-        seconds[kind] += wire_bytes({(kind, group): payload}, size) / bandwidth(members)
-    backward = 2 / 3 * compute
-    # Gradients reduce during backward: at stages 0-1 the last micro-batch's only, at 2-3 every one's.
-    reduce_window = backward / m if args.zero_stage <= 1 else backward
-    exposed = max(0.0, seconds.get("all_reduce", 0.0) + seconds.get("reduce_scatter_single", 0.0) - reduce_window)
-    # ZeRO-3 prefetches each unit's gather behind the unit before it; stages 1-2 gather after the step.
-    gather = seconds.get("all_gather_single", 0.0)
-    return exposed + (max(0.0, gather - compute) if args.zero_stage == 3 else gather)
+def zero_timeline(compute: list[float], gathers: list[float], reduces: list[float]) -> tuple[float, float]:
+    """One pass over the units on one communication stream, in the order the code issues it: a
+    unit's gather is started when the unit before it starts (ZeRO-3's prefetch; the first one at
+    once), its reduction when its own compute ends. Returns (the compute's waits for gathers,
+    the reductions' tail after the last unit's compute)."""
+    clock = stream = 0.0
+    ready = [0.0] * len(compute)
+    if compute:
+        stream = ready[0] = gathers[0]
+    for i, seconds in enumerate(compute):
+        clock = max(clock, ready[i])
+        if i + 1 < len(compute):
+            stream = ready[i + 1] = max(stream, clock) + gathers[i + 1]
+        clock += seconds
+        stream = max(stream, clock) + reduces[i]
+    return clock - sum(compute), max(0.0, stream - clock)
 
 
-def plan_assumptions(gpu: str, gpus_per_node: int, recipe: str = "none") -> list[str]:
-    nvlink, network = GPUS[gpu].nvlink_gbps, GPUS[gpu].network_gbps
-    return [f"compute: the model's FLOPs (6 N per token + attention) at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense bf16 "
-            f"peak, shared evenly by the ranks (zigzag balances cp's causal work)",
-            *([fp8_assumption(gpu, recipe)] if recipe != "none" else []),
-            f"recompute: full +{RECOMPUTE_COST['full']:.0%} (the blocks' forward again), selective "
-            f"+{RECOMPUTE_COST['selective']:.0%} (elementwise norms and silu, bound by memory bandwidth)",
-            "bubble: lesson 03's (pp - 1) / m of the compute ((pp - 1) / (v m) interleaved), stages of equal time",
-            f"communication: ring wire bytes at {nvlink} GB/s within a node of {gpus_per_node}, {network} GB/s "
-            f"per GPU between nodes; tp, Ulysses, ep and pp exposed, ring attention hidden, gradient reduction "
-            f"hidden behind backward (stages 0-1: the last micro-batch's), ZeRO-3's gathers behind compute, "
-            f"ZeRO-1/2's gather after the step exposed",
+def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank: int,
+                 micro: MicroBatchSeconds, m: int) -> tuple[float, float]:
+    """(exposed communication, optimizer tail) of lesson 06 over dp x cp (experts over edp) on
+    stage `pp_rank`, unit by unit on the group's link. Reductions start as each unit's backward
+    ends (stages 0-1 in the last micro-batch only, 2-3 in every one, whose tail the next
+    micro-batch's forward hides); ZeRO-3 gathers each unit behind the unit before it, forward
+    and (resharded) backward; stages 1-2 gather the weights after the step, waiting for them."""
+    units = zero_units(cfg, args, grid, ep, pp_rank)
+    rank = grid.rank_of(pp=pp_rank)
+    dense_ranks = next(members for members in grid.group_ranks(("dp", "cp")) if rank in members)
+    expert_ranks = next(members for members in grid.edp_group_ranks(ep) if rank in members)
+    p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    stage = args.zero_stage
+
+    def unit_seconds(kind: str, element_bytes: int) -> list[float]:
+        return [step_costs.collective_seconds(device, kind, dense * element_bytes, dense_ranks)
+                + step_costs.collective_seconds(device, kind, experts * element_bytes, expert_ranks)
+                for dense, experts in zip(units.dense, units.experts)]
+
+    reduces = unit_seconds("all_reduce" if stage == 0 else "reduce_scatter", g)
+    gathers = unit_seconds("all_gather", p)
+    # compute shares by the units' matmul weights (the embedding's backward is a scatter: none)
+    weights = [0 if (i == 0 and pp_rank == 0) else dense + experts
+               for i, (dense, experts) in enumerate(zip(units.dense, units.experts))]
+    share = [w / sum(weights) for w in weights]
+    forward = [micro.forward * s for s in share]
+    backward = [(micro.backward + micro.recompute) * s for s in share][::-1]
+    none = [0.0] * len(share)
+    exposed = 0.0
+    if stage == 3:
+        waits, _ = zero_timeline(forward, gathers, none)
+        exposed += m * waits
+    back_gathers = gathers[::-1] if stage == 3 and args.reshard_after_forward else none
+    waits, tail = zero_timeline(backward, back_gathers, reduces[::-1])
+    if stage >= 2:      # every micro-batch reduces; all but the last hide their tail behind the next forward
+        exposed += (m - 1) * (waits + hidden_behind(tail, micro.forward, 1.0))
+    exposed += waits + tail
+    overlapped = (sum(reduces) * (m if stage >= 2 else 1) + sum(gathers) * m * (1 + args.reshard_after_forward)
+                  * (stage == 3))
+    exposed += (1 - device.overlap) * overlapped
+    if stage in (1, 2):
+        exposed += sum(gathers)
+    # the loss's and the gradient norm's small all-reduces over the whole grid's data ranks
+    exposed += 2 * step_costs.collective_seconds(device, "all_reduce", 8, dense_ranks)
+    shard = sum(zero.padded(d, units.n) // (units.n if stage else 1) + zero.padded(x, units.edp) // (units.edp if stage else 1)
+                for d, x in zip(units.dense, units.experts))
+    local = sum(units.dense) + sum(units.experts)
+    tail = (step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share))
+            + m * step_costs.memory_seconds(device, local * ACCUMULATE_BYTES, 3 * len(share)))
+    return exposed, tail
+
+
+def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int) -> dict:
+    """Step time of pipeline rank `pp_rank` by cause (see plan_assumptions): m micro-batches of
+    its work, lesson 03's bubble over that work, the data-parallel communication the step leaves
+    exposed, the optimizer's tail."""
+    m = shape.grad_accum
+    micro = micro_batch_seconds(cfg, args, grid, ep, shape, precision, device, pp_rank)
+    bubble = m * micro.total * pipeline_parallel.bubble_formula(args.schedule, grid.pp, m, args.virtual_stages)
+    dp, optimizer = zero_seconds(cfg, args, grid, ep, precision, device, pp_rank, micro, m)
+    return {"compute": m * (micro.forward + micro.backward), "elementwise": m * micro.elementwise + optimizer,
+            "recompute": m * micro.recompute, "bubble": bubble, "tp": m * micro.tp, "cp ep": m * (micro.cp + micro.ep),
+            "pp": m * micro.pp, "dp": dp}
+
+
+def plan_assumptions(device, recipe: str = "none") -> list[str]:
+    intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
+    fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
+                f"tensor cores, else at the bf16 rate (emulated); tp's all-reduces of the amaxes counted"] \
+        if recipe != "none" else []
+    return [f"device: {device.name}, from {device.source}",
+            "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
+            "chunks; forward, input and weight gradients) at the profile's measured rate for its shape, attention at "
+            "its kernel's (the backward 2.5 x the forward's FLOPs), each operation at least one launch "
+            f"({device.kernel_overhead_s * 1e6:.0f} us)",
+            *fp8_line,
+            f"elementwise: norms, rotary, SwiGLU, residuals, the loss's passes over the logits, the optimizer's tail "
+            f"by bytes over {device.memory_bandwidth / 1e12:.2f} TB/s",
+            "recompute: full runs the blocks' forward again, selective the norms' and SwiGLU's elementwise share",
+            "bubble: lesson 03's (pp - 1) / m of a stage's step ((pp - 1) / (v m) interleaved), stages of equal time",
+            f"collectives: latency per algorithm step ({intra[0] * 1e6:.0f} us in a node of {device.ranks_per_node}, "
+            f"{inter[0] * 1e6:.0f} us between nodes; ring or tree all-reduce, whichever is cheaper) plus payload x "
+            f"the ring's factor over the bus bandwidth ({intra[1] / 1e9:.0f} GB/s in a node, {inter[1] / 1e9:.0f} "
+            f"GB/s when a group spans nodes, its placement by the grid's rank order)",
+            f"overlap as the code does it: tp's, Ulysses', ep's and pp's collectives on the critical path; ring "
+            f"attention's sends behind one block's attention; gradient reductions unit by unit behind the rest of the "
+            f"backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward too); ZeRO-3's "
+            f"gather of a unit behind the unit before it; ZeRO-1/2's weight all-gather after the step, waited for; "
+            f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
             "experts: balanced routing (every expert receives k T / E of the tokens)"]
-
-
-def fp8_assumption(gpu: str, recipe: str) -> str:
-    matmuls = f"--fp8 {recipe}: the blocks' attention and MLP matmuls (07_fp8.fp8_matmul_flops_per_token) "
-    if not fp8.runs_on_fp8_tensor_cores(recipe, GPUS[gpu].capability):
-        return (matmuls + f"at the bf16 rate: lesson 07 emulates them on {gpu} (float32 matmuls of dequantised "
-                           f"values, slower than that); their memory and traffic are planned as they are")
-    return (matmuls + f"at {MATMUL_EFFICIENCY:.0%} of {gpu}'s dense FP8 peak "
-                       f"({peak_flops_of_name(gpu, fp8=True) / 1e12:,.0f} TFLOP/s), the quantisations (elementwise, "
-                       f"memory-bound) not counted; tp's all-reduces of the amaxes counted")
 
 
 # ============================================================================ the technique: the layouts that fit
@@ -364,7 +537,9 @@ def fp8_assumption(gpu: str, recipe: str) -> str:
 @dataclass(frozen=True)
 class PlannedLayout:
     """One layout's memory on the fullest rank (its pipeline stage `pp_rank`), component by
-    component in bytes, and its estimated step time in seconds by cause."""
+    component in bytes, and its estimated step time in seconds by cause, with what the step line
+    would print: tokens/s per GPU and MFU (model.flops_per_token over the device's dense peak of
+    the weights' dtype, metrics.MFU_CONVENTION)."""
 
     grid: GridShape
     ep: int
@@ -373,32 +548,50 @@ class PlannedLayout:
     memory: dict
     live_micro_batches: int
     seconds: dict
+    tokens_per_step: int
+    model_flops_per_token: int
+    peak_flops: float
 
     @property
     def peak_bytes(self) -> int:
         return sum(self.memory.values())
 
+    @property
+    def step_seconds(self) -> float:
+        return sum(self.seconds.values())
 
-def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, gpu: str, gpus_per_node: int) -> PlannedLayout:
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens_per_step / self.step_seconds / self.grid.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_second_per_gpu * self.model_flops_per_token / self.peak_flops
+
+
+def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, device: DeviceProfile) -> PlannedLayout:
     """The layout's memory on its fullest pipeline stage (with pp = 1, every rank holds the same)
     and its step time on its slowest, which every stage waits for."""
-    stages = [planned_memory(cfg, args, grid, ep, shape, precision, pp_rank) for pp_rank in range(grid.pp)]
+    stages = [planned_memory(cfg, args, grid, ep, shape, precision, pp_rank, device) for pp_rank in range(grid.pp)]
     pp_rank = max(range(grid.pp), key=lambda rank: sum(stages[rank][0].values()))
-    seconds = max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, gpu, gpus_per_node, rank)
+    seconds = max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, device, rank)
                    for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
     memory, live = stages[pp_rank]
-    return PlannedLayout(grid, ep, args, pp_rank, memory, live, seconds)
+    peak = device.peak_flops.get(dtype_name(precision.param_dtype), device.peak_flops.get("bfloat16"))
+    return PlannedLayout(grid, ep, args, pp_rank, memory, live, seconds, shape.tokens_per_step,
+                         flops_per_token(cfg, shape.seq_len), peak)
 
 
-def candidate_layouts(cfg, args, world_size: int, gpus_per_node: int, validate):
+def candidate_layouts(cfg, args, world_size: int, ranks_per_node: int, validate):
     """Every layout of `world_size` ranks that lesson 07's `validate` accepts, for the same global batch (the
-    flags' sequences per step) and micro-batch size: each grid (tp within a node), ZeRO stage,
+    flags' sequences per step) and micro-batch size: each grid (tp within two nodes, as the
+    Ultra-Scale Playbook found best for 80 B on 64 nodes, priced on the network), ZeRO stage,
     recompute mode, sequence parallelism with tp, and with experts each ep that divides dp x cp.
     Pipelines run 1F1B, interleaved 1F1B over two chunks per rank, and the flags' schedule."""
     sequences = batch_shape(args, grid_from_args(args, world_size).dp).sequences_per_step
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     for tp, pp, cp in itertools.product(divisors, repeat=3):
-        if world_size % (tp * pp * cp) or tp > gpus_per_node:
+        if world_size % (tp * pp * cp) or tp > 2 * ranks_per_node:
             continue
         grid = GridShape(dp=world_size // (tp * pp * cp), pp=pp, cp=cp, tp=tp)
         if sequences % (grid.dp * args.micro_batch_size):
@@ -431,15 +624,15 @@ def layout_name(planned: PlannedLayout) -> str:
     return " ".join(parts)
 
 
-def fitting_layouts(cfg, args, usable: float, precision, gpu: str, validate) -> list[PlannedLayout]:
+def fitting_layouts(cfg, args, usable: float, precision, device: DeviceProfile, validate) -> list[PlannedLayout]:
     """Every candidate layout whose fullest rank fits in `usable` bytes, fastest first (the lighter
     one first when two tie)."""
     fitting = []
-    for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, args.gpus_per_node, validate):
-        candidate = plan_layout(cfg, candidate_args, grid, ep, shape, precision, gpu, args.gpus_per_node)
+    for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, device.ranks_per_node, validate):
+        candidate = plan_layout(cfg, candidate_args, grid, ep, shape, precision, device)
         if candidate.peak_bytes <= usable:
             fitting.append(candidate)
-    return sorted(fitting, key=lambda c: (sum(c.seconds.values()), c.peak_bytes))
+    return sorted(fitting, key=lambda c: (c.step_seconds, c.peak_bytes))
 
 
 def fastest_per_grid(fitting: list[PlannedLayout]) -> list[PlannedLayout]:
@@ -453,12 +646,20 @@ def fastest_per_grid(fitting: list[PlannedLayout]) -> list[PlannedLayout]:
 # ============================================================================ configuration rules
 
 
+def plan_device(args) -> DeviceProfile:
+    """The device the plan prices: --gpu's published profile on nodes of --gpus-per-node, with
+    --gpu-memory-gb's memory if given."""
+    device = published_profile(args.gpu)
+    return replace(device, ranks_per_node=args.gpus_per_node,
+                   memory_gib=args.gpu_memory_gb if args.gpu_memory_gb is not None else device.memory_gib)
+
+
 def checked_plan_flags(args, validate, expert_degree):
     """(model, grid, ep, batch shape) of the flags, checked by lesson 07's own rules on --gpus
     ranks, or one `error:` line and exit 2."""
     try:
-        if args.gpu not in GPUS:
-            raise ConfigError(f"--gpu {args.gpu}: the plan knows {', '.join(GPUS)}; pick the closest and set its "
+        if args.gpu not in PUBLISHED_GPUS:
+            raise ConfigError(f"--gpu {args.gpu}: the plan knows {', '.join(PUBLISHED_GPUS)}; pick the closest and set its "
                               f"memory with --gpu-memory-gb")
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
@@ -482,8 +683,8 @@ def add_plan_flags(parser) -> None:
                              "it fits, and the layouts that fit, fastest first (the layout from the usual flags)")
     parser.add_argument("--gpus", type=int, default=8, help="with --plan: the number of GPUs (the world size)")
     parser.add_argument("--gpu", default="B300",
-                        help="with --plan: the GPU, whose memory, peak FLOP/s and bandwidths 07_memory_plan.GPUS "
-                             "gives: B300, B200, H200, H100, A100-80GB, A100-40GB")
+                        help="with --plan: the GPU, whose published profile (picotron_like/published_profiles.py) "
+                             "gives: " + ", ".join(PUBLISHED_GPUS))
     parser.add_argument("--gpu-memory-gb", type=float, default=None,
                         help="with --plan: the GPU's memory in GiB, instead of the table's")
     parser.add_argument("--gpus-per-node", type=int, default=8,
@@ -499,14 +700,15 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     first. `validate` and `expert_degree`: lesson 07's rules and --ep's default, which 07 passes
     (the plan never loads 07: 07 loads the plan)."""
     cfg, grid, ep, shape = checked_plan_flags(args, validate, expert_degree)
-    gpu = args.gpu
-    # The plan is for the GPU: --dtype auto is bf16 there.
-    precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
-    capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None else GPUS[gpu].memory_gib) * GIB
+    device = plan_device(args)
+    # The plan is for the device: --dtype auto is bf16 on a GPU.
+    precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device(device.device_type))
+    capacity = device.memory_gib * GIB
     usable = capacity * (1 - PLAN_MARGIN)
-    planned = plan_layout(cfg, args, grid, ep, shape, precision, gpu, args.gpus_per_node)
-    print(f"memory plan: {model_name(args)} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on {args.gpus} x "
-          f"{gpu} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: {usable / GIB:.1f} GiB)")
+    planned = plan_layout(cfg, args, grid, ep, shape, precision, device)
+    print(f"memory plan: {model_name(args)} ({count_parameters(cfg)['total'] / 1e9:.2f} B parameters) on "
+          f"{args.gpus} x {device.name} ({capacity / GIB:.0f} GiB each; planned to {1 - PLAN_MARGIN:.0%} of it: "
+          f"{usable / GIB:.1f} GiB)")
     schedule = (f"{args.schedule}" + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
                 + ", " if grid.pp > 1 else "")
     fp8_part = f"FP8 {args.fp8} matmuls, " if args.fp8 != "none" else ""
@@ -520,15 +722,15 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     print_planned_memory(planned, usable)
     print_peak_makeup(planned, cfg, shape, precision)
     by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
-                                              shape, precision, planned.pp_rank)[0]
+                                              shape, precision, planned.pp_rank, device)[0]
                for mode in measurement.RECOMPUTE_MODES}
     print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
-    fitting = fitting_layouts(cfg, args, usable, precision, gpu, validate)
+    fitting = fitting_layouts(cfg, args, usable, precision, device, validate)
     print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
           f"by the estimate below:")
     print_layout_table(fastest_per_grid(fitting)[:args.plan_top])
-    assumptions = plan_assumptions(gpu, args.gpus_per_node, args.fp8)
+    assumptions = plan_assumptions(device, args.fp8)
     print("assumptions:\n" + "\n".join(f"  - {line}" for line in assumptions))
 
 
@@ -568,13 +770,17 @@ def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision) -> None:
 
 
 def print_layout_table(layouts: list[PlannedLayout]) -> None:
-    print(f"  {'layout':<24}{'ZeRO':>5}  {'recompute':<10}{'GiB':>7}{'step s':>9}{'compute':>9}{'recomp':>8}"
-          f"{'bubble':>8}{'comm':>8}")
+    """Each layout's memory, step time, what the step line would print (tokens/s per GPU, MFU) and
+    the step's parts in seconds: compute (GEMMs, attention), elementwise (and the optimizer),
+    recomputation, the bubble, and the exposed rest of each axis's communication."""
+    parts = ("compute", "elementwise", "recompute", "bubble", "tp", "cp ep", "pp", "dp")
+    labels = ("compute", "elemw", "recomp", "bubble", "tp", "cp ep", "pp", "dp")
+    print(f"  {'layout':<24}{'ZeRO':>5}  {'recompute':<10}{'GiB':>7}{'step s':>9}{'tok/s/GPU':>11}{'MFU':>7}"
+          + "".join(f"{label:>9}" for label in labels))
     for layout in layouts:
-        s = layout.seconds
         print(f"  {layout_name(layout):<24}{layout.args.zero_stage:>5}  {layout.args.recompute:<10}"
-              f"{layout.peak_bytes / GIB:>7.1f}{sum(s.values()):>9.3f}{s['compute']:>9.3f}{s['recompute']:>8.3f}"
-              f"{s['bubble']:>8.3f}{s['communication']:>8.3f}")
+              f"{layout.peak_bytes / GIB:>7.1f}{layout.step_seconds:>9.3f}{layout.tokens_per_second_per_gpu:>11,.0f}"
+              f"{layout.mfu:>7.1%}" + "".join(f"{layout.seconds[part]:>9.3f}" for part in parts))
 
 
 def zero_memory_table(args, gpu_counts=(8, 64)) -> str:

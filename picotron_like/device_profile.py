@@ -5,8 +5,10 @@ of shapes, of attention, the memory bandwidth an elementwise kernel reaches, the
 launched operation costs, and each collective's latency and bus bandwidth inside a node and
 between nodes. The step-time model (07_memory_plan.py) reads them; `--calibrate` measures them on
 the machine it runs on and writes them to a JSON file that `--plan --device-profile FILE` reads;
-the GPUs of the built-in table (`published_profile`) carry figures derived from published ones,
-their source stated in the profile.
+the GPUs of the built-in table (published_profiles.published_profile) carry figures derived
+from published ones, their source stated in the profile. picotron_like.step_costs reads a
+profile: a link's latency is per step of the collective's algorithm (a ring all-reduce of n
+ranks takes 2 (n - 1) steps), so that one figure describes a link whatever the group size.
 
 The file is JSON, one object with the fields of DeviceProfile. A link's entry maps each
 collective (all_reduce, all_gather, reduce_scatter, all_to_all, p2p) to [latency_s,
@@ -14,7 +16,8 @@ bus_bytes_per_s]: the bus bandwidth as nccl-tests define it, so that one figure 
 link whatever the group size (the algorithm's factor, 2 (n-1)/n for a ring all-reduce, is the
 model's). A GEMM point is [M, N, K, flop_per_s] for an (M x K) @ (K x N) product; an attention
 point is [batch_x_heads, q_tokens, kv_tokens, head_dim, causal, flop_per_s], FLOPs counted as the
-kernel does its work (a causal kernel skips the masked half).
+kernel does its work (a causal kernel skips the masked half), the rate of its forward (the model
+prices the backward as 2.5 times the forward's FLOPs at that rate).
 """
 
 from __future__ import annotations

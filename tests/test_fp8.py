@@ -284,8 +284,9 @@ def layout_run(layout: Fp8Layout) -> dict:
                                                           2, torch.float32, CFG.n_layers, layout.recompute,
                                                           args.sequence_parallel))
     # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone
-    planned_kept = load_lesson("07_memory_plan").planned_memory(CFG, args, grid.shape, 1, batches.shape,
-                                                                model.precision, 0)[0]["activations"]
+    plan = load_lesson("07_memory_plan")
+    planned_kept = plan.planned_memory(CFG, args, grid.shape, 1, batches.shape, model.precision, 0,
+                                       plan.plan_device(args))[0]["activations"]
     return {"losses": losses, "grads": seen["before"], "params": gathered(model, lambda unit: unit.master),
             "tp_rank": grid.tp_rank, "kept": (meter.peak_bytes, predicted_kept, planned_kept),
             "split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in model.module.named_parameters()}}

@@ -128,7 +128,7 @@ def test_zero_bubble_with_fp8_equals_1f1b_bit_for_bit_with_its_collectives():
                                        "--schedule", schedule, "--fp8", recipe, "--seq-len", str(SEQ)])
             full_5d.validate(FP8_CFG3, shape, full_5d.batch_shape(args, 1), args, shape.world_size)   # passes
             planned[schedule] = memory_plan.planned_memory(FP8_CFG3, args, shape, 1, full_5d.batch_shape(args, 1),
-                                                           full_5d.zero.Precision(), 0)
+                                                           full_5d.zero.Precision(), 0, memory_plan.plan_device(args))
         # ZB-H1's first stage holds as many micro-batches as 1F1B's: the plan says so for zero-bubble too
         assert planned["zero-bubble"] == planned["1f1b"], name
     for rank, runs in enumerate(run_ranks(4, every_fp8_run, timeout_s=300)):

@@ -202,7 +202,8 @@ def test_the_plan_counts_the_loss_transient_where_the_head_is(capsys):
     precision = full_5d.zero.Precision(torch.bfloat16, torch.float32)
     args = full_5d.parse_args(["--pp", "2", "--tp", "4", "--sequence-parallel", "--zero-stage", "1"])
     grid = GridShape(pp=2, tp=4)
-    first, last = (plan.planned_memory(cfg, args, grid, 1, shape, precision, rank)[0] for rank in (0, 1))
+    first, last = (plan.planned_memory(cfg, args, grid, 1, shape, precision, rank, plan.plan_device(args))[0]
+                   for rank in (0, 1))
     assert first["loss's backward (chunked)"] == 0
     assert last["loss's backward (chunked)"] == predicted_loss_transient_bytes(
         8192, cfg.hidden, cfg.vocab_size // 4, torch.bfloat16, regathered_input=True)

@@ -1,0 +1,131 @@
+"""The GPUs the plan knows without measuring them: DeviceProfiles built from published figures.
+
+Each GPU's published figures (its maker's data sheet): memory, dense bf16 and FP8 peaks, HBM
+bandwidth, NVLink bandwidth per direction, the network per GPU of the usual HGX node (one NIC per
+GPU), the CUDA compute capability. What a data sheet does not say, how close real kernels come
+to those figures, is a handful of constants shared by every GPU, each a share of a published
+figure or a time, fitted once on the Ultra-Scale Playbook's measured H100 runs of up to 8 nodes
+(benchmarks/step_time_vs_published.py --fit prints them; its 16-64-node cells are held out):
+
+    GEMM_PEAK_SHARE       the share of the dense peak a large bf16 GEMM reaches
+    GEMM_HALF_RATE_S      the work (in seconds at that rate) at which a GEMM reaches half of it:
+                          a small GEMM fills too few of the SMs and waves to reach the peak
+    ATTENTION_PEAK_SHARE  the share a flash-attention kernel reaches on long sequences
+    HBM_SHARE             the share of the HBM bandwidth an elementwise kernel reaches
+    NVLINK_BUS_SHARE      the share of NVLink's bandwidth per direction that NCCL's bus bandwidth reaches
+    NETWORK_BUS_SHARE     the same of the network's, for groups that span nodes
+    latency per step      NCCL's tuning model (src/graph/tuning.cc, Simple protocol): a few us per
+                          NVLink hop, about ten per network hop
+    OVERLAP               the share of an overlapped collective's time that compute hides (the
+                          rest is contention: the collective's kernels take SMs and memory bandwidth)
+
+A GEMM's rate is then share x peak x w / (w + w_half), w its work at that rate, and never above
+what its operands' bytes allow over the HBM bandwidth (the roofline); the profile carries it as
+points over a grid of shapes, as a calibrated profile does, and the plan interpolates between them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from picotron_like.device_profile import COLLECTIVES, DeviceProfile
+
+
+class PublishedGPU(NamedTuple):
+    memory_gib: int                 # as sold: an H100's 80 GB are 80 x 2^30 bytes (--gpu-memory-gb overrides it)
+    capability: tuple[int, int]     # CUDA compute capability: which kernels a run gets (05's grouped matmul)
+    bf16_tflops: float              # dense (not 2:4 sparse) tensor-core peak
+    fp8_tflops: float | None        # None: no FP8 tensor cores
+    hbm_tbps: float                 # HBM bandwidth, TB/s
+    nvlink_gbps: float              # per direction and GPU, within a node (HGX board)
+    network_gbps: float             # per direction and GPU, to other nodes (one NIC per GPU)
+    source: str
+
+
+PUBLISHED_GPUS = {
+    "B300": PublishedGPU(288, (10, 3), 2250, 4500, 8.0, 900, 100,
+                         "NVIDIA HGX B300 data sheet; ConnectX-8 800 Gb/s per GPU"),
+    "B200": PublishedGPU(180, (10, 0), 2250, 4500, 8.0, 900, 50,
+                         "NVIDIA HGX B200 data sheet; ConnectX-7 400 Gb/s per GPU"),
+    "H200": PublishedGPU(141, (9, 0), 989, 1979, 4.8, 450, 50,
+                         "NVIDIA H200 SXM data sheet; ConnectX-7 400 Gb/s per GPU"),
+    "H100": PublishedGPU(80, (9, 0), 989, 1979, 3.35, 450, 50,
+                         "NVIDIA H100 SXM data sheet; 400 Gb/s per GPU"),
+    "A100-80GB": PublishedGPU(80, (8, 0), 312, None, 2.039, 300, 25,
+                              "NVIDIA A100 SXM 80GB data sheet; HDR 200 Gb/s per GPU"),
+    "A100-40GB": PublishedGPU(40, (8, 0), 312, None, 1.555, 300, 25,
+                              "NVIDIA A100 SXM 40GB data sheet; HDR 200 Gb/s per GPU"),
+}
+
+# Fitted on the Playbook's cells of up to 8 nodes (benchmarks/step_time_vs_published.py --fit).
+GEMM_PEAK_SHARE = 0.75
+GEMM_HALF_RATE_S = 5e-6
+ATTENTION_PEAK_SHARE = 0.40
+NETWORK_BUS_SHARE = 0.5
+OVERLAP = 0.8
+# From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
+# H100 (~360 GB/s of NVLink's 450), a STREAM-like copy on HBM3 (~80%), NCCL's per-hop latencies.
+HBM_SHARE = 0.8
+NVLINK_BUS_SHARE = 0.8
+NVLINK_STEP_LATENCY_S = 2e-6
+NETWORK_STEP_LATENCY_S = 10e-6
+KERNEL_LAUNCH_S = 5e-6              # CUDA's launch of one kernel from an eager host (GPU side busy meanwhile)
+# The grid of shapes the profile's points cover, in powers of 4 (the plan interpolates between them).
+GRID = [4**i for i in range(2, 10)]
+
+
+class Constants(NamedTuple):
+    """The fitted constants, so that the benchmark's --fit can try others without editing this file."""
+    gemm_peak_share: float = GEMM_PEAK_SHARE
+    gemm_half_rate_s: float = GEMM_HALF_RATE_S
+    attention_peak_share: float = ATTENTION_PEAK_SHARE
+    network_bus_share: float = NETWORK_BUS_SHARE
+    overlap: float = OVERLAP
+    network_step_latency_s: float = NETWORK_STEP_LATENCY_S
+
+
+def gemm_points(peak: float, hbm: float, constants: Constants) -> list[list[float]]:
+    points = []
+    for m in GRID:
+        for n in GRID:
+            for k in GRID:
+                work = 2 * m * n * k
+                rate = constants.gemm_peak_share * peak
+                rate *= work / (work + constants.gemm_half_rate_s * rate)
+                roofline = work / (2 * (m * k + k * n + m * n) / hbm)
+                points.append([m, n, k, min(rate, roofline)])
+    return points
+
+
+def attention_points(peak: float, constants: Constants) -> list[list[float]]:
+    """[batch x heads, q, kv, head_dim, causal, FLOP/s]: the same saturation as a GEMM's over the
+    kernel's work, at attention's share of the peak."""
+    points = []
+    for batch_heads in (1, 16, 256):
+        for tokens in GRID[1:]:
+            for causal in (0, 1):
+                work = 4 * batch_heads * tokens * tokens * 128 * (0.5 if causal else 1.0)
+                rate = constants.attention_peak_share * peak
+                points.append([batch_heads, tokens, tokens, 128, causal,
+                               rate * work / (work + constants.gemm_half_rate_s * rate)])
+    return points
+
+
+def published_profile(name: str, constants: Constants = Constants()) -> DeviceProfile:
+    """The DeviceProfile of a GPU of PUBLISHED_GPUS on an HGX node of 8."""
+    gpu = PUBLISHED_GPUS[name]
+    peak, hbm = gpu.bf16_tflops * 1e12, gpu.hbm_tbps * 1e12 * HBM_SHARE
+    peaks = {"bfloat16": peak, "float32": peak / 2, **({"float8": gpu.fp8_tflops * 1e12} if gpu.fp8_tflops else {})}
+    intra = [NVLINK_STEP_LATENCY_S, gpu.nvlink_gbps * 1e9 * NVLINK_BUS_SHARE]
+    inter = [constants.network_step_latency_s, gpu.network_gbps * 1e9 * constants.network_bus_share]
+    return DeviceProfile(
+        name=f"{name} (published)",
+        source=f"{gpu.source}; kernels' and links' shares fitted on the Ultra-Scale Playbook's H100 runs "
+               f"(picotron_like/published_profiles.py)",
+        device_type="cuda", memory_gib=gpu.memory_gib, ranks_per_node=8, capability=gpu.capability,
+        peak_flops=peaks,
+        gemm={dtype: gemm_points(rate, hbm, constants) for dtype, rate in peaks.items()},
+        attention={"bfloat16": attention_points(peak, constants)},
+        memory_bandwidth=hbm, kernel_overhead_s=KERNEL_LAUNCH_S,
+        links={"intra": {kind: list(intra) for kind in COLLECTIVES}, "inter": {kind: list(inter) for kind in COLLECTIVES}},
+        overlap=constants.overlap)
