@@ -504,6 +504,12 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
             "pp": m * micro.pp, "dp": dp}
 
 
+def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device) -> dict:
+    """The step's parts on its slowest pipeline stage, which every stage waits for."""
+    return max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, device, rank)
+                for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
+
+
 def plan_assumptions(device, recipe: str = "none") -> list[str]:
     intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
     fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
@@ -574,12 +580,11 @@ def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, device: D
     and its step time on its slowest, which every stage waits for."""
     stages = [planned_memory(cfg, args, grid, ep, shape, precision, pp_rank, device) for pp_rank in range(grid.pp)]
     pp_rank = max(range(grid.pp), key=lambda rank: sum(stages[rank][0].values()))
-    seconds = max((estimated_step_seconds(cfg, args, grid, ep, shape, precision, device, rank)
-                   for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
     memory, live = stages[pp_rank]
     peak = device.peak_flops.get(dtype_name(precision.param_dtype), device.peak_flops.get("bfloat16"))
-    return PlannedLayout(grid, ep, args, pp_rank, memory, live, seconds, shape.tokens_per_step,
-                         flops_per_token(cfg, shape.seq_len), peak)
+    return PlannedLayout(grid, ep, args, pp_rank, memory, live,
+                         slowest_stage_seconds(cfg, args, grid, ep, shape, precision, device),
+                         shape.tokens_per_step, flops_per_token(cfg, shape.seq_len), peak)
 
 
 def candidate_layouts(cfg, args, world_size: int, ranks_per_node: int, validate):

@@ -63,9 +63,9 @@ GEMM_HALF_RATE_S = 5e-6
 ATTENTION_PEAK_SHARE = 0.40
 NETWORK_BUS_SHARE = 0.5
 OVERLAP = 0.8
-# From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
-# H100 (~360 GB/s of NVLink's 450), a STREAM-like copy on HBM3 (~80%), NCCL's per-hop latencies.
 HBM_SHARE = 0.8
+# From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
+# H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latencies.
 NVLINK_BUS_SHARE = 0.8
 NVLINK_STEP_LATENCY_S = 2e-6
 NETWORK_STEP_LATENCY_S = 10e-6
@@ -82,6 +82,7 @@ class Constants(NamedTuple):
     network_bus_share: float = NETWORK_BUS_SHARE
     overlap: float = OVERLAP
     network_step_latency_s: float = NETWORK_STEP_LATENCY_S
+    hbm_share: float = HBM_SHARE
 
 
 def gemm_points(peak: float, hbm: float, constants: Constants) -> list[list[float]]:
@@ -114,7 +115,7 @@ def attention_points(peak: float, constants: Constants) -> list[list[float]]:
 def published_profile(name: str, constants: Constants = Constants()) -> DeviceProfile:
     """The DeviceProfile of a GPU of PUBLISHED_GPUS on an HGX node of 8."""
     gpu = PUBLISHED_GPUS[name]
-    peak, hbm = gpu.bf16_tflops * 1e12, gpu.hbm_tbps * 1e12 * HBM_SHARE
+    peak, hbm = gpu.bf16_tflops * 1e12, gpu.hbm_tbps * 1e12 * constants.hbm_share
     peaks = {"bfloat16": peak, "float32": peak / 2, **({"float8": gpu.fp8_tflops * 1e12} if gpu.fp8_tflops else {})}
     intra = [NVLINK_STEP_LATENCY_S, gpu.nvlink_gbps * 1e9 * NVLINK_BUS_SHARE]
     inter = [constants.network_step_latency_s, gpu.network_gbps * 1e9 * constants.network_bus_share]

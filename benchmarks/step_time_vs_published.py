@@ -1,0 +1,258 @@
+"""
+The plan's step-time model and memory against the Ultra-Scale Playbook's measured best layouts.
+
+    python benchmarks/step_time_vs_published.py            # the table and the summary (~1 min)
+    python benchmarks/step_time_vs_published.py --fit      # search the published profiles' fitted constants
+
+The Playbook (Hugging Face, 2025) trained Llama-style models of 1.34 to 80 B parameters with
+nanotron on 1 to 64 nodes of 8 x H100 (sequence 4096, batches of 1 M tokens, bf16, tp with
+sequence parallelism), searched dp x tp x pp, micro-batch and ZeRO stage for each, and published
+the best layout of each cell with its MFU and peak memory (26 cells). For each cell:
+
+  (a) MFU     the plan's estimate for the measured layout (07_memory_plan.plan_layout on the H100's
+              published profile) over the measured MFU;
+  (b) rank    where the measured grid (dp, tp, pp) lands among the plan's grids of the kind the
+              Playbook searched: every dp x tp x pp of the cell's GPUs (tp within two nodes, cp 1),
+              each grid at its fastest micro-batch (powers of 2 that divide the batch) and ZeRO
+              stage (0 or 1, as the measured cells use), no recomputation, 1F1B, layouts that fit
+              90% of 80 GB; 1 = the plan's own first choice;
+  (c) memory  the plan's bytes on the fullest rank of the measured layout over the measured peak
+              (GiB, as PyTorch's memory counters are read).
+
+The published H100 profile's free constants (picotron_like/published_profiles.Constants) are
+fitted on the cells of up to 8 nodes only (--fit: the smallest sum of squared log MFU ratios, by
+coordinate search); the 16-64-node cells are held out and summarised apart. Where a cell's
+estimate is off by more than 1.5 x, the table names the term of the step that explains it: the
+part whose removal or doubling would bring the estimate closest to the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from picotron_like.data import BatchShape
+from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.model import flops_per_token, get_config
+from picotron_like.published_profiles import Constants, published_profile
+from picotron_like.topology import ConfigError, GridShape
+
+PLAYBOOK_CSV = REPO_ROOT.parent / "shared" / "published" / "ultrascale_playbook_best_configs.csv"
+# nanotron's scaling benchmarks (examples/... scaling_benchmarks.py): layers, hidden, heads, MLP width
+SHAPES = {1.34: (16, 2048, 32, 8192), 3.57: (28, 3072, 32, 8192), 8.86: (32, 4096, 32, 14336),
+          80.0: (80, 8192, 64, 28672)}
+VOCAB, SEQ, BATCH_TOKENS, GPUS_PER_NODE, FITTED_NODES = 128256, 4096, 2**20, 8, 8
+MFU_TOLERANCE, MEMORY_TOLERANCE = 1.5, 0.25
+GIB = 2**30
+
+full_5d = load_lesson("07_full_5d")
+plan = full_5d.memory_plan
+
+
+def read_cells(path: Path = PLAYBOOK_CSV) -> list[dict]:
+    with open(path) as file:
+        rows = [line for line in file if not line.startswith("#")]
+    return [{key: float(value) if "." in value else int(value) for key, value in row.items()}
+            for row in csv.DictReader(rows)]
+
+
+def model_of(size: float):
+    layers, hidden, heads, ffn = SHAPES[size]
+    return replace(get_config("8b"), n_layers=layers, hidden=hidden, n_heads=heads, n_kv_heads=heads,
+                   ffn_hidden=ffn, vocab_size=VOCAB, seq_len=SEQ)
+
+
+def layout_args(grid: GridShape, micro: int, zero_stage: int):
+    accum = BATCH_TOKENS // SEQ // (grid.dp * micro)
+    return full_5d.parse_args(["--dp", str(grid.dp), "--tp", str(grid.tp), "--pp", str(grid.pp),
+                               "--zero-stage", str(zero_stage), "--micro-batch-size", str(micro),
+                               "--grad-accum", str(accum), "--seq-len", str(SEQ), "--recompute", "none",
+                               "--dtype", "bfloat16", "--gpu", "H100", "--gpus", str(grid.world_size)]
+                              + ["--sequence-parallel"] * (grid.tp > 1))
+
+
+PRECISION = full_5d.zero.Precision(torch.bfloat16, torch.float32)
+
+
+def planned(cfg, grid: GridShape, micro: int, zero_stage: int, device):
+    """The plan for one layout, or None where lesson 07 refuses it."""
+    args = layout_args(grid, micro, zero_stage)
+    shape = BatchShape(micro, SEQ, args.grad_accum, grid.dp)
+    try:
+        full_5d.validate(cfg, grid, shape, args, grid.world_size)
+    except (ConfigError, ValueError):
+        return None
+    return plan.plan_layout(cfg, args, grid, 1, shape, PRECISION, device)
+
+
+def searched_grids(world: int):
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    for tp in divisors:
+        for pp in divisors:
+            if world % (tp * pp) == 0 and tp <= 2 * GPUS_PER_NODE:
+                yield GridShape(dp=world // (tp * pp), tp=tp, pp=pp)
+
+
+def rank_of_measured(cfg, cell: dict, device) -> tuple[int, int, str]:
+    """(rank of the measured grid, grids that fit, the plan's first grid): each grid at its
+    fastest micro-batch and ZeRO stage among the layouts that fit."""
+    usable = 80 * GIB * (1 - plan.PLAN_MARGIN)
+    best = {}
+    for grid in searched_grids(cell["nodes"] * GPUS_PER_NODE):
+        sequences = BATCH_TOKENS // SEQ
+        for micro in (2**i for i in range(9)):
+            if sequences % (grid.dp * micro):
+                continue
+            for stage in (0, 1):
+                layout = planned(cfg, grid, micro, stage, device)
+                if layout is None or layout.peak_bytes > usable:
+                    continue
+                key = (grid.dp, grid.tp, grid.pp)
+                if key not in best or layout.step_seconds < best[key]:
+                    best[key] = layout.step_seconds
+    order = sorted(best, key=best.get)
+    measured = (cell["dp"], cell["tp"], cell["pp"])
+    first = "dp{} tp{} pp{}".format(*order[0]) if order else "-"
+    return (order.index(measured) + 1 if measured in order else 0), len(order), first
+
+
+def missing_term(layout, measured_mfu: float) -> str:
+    """The part of the estimate whose change explains most of the miss: the one that, removed (an
+    estimate too slow) or scaled to close the gap (too fast), is largest relative to the gap."""
+    step = layout.step_seconds
+    wanted = step * layout.mfu / measured_mfu
+    gap = wanted - step
+    part, seconds = max(layout.seconds.items(), key=lambda item: item[1])
+    if gap > 0:
+        return f"step {step:.3f} s, measured {wanted:.3f} s: {gap:.3f} s missing (largest part: {part} {seconds:.3f} s)"
+    part, seconds = max(layout.seconds.items(), key=lambda item: min(item[1], -gap))
+    return f"step {step:.3f} s, measured {wanted:.3f} s: {-gap:.3f} s too many ({part} {seconds:.3f} s)"
+
+
+def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
+    rows = []
+    for cell in cells:
+        cfg = model_of(cell["model_b"])
+        grid = GridShape(dp=cell["dp"], tp=cell["tp"], pp=cell["pp"])
+        layout = planned(cfg, grid, cell["micro_batch"], cell["zero_stage"], device)
+        row = {**cell, "estimate": layout.mfu * 100, "mfu_ratio": layout.mfu * 100 / cell["mfu_percent"],
+               "memory": layout.peak_bytes / GIB, "memory_ratio": layout.peak_bytes / GIB / cell["memory_gb"],
+               "layout": layout, "held_out": cell["nodes"] > FITTED_NODES}
+        if with_ranks:
+            row["rank"], row["grids"], row["first"] = rank_of_measured(cfg, cell, device)
+        rows.append(row)
+    return rows
+
+
+def estimated_mfu(cell: dict, device) -> float:
+    """The plan's MFU for the cell's measured layout, from its step time alone (no memory)."""
+    cfg = model_of(cell["model_b"])
+    grid = GridShape(dp=cell["dp"], tp=cell["tp"], pp=cell["pp"])
+    args = layout_args(grid, cell["micro_batch"], cell["zero_stage"])
+    shape = BatchShape(cell["micro_batch"], SEQ, args.grad_accum, grid.dp)
+    seconds = sum(plan.slowest_stage_seconds(cfg, args, grid, 1, shape, PRECISION, device).values())
+    return shape.tokens_per_step * flops_per_token(cfg, SEQ) / (seconds * grid.world_size * device.peak_flops["bfloat16"])
+
+
+def fit_loss(cells: list[dict], constants: Constants) -> float:
+    device = published_profile("H100", constants)
+    return sum(math.log(estimated_mfu(cell, device) * 100 / cell["mfu_percent"]) ** 2
+               for cell in cells if cell["nodes"] <= FITTED_NODES)
+
+
+def fit(cells: list[dict]) -> Constants:
+    """Coordinate search over the constants, each by factors of a shrinking step, from the current ones."""
+    best, loss = Constants(), fit_loss(cells, Constants())
+    for step in (1.5, 1.2, 1.08):
+        improved = True
+        while improved:
+            improved = False
+            for name in Constants._fields:
+                for factor in (step, 1 / step):
+                    value = getattr(best, name) * factor
+                    if name in ("gemm_peak_share", "attention_peak_share", "overlap", "network_bus_share", "hbm_share") \
+                            and value > 1:
+                        continue
+                    trial = best._replace(**{name: value})
+                    trial_loss = fit_loss(cells, trial)
+                    if trial_loss < loss - 1e-9:
+                        best, loss, improved = trial, trial_loss, True
+                        print(f"  {name} = {value:.4g}: squared log error {loss:.4f}", flush=True)
+    return best
+
+
+def commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+
+
+def summary(rows: list[dict]) -> dict:
+    held = [row["mfu_ratio"] for row in rows if row["held_out"]]
+    fitted = [row["mfu_ratio"] for row in rows if not row["held_out"]]
+
+    def worst(ratios):
+        return max(ratios, key=lambda r: max(r, 1 / r))
+
+    return {"cells": len(rows),
+            "mfu_within": sum(1 / MFU_TOLERANCE <= row["mfu_ratio"] <= MFU_TOLERANCE for row in rows),
+            "top5": sum(1 <= row["rank"] <= 5 for row in rows),
+            "memory_within": sum(abs(row["memory_ratio"] - 1) <= MEMORY_TOLERANCE for row in rows),
+            "memory_worst": worst([row["memory_ratio"] for row in rows]),
+            "fitted_median": statistics.median(fitted), "fitted_worst": worst(fitted),
+            "held_out_median": statistics.median(held), "held_out_worst": worst(held)}
+
+
+def print_report(rows: list[dict]) -> None:
+    print(f"the plan's step-time model and memory against the Ultra-Scale Playbook's best layouts (8 x H100 per node; "
+          f"commit {commit()}); fitted on cells of <= {FITTED_NODES} nodes, * = held out")
+    print(f"{'model':>6}{'nodes':>6}  {'dp x tp x pp':<14}{'mbs':>4}{'acc':>5}{'ZeRO':>5}{'MFU %':>7}{'est %':>7}"
+          f"{'ratio':>7}{'rank':>8}  {'plan first':<16}{'GiB':>7}{'plan':>7}{'ratio':>7}")
+    for row in rows:
+        print(f"{row['model_b']:>6}{row['nodes']:>5}{'*' if row['held_out'] else ' '}  "
+              f"{'{} x {} x {}'.format(row['dp'], row['tp'], row['pp']):<14}{row['micro_batch']:>4}"
+              f"{row['grad_accum']:>5}{row['zero_stage']:>5}{row['mfu_percent']:>7.2f}{row['estimate']:>7.2f}"
+              f"{row['mfu_ratio']:>7.2f}{(str(row['rank']) if row['rank'] else 'n/a') + '/' + str(row['grids']):>8}  "
+              f"{row['first']:<16}{row['memory_gb']:>7.1f}{row['memory']:>7.1f}{row['memory_ratio']:>7.2f}")
+    print("\nparts of the estimated step (s) for each cell's measured layout:")
+    for row in rows:
+        print(f"  {row['model_b']:>5} B {row['nodes']:>2} nodes: " + ", ".join(
+            f"{name} {seconds:.3f}" for name, seconds in row["layout"].seconds.items() if seconds >= 0.0005))
+    misses = [row for row in rows if not 1 / MFU_TOLERANCE <= row["mfu_ratio"] <= MFU_TOLERANCE]
+    if misses:
+        print(f"\ncells whose estimate is off by more than {MFU_TOLERANCE} x, and the term that misses:")
+        for row in misses:
+            print(f"  {row['model_b']} B on {row['nodes']} nodes (ratio {row['mfu_ratio']:.2f}): "
+                  f"{missing_term(row['layout'], row['mfu_percent'] / 100)}")
+    s = summary(rows)
+    print(f"\nsummary over {s['cells']} cells: MFU within {MFU_TOLERANCE} x in {s['mfu_within']} "
+          f"({s['mfu_within'] / s['cells']:.0%}); measured best among the plan's first 5 grids in {s['top5']} "
+          f"({s['top5'] / s['cells']:.0%}); memory within {MEMORY_TOLERANCE:.0%} in {s['memory_within']} "
+          f"(worst ratio {s['memory_worst']:.2f})")
+    print(f"MFU ratio estimate / measured: fitted cells median {s['fitted_median']:.2f}, worst {s['fitted_worst']:.2f}; "
+          f"held-out cells median {s['held_out_median']:.2f}, worst {s['held_out_worst']:.2f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fit", action="store_true",
+                        help="search the published profiles' constants on the cells of up to 8 nodes, print them")
+    args = parser.parse_args(argv)
+    cells = read_cells()
+    if args.fit:
+        print("fitting on the cells of up to 8 nodes:")
+        print(fit(cells))
+        return
+    print_report(evaluate(cells, published_profile("H100")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
