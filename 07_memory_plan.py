@@ -125,10 +125,14 @@ def stage_outline(cfg, pp: int, pp_rank: int, virtual_stages: int = 1) -> tuple:
         return tuple(pipeline_parallel.build_stage_chunks(cfg, 0, pp, pp_rank, virtual_stages))
 
 
-@lru_cache(maxsize=None)
 def pipeline_program(schedule: str, pp: int, n_micro: int, pp_rank: int, virtual_stages: int = 1) -> list:
-    # lesson 03's schedules and zero-bubble's, as lesson 07 runs them
-    return zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
+    return pipeline_programs(schedule, pp, n_micro, virtual_stages)[pp_rank]
+
+
+@lru_cache(maxsize=None)
+def pipeline_programs(schedule: str, pp: int, n_micro: int, virtual_stages: int) -> list:
+    # lesson 03's schedules and zero-bubble's, as lesson 07 runs them: every rank's at once, once
+    return zero_bubble.pipeline_programs(schedule, pp, n_micro, virtual_stages)
 
 
 def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
@@ -233,12 +237,16 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
 # elementwise passes by bytes, collectives by latency and bus bandwidth on their group's link),
 # then overlapped only where the code overlaps: see plan_assumptions, printed with the plan.
 
-# Elementwise traffic per element (bytes read and written, and launched kernels), in the
-# weights' dtype e unless float32 is said, of one block's forward; its backward moves twice that.
-NORM_PASSES = (4, 5)             # RMSNorm: x read and y written, twice over (float32 statistics); 5 kernels eager
-ROTARY_PASSES = (4, 6)           # q and k: read, rotated half, written back
-SWIGLU_PASSES = (5, 2)           # silu(gate) read and written, times up: two read, one written
-RESIDUAL_PASSES = (3, 1)         # x + f(x): two read, one written
+# Elementwise traffic per element (elements read and written, in the weights' dtype, and launched
+# kernels) of one block's forward, eager and under --compile (Inductor fuses each chain into one
+# kernel that reads its inputs once and writes its outputs once); the backward moves twice that.
+ELEMENTWISE_PASSES = {
+    # part:     (eager,  compiled)
+    "norm":     ((4, 5), (1, 1)),    # RMSNorm: x read, statistics, y written; compiled: fused with the residual add
+    "residual": ((3, 1), (3, 0)),    # x + f(x): two read, one written
+    "rotary":   ((4, 6), (2, 1)),    # q and k: read, rotated halves, written back
+    "swiglu":   ((5, 2), (3, 1)),    # silu(gate) read and written, times up: two read, one written
+}
 # The chunked loss, per logit: the float32 logits written and read for the maximum and the sum of
 # exponentials (forward), and again for softmax minus the target (backward), its gradient in e.
 LOSS_FLOAT32_PASSES = (3, 4)
@@ -252,6 +260,15 @@ ACCUMULATE_BYTES = 5 * 4
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+@lru_cache(maxsize=None)
+def group_of(grid: GridShape, axes: tuple, rank: int) -> list[int]:
+    """The global ranks of `rank`'s group along `axes` (("ep", ep) and ("edp", ep): the grid's
+    expert groups), whose placement on nodes prices its collectives."""
+    groups = {"ep": grid.ep_group_ranks, "edp": grid.edp_group_ranks}
+    all_groups = groups[axes[0]](axes[1]) if axes[0] in groups else grid.group_ranks(axes)
+    return next(members for members in all_groups if rank in members)
 
 
 def hidden_behind(comm: float, compute: float, overlap: float) -> float:
@@ -301,17 +318,19 @@ def attention_pass_seconds(cfg, device, micro: int, seq_len: int, tp: int, cp: i
                      for bh, q, kv, causal in kernels) for backward in (False, True))
 
 
-def block_elementwise(cfg, tokens: int, tp: int, sequence_parallel: bool, e: int) -> tuple[float, int]:
+def block_elementwise(cfg, tokens: int, tp: int, sequence_parallel: bool, e: int, compiled: bool) -> \
+        tuple[float, int]:
     """(bytes, kernels) of one block's forward elementwise passes: two norms and two residual adds
     over the rank's tokens (a tp shard of them under sequence parallelism), rotary on q and k,
     SwiGLU's product over the rank's MLP width."""
     local = tokens // tp if sequence_parallel else tokens
     width = (cfg.experts_per_token * cfg.ffn_hidden + cfg.n_shared_experts * cfg.ffn_hidden
              if cfg.n_experts else cfg.ffn_hidden) // tp
-    parts = [(local * cfg.hidden, NORM_PASSES)] * 2 + [(local * cfg.hidden, RESIDUAL_PASSES)] * 2 + [
-        (tokens * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, ROTARY_PASSES),
-        (tokens * width, SWIGLU_PASSES)]
-    return sum(count * passes * e for count, (passes, _) in parts), sum(kernels for _, (_, kernels) in parts)
+    counts = {"norm": 2 * local * cfg.hidden, "residual": 2 * local * cfg.hidden,
+              "rotary": tokens * (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim // tp, "swiglu": tokens * width}
+    passes = {part: ELEMENTWISE_PASSES[part][compiled] for part in counts}
+    return (sum(count * passes[part][0] * e for part, count in counts.items()),
+            sum(kernels * (2 if part in ("norm", "residual") else 1) for part, (_, kernels) in passes.items()))
 
 
 class MicroBatchSeconds(NamedTuple):
@@ -344,7 +363,7 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
                    else dtype)
     gemm_f, gemm_b = gemm_pass_seconds(device, block_gemms(cfg, tokens, tp, ep), block_dtype)
     attn_f, attn_b = attention_pass_seconds(cfg, device, micro, seq, tp, cp, args.cp_mode, dtype)
-    elem_bytes, elem_kernels = block_elementwise(cfg, tokens, tp, args.sequence_parallel, e)
+    elem_bytes, elem_kernels = block_elementwise(cfg, tokens, tp, args.sequence_parallel, e, args.compile)
     elem_f = step_costs.memory_seconds(device, elem_bytes, elem_kernels)
     forward, backward, elementwise = layers * (gemm_f + attn_f), layers * (gemm_b + attn_b), 3 * layers * elem_f
     recompute = {"none": 0.0, "selective": layers * elem_f * 2 / 3,     # the norms' and silu's share, again
@@ -363,19 +382,24 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
         elementwise += step_costs.memory_seconds(device, 4 * tokens * cfg.hidden * e, 3)
 
     def collective(kind: str, payload: float, axes: tuple[str, ...], calls: int) -> float:
-        ranks = next(members for members in grid.group_ranks(axes) if grid.rank_of(pp=pp_rank) in members)
+        ranks = group_of(grid, axes, grid.rank_of(pp=pp_rank))
         return step_costs.collective_seconds(device, kind, payload, ranks, calls)
 
     names = {"all_reduce": "all_reduce", "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
              "all_to_all_single": "all_to_all", "isend": "p2p"}
     tp_seconds = 0.0
     if tp > 1:          # lesson 02's bytes; calls: 4 per block and the embedding's and head's, and the norms'
-        traffic = add_traffic(*(tensor_parallel.predicted_tp_traffic(
-            cfg, micro, seq // cp, 1, tp, args.sequence_parallel, precision.param_dtype, save_sequence_shard=True,
-            stage=chunk) for chunk in chunks), fp8_traffic_on(cfg, args, shape, grid, layers, "tp"))
+        # Lesson 02 counts a float32 residual stream (autocast); with weights of e bytes the stream,
+        # and so every message, is e bytes (07_report.predicted_inner_traffic says the same).
+        residual_share = e / 4
+        traffic = add_traffic({key: value * residual_share for key, value in add_traffic(*(
+            tensor_parallel.predicted_tp_traffic(cfg, micro, seq // cp, 1, tp, args.sequence_parallel, torch.float32,
+                                                 save_sequence_shard=True, stage=chunk) for chunk in chunks)).items()},
+                              fp8_traffic_on(cfg, args, shape, grid, layers, "tp"))
         messages = 4 * layers + with_embedding + with_head
         calls = ({"all_gather_single": messages + 2 * layers + with_head, "reduce_scatter_single": messages,
-                  "all_reduce": 3 * with_head + 1} if args.sequence_parallel else {"all_reduce": messages + 3 * with_head})
+                  "all_reduce": 3 * with_head + 1} if args.sequence_parallel
+                 else {"all_reduce": messages + 3 * with_head})
         if args.recompute == "full":    # the blocks' forward collectives again (07's recompute traffic)
             traffic = add_traffic(traffic, {key: value / shape.grad_accum for key, value in
                                             measurement.predicted_recompute_traffic(
@@ -402,7 +426,7 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
     ep_seconds = 0.0
     if cfg.n_experts and ep > 1:        # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
         routed = cfg.experts_per_token * tokens
-        ranks = next(members for members in grid.ep_group_ranks(ep) if grid.rank_of(pp=pp_rank) in members)
+        ranks = group_of(grid, ("ep", ep), grid.rank_of(pp=pp_rank))
         ep_seconds = step_costs.collective_seconds(device, "all_to_all", layers * 4 * routed * cfg.hidden * e, ranks,
                                                    4 * layers)
     pp_seconds = 0.0
@@ -448,8 +472,8 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     and (resharded) backward; stages 1-2 gather the weights after the step, waiting for them."""
     units = zero_units(cfg, args, grid, ep, pp_rank)
     rank = grid.rank_of(pp=pp_rank)
-    dense_ranks = next(members for members in grid.group_ranks(("dp", "cp")) if rank in members)
-    expert_ranks = next(members for members in grid.edp_group_ranks(ep) if rank in members)
+    dense_ranks = group_of(grid, ("dp", "cp"), rank)
+    expert_ranks = group_of(grid, ("edp", ep), rank)
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     stage = args.zero_stage
 
@@ -483,8 +507,9 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
         exposed += sum(gathers)
     # the loss's and the gradient norm's small all-reduces over the whole grid's data ranks
     exposed += 2 * step_costs.collective_seconds(device, "all_reduce", 8, dense_ranks)
-    shard = sum(zero.padded(d, units.n) // (units.n if stage else 1) + zero.padded(x, units.edp) // (units.edp if stage else 1)
-                for d, x in zip(units.dense, units.experts))
+    shard = sum(zero.padded(dense, units.n) // (units.n if stage else 1)
+                + zero.padded(experts, units.edp) // (units.edp if stage else 1)
+                for dense, experts in zip(units.dense, units.experts))
     local = sum(units.dense) + sum(units.experts)
     tail = (step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share))
             + m * step_costs.memory_seconds(device, local * ACCUMULATE_BYTES, 3 * len(share)))
@@ -664,8 +689,8 @@ def checked_plan_flags(args, validate, expert_degree):
     ranks, or one `error:` line and exit 2."""
     try:
         if args.gpu not in PUBLISHED_GPUS:
-            raise ConfigError(f"--gpu {args.gpu}: the plan knows {', '.join(PUBLISHED_GPUS)}; pick the closest and set its "
-                              f"memory with --gpu-memory-gb")
+            raise ConfigError(f"--gpu {args.gpu}: the plan knows {', '.join(PUBLISHED_GPUS)}; pick the closest and "
+                              f"set its memory with --gpu-memory-gb")
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")

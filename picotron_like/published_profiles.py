@@ -12,12 +12,16 @@ figure or a time, fitted once on the Ultra-Scale Playbook's measured H100 runs o
                           a small GEMM fills too few of the SMs and waves to reach the peak
     ATTENTION_PEAK_SHARE  the share a flash-attention kernel reaches on long sequences
     HBM_SHARE             the share of the HBM bandwidth an elementwise kernel reaches
-    NVLINK_BUS_SHARE      the share of NVLink's bandwidth per direction that NCCL's bus bandwidth reaches
-    NETWORK_BUS_SHARE     the same of the network's, for groups that span nodes
-    latency per step      NCCL's tuning model (src/graph/tuning.cc, Simple protocol): a few us per
-                          NVLink hop, about ten per network hop
+    NETWORK_BUS_SHARE     the share of a NIC's bandwidth per direction that a ring crossing nodes
+                          reaches, per rank of the group on a node (step_costs.collective_seconds)
+    NETWORK_STEP_LATENCY_S  the latency of one network hop of a collective's algorithm
+                          (NCCL's tuning model, src/graph/tuning.cc, puts it at 3-14 us by protocol)
     OVERLAP               the share of an overlapped collective's time that compute hides (the
                           rest is contention: the collective's kernels take SMs and memory bandwidth)
+
+and, from measurements others publish: NVLink's bus bandwidth at 80% of its per-direction figure
+(nccl-tests on an HGX H100: ~360 GB/s of 450), 2 us per NVLink hop (NCCL's tuning model), 5 us to
+launch a kernel.
 
 A GEMM's rate is then share x peak x w / (w + w_half), w its work at that rate, and never above
 what its operands' bytes allow over the HBM bandwidth (the roofline); the profile carries it as
@@ -57,18 +61,19 @@ PUBLISHED_GPUS = {
                               "NVIDIA A100 SXM 40GB data sheet; HDR 200 Gb/s per GPU"),
 }
 
-# Fitted on the Playbook's cells of up to 8 nodes (benchmarks/step_time_vs_published.py --fit).
+# Fitted on the Playbook's cells of up to 8 nodes (benchmarks/step_time_vs_published.py --fit,
+# from the first guesses 0.75, 5 us, 0.4, 0.5, 0.8, 10 us, 0.8).
 GEMM_PEAK_SHARE = 0.75
-GEMM_HALF_RATE_S = 5e-6
+GEMM_HALF_RATE_S = 1.48e-6
 ATTENTION_PEAK_SHARE = 0.40
-NETWORK_BUS_SHARE = 0.5
-OVERLAP = 0.8
+NETWORK_BUS_SHARE = 0.333
+OVERLAP = 0.864
+NETWORK_STEP_LATENCY_S = 3.09e-6
 HBM_SHARE = 0.8
 # From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
-# H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latencies.
+# H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latency on NVLink.
 NVLINK_BUS_SHARE = 0.8
 NVLINK_STEP_LATENCY_S = 2e-6
-NETWORK_STEP_LATENCY_S = 10e-6
 KERNEL_LAUNCH_S = 5e-6              # CUDA's launch of one kernel from an eager host (GPU side busy meanwhile)
 # The grid of shapes the profile's points cover, in powers of 4 (the plan interpolates between them).
 GRID = [4**i for i in range(2, 10)]
@@ -128,5 +133,6 @@ def published_profile(name: str, constants: Constants = Constants()) -> DevicePr
         gemm={dtype: gemm_points(rate, hbm, constants) for dtype, rate in peaks.items()},
         attention={"bfloat16": attention_points(peak, constants)},
         memory_bandwidth=hbm, kernel_overhead_s=KERNEL_LAUNCH_S,
-        links={"intra": {kind: list(intra) for kind in COLLECTIVES}, "inter": {kind: list(inter) for kind in COLLECTIVES}},
+        links={link: {kind: list(figures) for kind in COLLECTIVES} for link, figures in (("intra", intra),
+                                                                                          ("inter", inter))},
         overlap=constants.overlap)

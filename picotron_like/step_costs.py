@@ -15,7 +15,9 @@ Each launched operation costs at least the profile's kernel_overhead_s: on a GPU
 launches ahead, so an operation takes the longer of its work and its launch; on a CPU the host
 does the work, so the two add up. A group sits on the "intra" link when all its ranks share a
 node (ranks_per_node consecutive ranks), on "inter" otherwise: a ring that crosses nodes runs at
-the pace of its slowest hop, the network.
+the pace of its slowest hop, the network, whose bus bandwidth the profile gives per rank (its
+NIC); NCCL runs one ring per NIC, so a group with r ranks on each node moves r times that, up to
+the bandwidth inside the node.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def launched(profile: DeviceProfile, work_s: float) -> float:
 
 def gemm_rate(profile: DeviceProfile, m: int, n: int, k: int, dtype: str = "bfloat16") -> float:
     """FLOP/s of an (m x k) @ (k x n) product: the profile's points of that dtype (bf16's if it has none)."""
-    points = profile.gemm.get(dtype) or profile.gemm["bfloat16" if "bfloat16" in profile.gemm else next(iter(profile.gemm))]
+    points = profile.gemm.get(dtype) or profile.gemm.get("bfloat16") or next(iter(profile.gemm.values()))
     return _interpolated_rate(points, 3, (0, 1, 2), (m, n, k))
 
 
@@ -138,14 +140,17 @@ def collective_seconds(profile: DeviceProfile, kind: str, payload_bytes: float, 
     the group `ranks` (global ranks: their placement decides the link), moving `payload_bytes` in
     all. Latency: the algorithm's steps, those between nodes at the network's latency per step
     and the others at NVLink's; an all-reduce takes the cheaper of ring and tree (NCCL chooses
-    by size). Bandwidth: the payload x the algorithm's factor over the slowest link's bus bandwidth."""
+    by size). Bandwidth: the payload x the algorithm's factor over the slowest link's bus
+    bandwidth (between nodes: one NIC per rank of the group on a node)."""
     n = len(ranks)
     if n == 1 or calls == 0:
         return 0.0
     nodes = nodes_of(ranks, profile.ranks_per_node)
     link = "intra" if nodes == 1 else "inter"
-    intra_latency, _ = profile.links["intra"][kind]
+    intra_latency, intra_bus = profile.links["intra"][kind]
     inter_latency, bus = profile.links[link][kind]
+    if nodes > 1:       # one ring (channel) per NIC of the group's ranks on a node, at most NVLink's pace
+        bus = min(intra_bus, bus * (n // nodes))
     steps = RING_STEPS[kind]
     if nodes == 1:
         latency = steps(n) * intra_latency

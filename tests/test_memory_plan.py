@@ -215,7 +215,8 @@ def test_the_plan_knows_each_gpu_it_plans_for():
     an A100 plan keeps the loop."""
     plan = memory_plan()
     experts = lesson().expert_parallel
-    assert [experts.grouped_mm_fits(MOE_CFG, torch.bfloat16, torch.device("cuda"), plan.published_profile(gpu).capability)
+    assert [experts.grouped_mm_fits(MOE_CFG, torch.bfloat16, torch.device("cuda"),
+                                    plan.published_profile(gpu).capability)
             for gpu in ("A100-80GB", "H100", "B300")] == [False, True, True]
     assert [plan.published_profile(gpu).capability for gpu in plan.PUBLISHED_GPUS] == [
         plan.PUBLISHED_GPUS[gpu].capability for gpu in plan.PUBLISHED_GPUS]
