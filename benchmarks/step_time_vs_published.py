@@ -1,30 +1,36 @@
 """
 The plan's step-time model and memory against the Ultra-Scale Playbook's measured best layouts.
 
-    python benchmarks/step_time_vs_published.py            # the table and the summary (~1 min)
-    python benchmarks/step_time_vs_published.py --fit      # search the published profiles' fitted constants
+    python benchmarks/step_time_vs_published.py            # the table and the summary (~3 min on 2 busy cores)
+    python benchmarks/step_time_vs_published.py --fit      # search the published profiles' fitted constants (~15 s)
 
 The Playbook (Hugging Face, 2025) trained Llama-style models of 1.34 to 80 B parameters with
 nanotron on 1 to 64 nodes of 8 x H100 (sequence 4096, batches of 1 M tokens, bf16, tp with
 sequence parallelism), searched dp x tp x pp, micro-batch and ZeRO stage for each, and published
-the best layout of each cell with its MFU and peak memory (26 cells). For each cell:
+the best layout of each cell with its MFU and peak memory: 26 cells, read from
+benchmarks/published/ultrascale_playbook_best_configs.csv (published_data.py: each row's shape,
+source and date). Each cell's layout is planned for lesson 07's trainer as the Playbook ran it:
+bf16 weights, float32 gradient reduction, sequence parallelism with tp, no recomputation, 1F1B,
+--compile (nanotron's fused norm and rotary kernels; the plan's compiled elementwise passes). For
+each cell:
 
   (a) MFU     the plan's estimate for the measured layout (07_memory_plan.plan_layout on the H100's
-              published profile) over the measured MFU;
+              published profile) over the measured MFU (the same convention: model.flops_per_token);
   (b) rank    where the measured grid (dp, tp, pp) lands among the plan's grids of the kind the
               Playbook searched: every dp x tp x pp of the cell's GPUs (tp within two nodes, cp 1),
               each grid at its fastest micro-batch (powers of 2 that divide the batch) and ZeRO
-              stage (0 or 1, as the measured cells use), no recomputation, 1F1B, layouts that fit
-              90% of 80 GB; 1 = the plan's own first choice;
-  (c) memory  the plan's bytes on the fullest rank of the measured layout over the measured peak
-              (GiB, as PyTorch's memory counters are read).
+              stage (0 or 1, as the measured cells use) among those whose fullest stage fits 90% of
+              80 GB; 1 = the plan's own first choice;
+  (c) memory  the plan's bytes on the fullest rank of the measured layout over the measured peak,
+              in GiB (nanotron's unit). This trainer's head is never tied to the embedding: for the
+              1.34 and 3.57 B models, which nanotron ties, the plan holds one matrix more.
 
 The published H100 profile's free constants (picotron_like/published_profiles.Constants) are
 fitted on the cells of up to 8 nodes only (--fit: the smallest sum of absolute log MFU ratios, by
-coordinate search inside each constant's physical range; absolute, so that one anomalous cell, 80 B
-on 4 nodes at the memory limit, does not steer the fit); the 16-64-node cells are held out and summarised apart. Where a cell's
-estimate is off by more than 1.5 x, the table names the term of the step that explains it: the
-part whose removal or doubling would bring the estimate closest to the measurement.
+coordinate search inside each constant's physical range, BOUNDS; absolute, so that one anomalous
+cell, 80 B on 4 nodes at the memory limit, does not steer the fit); the 16-64-node cells are held
+out and summarised apart. Where a cell's estimate is off by more than 1.5 x, the report gives the
+gap and by what factor each of the estimate's two largest parts would have to change to close it.
 """
 
 from __future__ import annotations
@@ -135,16 +141,16 @@ def rank_of_measured(cfg, cell: dict, device) -> tuple[int, int, str]:
 
 
 def missing_term(layout, measured_mfu: float) -> str:
-    """The part of the estimate whose change explains most of the miss: the one that, removed (an
-    estimate too slow) or scaled to close the gap (too fast), is largest relative to the gap."""
+    """The gap between the estimated and the measured step, and by what factor each of the two
+    largest parts of the estimate would have to change to close it alone."""
     step = layout.step_seconds
-    wanted = step * layout.mfu / measured_mfu
-    gap = wanted - step
-    part, seconds = max(layout.seconds.items(), key=lambda item: item[1])
-    if gap > 0:
-        return f"step {step:.3f} s, measured {wanted:.3f} s: {gap:.3f} s missing (largest part: {part} {seconds:.3f} s)"
-    part, seconds = max(layout.seconds.items(), key=lambda item: min(item[1], -gap))
-    return f"step {step:.3f} s, measured {wanted:.3f} s: {-gap:.3f} s too many ({part} {seconds:.3f} s)"
+    measured = step * layout.mfu / measured_mfu
+    gap = measured - step
+    largest = sorted(((seconds, part) for part, seconds in layout.seconds.items() if seconds > 0), reverse=True)[:2]
+    factors = ", or ".join(f"{part} x {(seconds + gap) / seconds:.1f} (now {seconds:.3f} s)"
+                           for seconds, part in largest if seconds + gap > 0)
+    return (f"step {step:.3f} s estimated, {measured:.3f} s measured: {abs(gap):.3f} s "
+            f"{'missing' if gap > 0 else 'too many'}; closing it alone takes {factors}")
 
 
 def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
@@ -169,7 +175,8 @@ def estimated_mfu(cell: dict, device) -> float:
     args = layout_args(grid, cell["micro_batch"], cell["zero_stage"])
     shape = BatchShape(cell["micro_batch"], SEQ, args.grad_accum, grid.dp)
     seconds = sum(plan.slowest_stage_seconds(cfg, args, grid, 1, shape, PRECISION, device).values())
-    return shape.tokens_per_step * flops_per_token(cfg, SEQ) / (seconds * grid.world_size * device.peak_flops["bfloat16"])
+    peak = device.peak_flops["bfloat16"]
+    return shape.tokens_per_step * flops_per_token(cfg, SEQ) / (seconds * grid.world_size * peak)
 
 
 def fit_loss(cells: list[dict], constants: Constants) -> float:
@@ -246,7 +253,8 @@ def print_report(rows: list[dict]) -> None:
           f"({s['mfu_within'] / s['cells']:.0%}); measured best among the plan's first 5 grids in {s['top5']} "
           f"({s['top5'] / s['cells']:.0%}); memory within {MEMORY_TOLERANCE:.0%} in {s['memory_within']} "
           f"(worst ratio {s['memory_worst']:.2f})")
-    print(f"MFU ratio estimate / measured: fitted cells median {s['fitted_median']:.2f}, worst {s['fitted_worst']:.2f}; "
+    print(f"MFU ratio estimate / measured: fitted cells median {s['fitted_median']:.2f}, "
+          f"worst {s['fitted_worst']:.2f}; "
           f"held-out cells median {s['held_out_median']:.2f}, worst {s['held_out_worst']:.2f}")
 
 
