@@ -57,8 +57,6 @@ import picotron_like.calibrate as calibration
 import picotron_like.checkpoint as checkpoints
 import picotron_like.sample as sampling
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import peak_flops_of_name
-from picotron_like.model import flops_per_token
 from picotron_like.testing import torchrun_workers
 from picotron_like.topology import ConfigError
 from picotron_like.train import batch_shape, exit_with_error, model_name
@@ -243,14 +241,10 @@ def measurement(records: list[dict], tokens_per_step: int, world_size: int) -> d
             "peak_memory_bytes": max(record[field] for record in records) if field else None, "memory_field": field}
 
 
-def estimate(planned, cfg, gpu: str) -> dict:
+def estimate(planned) -> dict:
     """The plan's figures for a layout, in the units the table measures."""
-    shape = batch_shape(planned.args, planned.grid.dp)
-    step_s = sum(planned.seconds.values())
-    per_gpu = shape.tokens_per_step / step_s / planned.grid.world_size if step_s > 0 else None
-    return {"step_s": step_s, "tokens_per_s_per_gpu": per_gpu,
-            "mfu": flops_per_token(cfg, shape.seq_len) * per_gpu / peak_flops_of_name(gpu) if per_gpu else None,
-            "peak_memory_bytes": planned.peak_bytes}
+    return {"step_s": planned.step_seconds, "tokens_per_s_per_gpu": planned.tokens_per_second_per_gpu,
+            "mfu": planned.mfu, "peak_memory_bytes": planned.peak_bytes}
 
 
 def measure(trial: Trial, child_flags: list[str], launch: list[str], steps: int, runs: Path) -> dict:
@@ -302,10 +296,10 @@ def checked_autotune_flags(args, validate, expert_degree):
             raise ConfigError("bad flags:\n  - " + "\n  - ".join(problems))
         # the plan is for the GPU: --dtype auto is bf16 there
         precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
-        capacity = (args.gpu_memory_gb if args.gpu_memory_gb is not None
-                    else memory_plan.GPUS[args.gpu].memory_gib) * memory_plan.GIB
+        device = memory_plan.plan_device(args)
+        capacity = device.memory_gib * memory_plan.GIB
         usable = capacity * (1 - memory_plan.PLAN_MARGIN)
-        fitting = memory_plan.fitting_layouts(cfg, args, usable, precision, args.gpu, validate)
+        fitting = memory_plan.fitting_layouts(cfg, args, usable, precision, device, validate)
         if not fitting:
             raise ConfigError(f"no layout of {args.gpus} GPUs fits this batch ({shape.sequences_per_step} sequences "
                               f"of {shape.seq_len} per step, micro-batch {shape.micro_batch_size}) in "
@@ -346,7 +340,7 @@ def autotune(args, argv: list[str], validate, expert_degree) -> None:
     the fastest layout's command last. `argv`: the flags as typed, which the children and the
     command line get, less the layout's and the planning's. `validate`, `expert_degree`: lesson
     07's rules, which 07 passes (no sibling loads 07)."""
-    cfg, trials = checked_autotune_flags(args, validate, expert_degree)
+    _, trials = checked_autotune_flags(args, validate, expert_degree)
     out = Path(args.autotune_out)
     runs = out.with_name(out.name.removesuffix(".json") + "_runs")
     try:        # written before the first child starts, so that a path that cannot be written costs nothing
@@ -357,7 +351,7 @@ def autotune(args, argv: list[str], validate, expert_degree) -> None:
     print(f"autotune: {model_name(args)}, {len(trials)} layouts of {args.gpus} ranks, {args.autotune_steps} steps "
           f"each (the first {WARMUP_STEPS} not timed), at most {trials[0].timeout_s:.0f} s each; estimates for "
           f"{args.gpu}; the children's logs in {runs}/")
-    rows = measure_all(trials, cfg, args, argv, out, runs)
+    rows = measure_all(trials, args, argv, out, runs)
     ran = [row for row in rows if row["measured"] is not None]
     if all(row["failure"] == ELSEWHERE for row in rows):
         return print("this node holds no rank 0: the node that does prints the report and the fastest command")
@@ -371,7 +365,7 @@ def autotune(args, argv: list[str], validate, expert_degree) -> None:
     print(fastest["command"])
 
 
-def measure_all(trials: list[Trial], cfg, args, argv: list[str], out: Path, runs: Path) -> list[dict]:
+def measure_all(trials: list[Trial], args, argv: list[str], out: Path, runs: Path) -> list[dict]:
     """Each trial in turn, whatever became of the one before: the table's rows, printed and written
     as they come."""
     launch, child_flags = torchrun_flags(args), trial_flags(argv, args)
@@ -380,7 +374,7 @@ def measure_all(trials: list[Trial], cfg, args, argv: list[str], out: Path, runs
     for trial in trials:
         command = shlex.join(["torchrun", *launch, os.path.relpath(TRAINER), *run_flags(argv, args), *trial.flags])
         rows.append({**measure(trial, child_flags, launch, args.autotune_steps, runs), "command": command,
-                     "estimated": estimate(trial.planned, cfg, args.gpu)})
+                     "estimated": estimate(trial.planned)})
         print(table_row(rows[-1]), flush=True)
         write_report(out, args, rows)
     return rows

@@ -75,12 +75,12 @@ def test_a_layout_that_times_out_or_is_refused_is_a_row_with_its_reason(tmp_path
     autotune = full_5d.autotune
     argv = ["--autotune", "--gpus", "4", *USER_FLAGS, "--autotune-top", "1"]
     args = full_5d.parse_args(argv)
-    cfg, [trial] = autotune.checked_autotune_flags(args, full_5d.validate, full_5d.expert_degree)
+    _, [trial] = autotune.checked_autotune_flags(args, full_5d.validate, full_5d.expert_degree)
     trials = [dataclasses.replace(trial, timeout_s=8.0),
               dataclasses.replace(trial, flags=[*trial.flags, "--tp", "3"], timeout_s=240.0)]
     runs = tmp_path / "runs"
     runs.mkdir()
-    rows = autotune.measure_all(trials, cfg, args, argv, tmp_path / "tuned.json", runs)
+    rows = autotune.measure_all(trials, args, argv, tmp_path / "tuned.json", runs)
     assert [row["failure"] for row in rows][0] == "timed out after 8 s", rows
     assert re.match(r"bad parallel configuration: - dp\*pp\*cp\*tp = [\d*]+ = \d+ but the world size is 4",
                     rows[1]["failure"]), rows
