@@ -21,7 +21,9 @@ ranks that share cores (4 ranks on 2 cores) are priced at the share of a core ea
                    over a sweep of sizes, each fitted to latency + bus bytes / bus bandwidth (bus
                    bytes as nccl-tests count them: 2 (n-1)/n of the payload for an all-reduce,
                    (n-1)/n for the others, all of it for p2p), by least squares on the relative
-                   error so that small and large sizes count alike; inside a node, and between
+                   error so that small and large sizes count alike, the latency kept per step of
+                   the ring (2 (n-1) for an all-reduce, n-1 for the others, 1 for p2p: the
+                   profile's unit, step_costs.RING_STEPS); inside a node, and between
                    nodes over groups of one rank per node (on one host the inter-node figures are
                    the intra-node ones, which `extra` says)
     overlap        an all-reduce started asynchronously while GEMMs run, against the two apart:
@@ -56,6 +58,7 @@ from picotron_like import comm
 from picotron_like.device_profile import COLLECTIVES, DeviceProfile, save_profile
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.metrics import peak_flops_of_name
+from picotron_like.step_costs import RING_STEPS
 from picotron_like.topology import ConfigError, init_distributed, shutdown, world_size_from_env
 from picotron_like.train import exit_with_error
 
@@ -295,6 +298,9 @@ def link_figures(members: list[int], group, device: torch.device, sweep: Sweep) 
     fitted = {kind: list(fit_latency_bandwidth([bus_factor(kind, n) * payload for payload, _ in points],
                                                [seconds for _, seconds in points]))
               for kind, points in measured.items()}
+    # the profile's latency is per step of the collective's ring (step_costs prices n ranks' steps)
+    for kind, figures in fitted.items():
+        figures[0] /= RING_STEPS[kind](n)
     return fitted, measured
 
 
