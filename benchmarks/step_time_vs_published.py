@@ -258,6 +258,45 @@ def print_report(rows: list[dict]) -> None:
           f"held-out cells median {s['held_out_median']:.2f}, worst {s['held_out_worst']:.2f}")
 
 
+def peer_rows(device) -> list[dict]:
+    """torchtitan's bf16 rows of benchmarks/published/peers.csv whose layout the source states
+    whole (dp sharded as FSDP, that is ZeRO-3; tp; local batch; sequence; recomputation; compile),
+    priced for lesson 07's trainer on the published H100 profile (torchtitan's H100 is the 96 GB,
+    500 W part: a little more memory, lower clocks): estimated over measured tokens/s per GPU. Our
+    tp has no asynchronous overlap: torchtitan's async-TP rows are priced without it."""
+    rows = []
+    for row in read_published("peers"):
+        if row["framework"] != "torchtitan" or row["precision"] != "bf16" or row["pp"] != 1 or row["cp"] != 1:
+            continue
+        cfg, grid = model_config(row), GridShape(dp=row["dp"], tp=row["tp"])
+        recompute = "full" if row["activation_checkpointing"] == "full" else "selective"
+        args = full_5d.parse_args(["--dp", str(grid.dp), "--tp", str(grid.tp), "--zero-stage", "3",
+                                   "--micro-batch-size", str(row["local_batch"]), "--grad-accum", "1",
+                                   "--seq-len", str(row["seq_len"]), "--recompute", recompute, "--dtype", "bfloat16",
+                                   "--gpu", "H100", "--gpus", str(grid.world_size)]
+                                  + ["--sequence-parallel"] * (grid.tp > 1) + ["--compile"] * bool(row["compile"]))
+        shape = BatchShape(row["local_batch"], row["seq_len"], 1, grid.dp)
+        seconds = sum(plan.slowest_stage_seconds(cfg, args, grid, 1, shape, PRECISION, device).values())
+        estimate = shape.tokens_per_step / seconds / grid.world_size
+        rows.append({**row, "estimate": estimate, "ratio": estimate / row["tokens_per_s_per_gpu"]})
+    return rows
+
+
+def print_peers(rows: list[dict]) -> None:
+    print("\nheld out: torchtitan's bf16 runs (benchmarks/published/peers.csv), tokens/s per GPU")
+    print(f"  {'model':<14}{'GPUs':>5}  {'layout':<16}{'seq':>7}  {'AC':<19}{'compile':>8}{'async tp':>9}"
+          f"{'measured':>10}{'estimate':>10}{'ratio':>7}")
+    for row in rows:
+        layout = f"fsdp{row['dp']}" + (f" tp{row['tp']}" if row["tp"] > 1 else "") + f" b{row['local_batch']}"
+        print(f"  {row['model']:<14}{row['gpus']:>5}  {layout:<16}{row['seq_len']:>7}"
+              f"  {row['activation_checkpointing']:<19}{row['compile']:>8}{str(row['async_tp'] or 0):>9}"
+              f"{row['tokens_per_s_per_gpu']:>10,.0f}{row['estimate']:>10,.0f}{row['ratio']:>7.2f}")
+    ratios = [row["ratio"] for row in rows]
+    print(f"torchtitan rows: median ratio {statistics.median(ratios):.2f}, worst "
+          f"{max(ratios, key=lambda r: max(r, 1 / r)):.2f}, within {MFU_TOLERANCE} x in "
+          f"{sum(1 / MFU_TOLERANCE <= r <= MFU_TOLERANCE for r in ratios)} of {len(ratios)}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -269,7 +308,9 @@ def main(argv=None):
         print("fitting on the cells of up to 8 nodes:")
         print(fit(cells))
         return
-    print_report(evaluate(cells, published_profile("H100")))
+    device = published_profile("H100")
+    print_report(evaluate(cells, device))
+    print_peers(peer_rows(device))
 
 
 if __name__ == "__main__":
