@@ -48,7 +48,7 @@ import signal
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -274,8 +274,9 @@ def measure(trial: Trial, child_flags: list[str], launch: list[str], steps: int,
 
 
 def checked_autotune_flags(args, validate, expert_degree):
-    """(model, the trials, in the plan's order) for the flags, or one `error:` line and exit 2:
-    the plan's flags by its own rules, then the autotune's, then a layout list that fits nothing."""
+    """(the device the plan prices, the trials in the plan's order) for the flags, or one `error:`
+    line and exit 2: the plan's flags by its own rules, then the autotune's, then a layout list
+    that fits nothing."""
     cfg, grid, ep, shape = memory_plan.checked_plan_flags(args, validate, expert_degree)
     try:
         problems = []
@@ -294,15 +295,15 @@ def checked_autotune_flags(args, validate, expert_degree):
                 problems.append(f"--autotune-torchrun {args.autotune_torchrun!r}: {error}")
         if problems:
             raise ConfigError("bad flags:\n  - " + "\n  - ".join(problems))
-        # the plan is for the GPU: --dtype auto is bf16 there
-        precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device("cuda"))
         device = memory_plan.plan_device(args)
+        # priced for the device: --dtype auto is bf16 on a GPU
+        precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device(device.device_type))
         capacity = device.memory_gib * memory_plan.GIB
         usable = capacity * (1 - memory_plan.PLAN_MARGIN)
         fitting = memory_plan.fitting_layouts(cfg, args, usable, precision, device, validate)
         if not fitting:
-            raise ConfigError(f"no layout of {args.gpus} GPUs fits this batch ({shape.sequences_per_step} sequences "
-                              f"of {shape.seq_len} per step, micro-batch {shape.micro_batch_size}) in "
+            raise ConfigError(f"no layout of {args.gpus} x {device.name} fits this batch ({shape.sequences_per_step} "
+                              f"sequences of {shape.seq_len} per step, micro-batch {shape.micro_batch_size}) in "
                               f"{usable / memory_plan.GIB:.3g} GiB ({1 - memory_plan.PLAN_MARGIN:.0%} of "
                               f"{capacity / memory_plan.GIB:.3g} GiB): see --plan's memory per rank; lower "
                               f"--micro-batch-size, use more GPUs or a GPU with more memory")
@@ -310,7 +311,7 @@ def checked_autotune_flags(args, validate, expert_degree):
         exit_with_error(error)
     chosen = memory_plan.fastest_per_grid(fitting)[:args.autotune_top]
     timeout_s = args.autotune_minutes * 60 / len(chosen)
-    return cfg, [Trial(planned, layout_flags(planned), timeout_s) for planned in chosen]
+    return device, [Trial(planned, layout_flags(planned), timeout_s) for planned in chosen]
 
 
 # ============================================================================ main
@@ -340,44 +341,61 @@ def autotune(args, argv: list[str], validate, expert_degree) -> None:
     the fastest layout's command last. `argv`: the flags as typed, which the children and the
     command line get, less the layout's and the planning's. `validate`, `expert_degree`: lesson
     07's rules, which 07 passes (no sibling loads 07)."""
-    _, trials = checked_autotune_flags(args, validate, expert_degree)
+    device, trials = checked_autotune_flags(args, validate, expert_degree)
     out = Path(args.autotune_out)
     runs = out.with_name(out.name.removesuffix(".json") + "_runs")
+    report = Report(out, {"model": model_name(args), "gpus": args.gpus, "estimates_for": device.name,
+                          "steps": args.autotune_steps, "warmup_steps": WARMUP_STEPS})
     try:        # written before the first child starts, so that a path that cannot be written costs nothing
         runs.mkdir(parents=True, exist_ok=True)
-        write_report(out, args, [])
+        report.write()
     except OSError as error:
         exit_with_error(ConfigError(f"--autotune-out {out}: cannot write it or {runs}/ ({error.strerror or error})"))
     print(f"autotune: {model_name(args)}, {len(trials)} layouts of {args.gpus} ranks, {args.autotune_steps} steps "
           f"each (the first {WARMUP_STEPS} not timed), at most {trials[0].timeout_s:.0f} s each; estimates for "
-          f"{args.gpu}; the children's logs in {runs}/")
-    rows = measure_all(trials, args, argv, out, runs)
-    ran = [row for row in rows if row["measured"] is not None]
-    if all(row["failure"] == ELSEWHERE for row in rows):
+          f"{device.name}; the children's logs in {runs}/")
+    measure_all(trials, args, argv, runs, report)
+    ran = [row for row in report.rows if row["measured"] is not None]
+    if all(row["failure"] == ELSEWHERE for row in report.rows):
         return print("this node holds no rank 0: the node that does prints the report and the fastest command")
     if not ran:
         print(f"error: no layout ran its timed steps (each row says why; the logs are in {runs}/)", file=sys.stderr)
         sys.exit(1)
     fastest = max(ran, key=lambda row: row["measured"]["tokens_per_s_per_gpu"])
-    write_report(out, args, rows, fastest)
+    report.write(fastest)
     print(f"fastest measured: {fastest['layout']}, {fastest['measured']['tokens_per_s_per_gpu']:,.0f} tokens/s "
           f"per GPU (the table in {out}); its command:")
     print(fastest["command"])
 
 
-def measure_all(trials: list[Trial], args, argv: list[str], out: Path, runs: Path) -> list[dict]:
-    """Each trial in turn, whatever became of the one before: the table's rows, printed and written
-    as they come."""
+@dataclass
+class Report:
+    """The table as JSON in `path`: the run's `header`, the rows, the fastest layout and its command."""
+
+    path: Path
+    header: dict
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, row: dict) -> None:
+        """A row, written at once: an interrupted tuning keeps what it measured."""
+        self.rows.append(row)
+        self.write()
+
+    def write(self, fastest: dict | None = None) -> None:
+        self.path.write_text(json.dumps({**self.header, "rows": self.rows, "fastest": fastest and fastest["layout"],
+                                         "command": fastest and fastest["command"]}, indent=1) + "\n")
+
+
+def measure_all(trials: list[Trial], args, argv: list[str], runs: Path, report: Report) -> None:
+    """Each trial in turn, whatever became of the one before: the table's rows, printed and added
+    to `report` as they come."""
     launch, child_flags = torchrun_flags(args), trial_flags(argv, args)
     print(TABLE_HEADER)
-    rows = []
     for trial in trials:
         command = shlex.join(["torchrun", *launch, os.path.relpath(TRAINER), *run_flags(argv, args), *trial.flags])
-        rows.append({**measure(trial, child_flags, launch, args.autotune_steps, runs), "command": command,
-                     "estimated": estimate(trial.planned)})
-        print(table_row(rows[-1]), flush=True)
-        write_report(out, args, rows)
-    return rows
+        report.add({**measure(trial, child_flags, launch, args.autotune_steps, runs), "command": command,
+                    "estimated": estimate(trial.planned)})
+        print(table_row(report.rows[-1]), flush=True)
 
 
 TABLE_HEADER = (f"  {'':<30}{'---------- estimated ----------':>31}  {'----------- measured -----------':>32}\n"
@@ -396,11 +414,3 @@ def table_row(row: dict) -> str:
             f"{number(estimated['mfu'], '.1%'):>8}{estimated['peak_memory_bytes'] / 2**30:>10.2f}  "
             f"{number(measured.get('tokens_per_s_per_gpu'), ',.0f'):>13}{number(measured.get('mfu'), '.1%'):>8}"
             f"{number(memory / 2**30 if memory else None, '.2f'):>11}  {row['failure'] or 'ok'}")
-
-
-def write_report(out: Path, args, rows: list[dict], fastest: dict | None = None) -> None:
-    """The table as JSON, rewritten after each row so that an interrupted tuning keeps what it measured."""
-    report = {"model": model_name(args), "gpus": args.gpus, "estimates_for": args.gpu, "steps": args.autotune_steps,
-              "warmup_steps": WARMUP_STEPS, "rows": rows, "fastest": fastest and fastest["layout"],
-              "command": fastest and fastest["command"]}
-    out.write_text(json.dumps(report, indent=1) + "\n")

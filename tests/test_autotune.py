@@ -80,7 +80,9 @@ def test_a_layout_that_times_out_or_is_refused_is_a_row_with_its_reason(tmp_path
               dataclasses.replace(trial, flags=[*trial.flags, "--tp", "3"], timeout_s=240.0)]
     runs = tmp_path / "runs"
     runs.mkdir()
-    rows = autotune.measure_all(trials, args, argv, tmp_path / "tuned.json", runs)
+    report = autotune.Report(tmp_path / "tuned.json", {})
+    autotune.measure_all(trials, args, argv, runs, report)
+    rows = report.rows
     assert [row["failure"] for row in rows][0] == "timed out after 8 s", rows
     assert re.match(r"bad parallel configuration: - dp\*pp\*cp\*tp = [\d*]+ = \d+ but the world size is 4",
                     rows[1]["failure"]), rows
@@ -102,8 +104,8 @@ def test_bad_input_is_one_error_line_before_any_child():
     """A K of 0, a time limit of 0, a layout list that fits nothing: exit 2, one `error:` line, no child."""
     cases = {("--autotune-top", "0"): "--autotune-top 0 must be at least 1",
              ("--autotune-minutes", "0"): "--autotune-minutes 0.0 must be a positive number",
-             ("--gpu-memory-gb", "0.001"): "no layout of 4 GPUs fits this batch (16 sequences of 32 per step, "
-                                           "micro-batch 2) in 0.0009 GiB (90% of 0.001 GiB)"}
+             ("--gpu-memory-gb", "0.001"): "no layout of 4 x B300 (published) fits this batch (16 sequences of 32 "
+                                           "per step, micro-batch 2) in 0.0009 GiB (90% of 0.001 GiB)"}
     runs = {flags: subprocess.Popen([sys.executable, str(REPO_ROOT / "07_full_5d.py"), "--autotune", "--gpus", "4",
                                      *USER_FLAGS, "--autotune-out", os.devnull + "/never.json", *flags],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
