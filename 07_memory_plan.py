@@ -552,8 +552,9 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
             "bubble: lesson 03's (pp - 1) / m of a stage's step ((pp - 1) / (v m) interleaved), stages of equal time",
             f"collectives: latency per algorithm step ({intra[0] * 1e6:.0f} us in a node of {device.ranks_per_node}, "
             f"{inter[0] * 1e6:.0f} us between nodes; ring or tree all-reduce, whichever is cheaper) plus payload x "
-            f"the ring's factor over the bus bandwidth ({intra[1] / 1e9:.0f} GB/s in a node, {inter[1] / 1e9:.0f} "
-            f"GB/s when a group spans nodes, its placement by the grid's rank order)",
+            f"the ring's factor over the bus bandwidth ({intra[1] / 1e9:.0f} GB/s in a node; across nodes "
+            f"{inter[1] / 1e9:.0f} GB/s per rank of the group on each node, one NIC each; placement by the grid's "
+            f"rank order)",
             f"overlap as the code does it: tp's, Ulysses', ep's and pp's collectives on the critical path; ring "
             f"attention's sends behind one block's attention; gradient reductions unit by unit behind the rest of the "
             f"backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward too); ZeRO-3's "
