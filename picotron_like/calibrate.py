@@ -21,9 +21,8 @@ ranks that share cores (4 ranks on 2 cores) are priced at the share of a core ea
                    over a sweep of sizes, each fitted to latency + bus bytes / bus bandwidth (bus
                    bytes as nccl-tests count them: 2 (n-1)/n of the payload for an all-reduce,
                    (n-1)/n for the others, all of it for p2p), by least squares on the relative
-                   error so that small and large sizes count alike, the latency kept per step of
-                   the ring (2 (n-1) for an all-reduce, n-1 for the others, 1 for p2p: the
-                   profile's unit, step_costs.RING_STEPS); inside a node, and between
+                   error so that small and large sizes count alike, the latency then shared among
+                   the algorithm's steps as the model counts them; inside a node, and between
                    nodes over groups of one rank per node (on one host the inter-node figures are
                    the intra-node ones, which `extra` says)
     overlap        an all-reduce started asynchronously while GEMMs run, against the two apart:
@@ -54,11 +53,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from picotron_like import comm
-from picotron_like.device_profile import COLLECTIVES, DeviceProfile, save_profile
+from picotron_like import comm, step_costs
+from picotron_like.device_profile import COLLECTIVES, LINKS, DeviceProfile, save_profile
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.metrics import peak_flops_of_name
-from picotron_like.step_costs import RING_STEPS
 from picotron_like.topology import ConfigError, init_distributed, shutdown, world_size_from_env
 from picotron_like.train import exit_with_error
 
@@ -102,10 +100,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def seconds_per_call(fn, device: torch.device, sweep: Sweep) -> float:
-    """fn's time per call while every rank runs it: the median over `sweep.trials` windows, each
-    started by all ranks together (a barrier) and at least `sweep.window_s` and 5 calls long, so
-    that ranks sharing cores compete as in a step (a rank whose window ends first waits, and the
-    others' last call runs faster: 5 calls keep that tail small)."""
+    """fn's time per call while every rank calls it: the median over `sweep.trials` windows that
+    all ranks start together (a barrier), each at least `sweep.window_s` and 5 calls long. A GPU
+    is its rank's alone: the window's average. CPU ranks share cores, and leave the barrier at
+    different moments; a rank that runs while another has not started, or has finished, runs
+    faster than in a step. So only the calls that end while every rank is calling count."""
     fn()        # the first call pays one-time set-up; the second's time sizes the window
     synchronize(device)
     start = time.perf_counter()
@@ -115,12 +114,22 @@ def seconds_per_call(fn, device: torch.device, sweep: Sweep) -> float:
     seconds = []
     for _ in range(sweep.trials):
         dist.barrier()
-        start, calls = time.perf_counter(), 0
-        while time.perf_counter() - start < window:
+        if device.type == "cuda":
+            start, calls = time.perf_counter(), 0
+            while time.perf_counter() - start < window:
+                fn()
+                calls += 1
+            synchronize(device)
+            seconds.append((time.perf_counter() - start) / calls)
+            continue
+        ends = [time.time()]        # the wall clock: one host's ranks share it
+        while ends[-1] - ends[0] < window:
             fn()
-            calls += 1
-        synchronize(device)
-        seconds.append((time.perf_counter() - start) / calls)
+            ends.append(time.time())
+        latest_start, earliest_end = over_ranks([ends[0], -ends[-1]], "max")
+        shared = [end for end in ends[1:] if latest_start <= end <= -earliest_end]
+        seconds.append((shared[-1] - shared[0]) / (len(shared) - 1) if len(shared) > 2 else
+                       (ends[-1] - ends[0]) / (len(ends) - 1))
     return statistics.median(seconds)
 
 
@@ -286,21 +295,33 @@ def fit_latency_bandwidth(bus_bytes: list[float], seconds: list[float]) -> tuple
     return float(latency), 1 / float(per_byte)
 
 
-def link_figures(members: list[int], group, device: torch.device, sweep: Sweep) -> tuple[dict, dict]:
-    """({collective: [latency_s, bus bytes/s]}, {collective: [[payload bytes, s], ...]}) over this
-    rank's group; every rank measures its own group at the same time. Times are the slowest rank's."""
+def latency_steps(kind: str, members: list[int], ranks_per_node: int) -> float:
+    """How many latencies the step-time model charges one `kind` call over `members`: its price
+    (step_costs.collective_seconds) of an empty call where every latency is one second."""
+    unit = DeviceProfile(name="one second per step", source="latency_steps", device_type="cpu", memory_gib=1.0,
+                         ranks_per_node=ranks_per_node, capability=None, peak_flops={}, gemm={}, attention={},
+                         memory_bandwidth=1.0, kernel_overhead_s=0.0,
+                         links={link: {name: [1.0, 1.0] for name in COLLECTIVES} for link in LINKS})
+    return step_costs.collective_seconds(unit, kind, 0.0, members)
+
+
+def link_figures(members: list[int], group, device: torch.device, sweep: Sweep,
+                 ranks_per_node: int) -> tuple[dict, dict]:
+    """({collective: [latency_s per step, bus bytes/s]}, {collective: [[payload bytes, s], ...]})
+    over this rank's group; every rank measures its own group at the same time. Times are the
+    slowest rank's; the fitted latency of a call is shared among the steps the model counts in it
+    (latency_steps), so that the model prices this group's calls as measured."""
     n, measured = len(members), {}
     for kind in COLLECTIVES:
         calls = [collective_call(kind, size, members, group, device) for size in sweep.collective_bytes]
         dist.barrier()
         times = over_ranks([collective_seconds(fn, device, sweep) for fn, _ in calls], "max")
         measured[kind] = [[payload, seconds] for (_, payload), seconds in zip(calls, times)]
-    fitted = {kind: list(fit_latency_bandwidth([bus_factor(kind, n) * payload for payload, _ in points],
-                                               [seconds for _, seconds in points]))
-              for kind, points in measured.items()}
-    # the profile's latency is per step of the collective's ring (step_costs prices n ranks' steps)
-    for kind, figures in fitted.items():
-        figures[0] /= RING_STEPS[kind](n)
+    fitted = {}
+    for kind, points in measured.items():
+        latency, bus = fit_latency_bandwidth([bus_factor(kind, n) * payload for payload, _ in points],
+                                             [seconds for _, seconds in points])
+        fitted[kind] = [latency / latency_steps(kind, members, ranks_per_node), bus]
     return fitted, measured
 
 
@@ -389,12 +410,12 @@ def measure_profile(device: torch.device, sweep: Sweep) -> DeviceProfile:
                  for dtype in dtypes}
     bandwidth = memory_bandwidth(device, sweep, overhead)
     intra_members, intra_group, inter_members, inter_group = node_groups(world, per_node)
-    intra, intra_points = link_figures(intra_members, intra_group, device, sweep)
+    intra, intra_points = link_figures(intra_members, intra_group, device, sweep, per_node)
     if inter_members is None:
         inter, inter_points = intra, intra_points
         inter_note = "one host: the inter-node figures are the intra-node ones"
     else:
-        inter, inter_points = link_figures(inter_members, inter_group, device, sweep)
+        inter, inter_points = link_figures(inter_members, inter_group, device, sweep, per_node)
         inter_note = f"{world // per_node} nodes: groups of one rank per node"
     overlap = overlap_share(intra_members, intra_group, device, dtypes[0], sweep)
     peaks = dict(best)
@@ -422,6 +443,9 @@ def measure_profile(device: torch.device, sweep: Sweep) -> DeviceProfile:
              "work": "on a CPU a GEMM's, attention's and the elementwise pass's rates leave out the per-op time "
                      "of their ops (the model adds it to each op)",
              "group_sizes": {"intra": len(intra_members), "inter": len(inter_members or intra_members)},
+             "latency": "per step of the collective's algorithm as step_costs counts them (a ring all-reduce "
+                        "2 (n - 1) steps, a tree 2 log2 n, the cheaper): the fitted latency of a call over the "
+                        "group measured, divided by its steps",
              "inter": inter_note,
              "collective_times": {"intra": intra_points, "inter": inter_points},
              "seconds": round(time.perf_counter() - started, 1)}
@@ -450,7 +474,7 @@ def profile_summary(profile: DeviceProfile) -> str:
                  f"memory {profile.memory_gib:,.1f} GiB per rank")
     for link, collectives in profile.links.items():
         lines.append(f"  {link} ({extra['group_sizes'][link]} ranks): " + ", ".join(
-            f"{kind} {latency * 1e6:,.0f} us + bytes / {bus / 1e9:,.2f} GB/s"
+            f"{kind} {latency * 1e6:,.0f} us per step + bytes / {bus / 1e9:,.2f} GB/s"
             for kind, (latency, bus) in collectives.items()))
     lines.append(f"  ({extra['inter']})")
     return "\n".join(lines)
