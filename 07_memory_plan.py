@@ -54,7 +54,7 @@ import torch
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import loss_chunk_tokens
 from picotron_like import step_costs
-from picotron_like.device_profile import DeviceProfile
+from picotron_like.device_profile import DeviceProfile, ProfileError, load_profile
 from picotron_like.metrics import add_traffic, loss_transient_parts
 from picotron_like.model import count_parameters, flops_per_token
 from picotron_like.pipeline_tools import peak_live_micro_batches
@@ -678,11 +678,18 @@ def fastest_per_grid(fitting: list[PlannedLayout]) -> list[PlannedLayout]:
 
 
 def plan_device(args) -> DeviceProfile:
-    """The device the plan prices: --gpu's published profile on nodes of --gpus-per-node, with
-    --gpu-memory-gb's memory if given."""
-    device = published_profile(args.gpu)
-    return replace(device, ranks_per_node=args.gpus_per_node,
-                   memory_gib=args.gpu_memory_gb if args.gpu_memory_gb is not None else device.memory_gib)
+    """The device the plan prices: --device-profile's (a machine --calibrate measured: its memory
+    per rank, ranks per node and figures), or --gpu's published profile on nodes of
+    --gpus-per-node; with --gpu-memory-gb's memory if given. An unusable profile file is one
+    `error:` line and exit 2."""
+    if args.device_profile is not None:
+        try:
+            device = load_profile(args.device_profile)
+        except ProfileError as error:
+            exit_with_error(error)
+    else:
+        device = replace(published_profile(args.gpu), ranks_per_node=args.gpus_per_node)
+    return replace(device, memory_gib=args.gpu_memory_gb if args.gpu_memory_gb is not None else device.memory_gib)
 
 
 def checked_plan_flags(args, validate, expert_degree):
@@ -720,6 +727,10 @@ def add_plan_flags(parser) -> None:
                         help="with --plan: the GPU's memory in GiB, instead of the table's")
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
+    parser.add_argument("--device-profile", default=None, metavar="FILE",
+                        help="with --plan: price with this device profile (written by --calibrate) instead of --gpu's "
+                             "published one: its memory per rank, ranks per node, GEMM and attention rates, memory "
+                             "bandwidth, per-op time, collectives' latencies and bandwidths")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
     parser.add_argument("--zero-table", action="store_true",
                         help="no training, no torchrun: print the model's states per GPU on 8 and 64 GPUs at "
