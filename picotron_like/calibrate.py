@@ -15,8 +15,9 @@ ranks that share cores (4 ranks on 2 cores) are priced at the share of a core ea
                    backward does 2.5 forwards) over the pair's time
     memory         an elementwise pass (c = a + b) over tensors larger than the caches: bytes
                    read and written per second
-    per-op time    a one-element op's time: dispatch (and launch), which a small model's steps pay
-                   hundreds of times
+    per-op time    a chain of tiny matmuls through autograd, forward and backward, per GEMM the
+                   model prices: dispatch, autograd's bookkeeping (and launch), which a small
+                   model's step pays thousands of times
     collectives    all_reduce, all_gather, reduce_scatter, all_to_all and p2p (pairs exchanging)
                    over a sweep of sizes, each fitted to latency + bus bytes / bus bandwidth (bus
                    bytes as nccl-tests count them: 2 (n-1)/n of the payload for an all-reduce,
@@ -150,10 +151,21 @@ def over_ranks(values: list[float], how: str) -> list[float]:
 ATTENTION_BACKWARD_FLOPS = 2.5
 
 
-def kernel_overhead(device: torch.device, sweep: Sweep) -> float:
-    """A one-element add's time per call, the median rank's: what any op costs before its arithmetic."""
-    x = torch.zeros(1, device=device)
-    return over_ranks([seconds_per_call(partial(torch.add, x, 1.0), device, sweep)], "median")[0]
+def kernel_overhead(device: torch.device, sweep: Sweep, chain: int = 16) -> float:
+    """The time per op a training step pays before any arithmetic, the median rank's: a chain of
+    `chain` tiny matmuls (8 x 8) through autograd, forward and backward, over the 3 GEMMs the model
+    prices for each (forward, input and weight gradients). Dispatch, autograd's bookkeeping and,
+    on a GPU, the launch: about twice a bare op's time on a CPU."""
+    weights = [torch.zeros(8, 8, device=device, requires_grad=True) for _ in range(chain)]
+    first = torch.zeros(8, 8, device=device)
+
+    def forward_backward():
+        x = first
+        for weight in weights:
+            x = x @ weight
+        x.sum().backward()
+
+    return over_ranks([seconds_per_call(forward_backward, device, sweep) / (3 * chain)], "median")[0]
 
 
 def work_seconds(seconds: float, device: torch.device, overhead_s: float, launches: int = 1) -> float:
