@@ -500,9 +500,10 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     if stage >= 2:      # every micro-batch reduces; all but the last hide their tail behind the next forward
         exposed += (m - 1) * (waits + hidden_behind(tail, micro.forward, 1.0))
     exposed += waits + tail
-    overlapped = (sum(reduces) * (m if stage >= 2 else 1) + sum(gathers) * m * (1 + args.reshard_after_forward)
-                  * (stage == 3))
-    exposed += (1 - device.overlap) * overlapped
+    communication = (sum(reduces) * (m if stage >= 2 else 1) + sum(gathers) * m * (1 + args.reshard_after_forward)
+                     * (stage == 3))
+    # of the part the timeline hides behind compute, contention still adds (1 - overlap)
+    exposed += (1 - device.overlap) * max(0.0, communication - exposed)
     if stage in (1, 2):
         exposed += sum(gathers)
     # the loss's and the gradient norm's small all-reduces over the whole grid's data ranks
