@@ -98,14 +98,16 @@ def planned(flags: list[str], grid: GridShape, device=H100, accum: int = 4):
 
 def test_zero_1s_weight_gather_after_the_step_is_exposed_and_zero_0_has_none():
     """ZeRO-1 gathers the updated weights after the step and waits for them: its dp part holds at
-    least every unit's all-gather. ZeRO-0 reduces with all-reduces behind the backward and gathers
-    nothing, so with a network slow enough to show it ZeRO-1 costs the gathers more."""
-    grid = GridShape(dp=8)
+    least every unit's all-gather. ZeRO-0 gathers nothing and all-reduces each unit's float32
+    gradients as its backward ends, behind the rest of the backward: less than all of their time
+    is exposed."""
+    grid, node = GridShape(dp=8), list(range(8))
     stage_0, stage_1 = planned(["--zero-stage", "0"], grid), planned(["--zero-stage", "1"], grid)
     units = plan().zero_units(get_config("1b"), stage_1.args, grid, 1, 0)
-    gathers = sum(step_costs.collective_seconds(H100, "all_gather", count * 2, list(range(8))) for count in units.dense)
+    gathers = sum(step_costs.collective_seconds(H100, "all_gather", count * 2, node) for count in units.dense)
     assert stage_1.seconds["dp"] >= gathers > 0
-    assert stage_0.seconds["dp"] < stage_1.seconds["dp"]
+    reductions = sum(step_costs.collective_seconds(H100, "all_reduce", count * 4, node) for count in units.dense)
+    assert 0 < stage_0.seconds["dp"] < reductions
 
 
 def test_tp_is_on_the_critical_path_and_a_tp_group_across_nodes_costs_more():
