@@ -33,7 +33,7 @@ from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter, GatheredParameterMeter, SavedTensorMeters
 from picotron_like.published_profiles import published_profile
-from picotron_like.model import flops_per_token, get_config
+from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 

@@ -129,6 +129,15 @@ def test_the_tables_tokens_per_second_and_mfu_follow_from_the_step_time(capsys):
     assert row[5] == f"{layout.tokens_per_second_per_gpu:,.0f}" and row[6] == f"{layout.mfu:.1%}"
 
 
+def test_the_plan_states_the_model_it_prices_with():
+    """The assumptions --plan prints name the device's source and each term of the model."""
+    lines = "\n".join(plan().plan_assumptions(H100))
+    for words in ("H100 (published)", "NVIDIA H100 SXM data sheet", "at the profile's measured rate for its shape",
+                  "latency per algorithm step", "per rank of the group on each node", "overlap as the code does it",
+                  f"{1 - H100.overlap:.0%} is still added (contention)", "ZeRO-1/2's weight all-gather after the step"):
+        assert words in lines, words
+
+
 def test_the_published_playbook_cells_are_estimated_within_the_issues_bounds(monkeypatch):
     """benchmarks/step_time_vs_published.py's MFU and memory parts (the rank of the measured grid
     plans thousands of layouts: the benchmark itself reports it): the estimate within 1.5 x of the
