@@ -149,8 +149,8 @@ def collective_seconds(profile: DeviceProfile, kind: str, payload_bytes: float, 
     link = "intra" if nodes == 1 else "inter"
     intra_latency, intra_bus = profile.links["intra"][kind]
     inter_latency, bus = profile.links[link][kind]
-    if nodes > 1:       # one ring (channel) per NIC of the group's ranks on a node, at most NVLink's pace
-        bus = min(intra_bus, bus * (n // nodes))
+    if nodes > 1 and kind != "p2p":    # one ring (channel) per NIC of the group's ranks on a node, at most
+        bus = min(intra_bus, bus * (n // nodes))   # NVLink's pace; a send crosses on one NIC
     steps = RING_STEPS[kind]
     if nodes == 1:
         latency = steps(n) * intra_latency
