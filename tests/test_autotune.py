@@ -10,8 +10,10 @@ import shlex
 import subprocess
 import sys
 
+from picotron_like.device_profile import save_profile
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import count_parameters, get_config
+from picotron_like.published_profiles import published_profile
 from picotron_like.train import plan_run
 
 # A tiny model on 4 ranks; --dp 4 (the user's own layout) and --save-dir (a run's own output)
@@ -27,15 +29,18 @@ def autotune_command(tmp_path, *flags: str) -> list[str]:
 
 def test_autotune_measures_the_best_layouts_and_prints_the_fastest_command_last(tmp_path, monkeypatch):
     """Two layouts, each a torchrun child of 4 ranks: every row measured (tokens/s > 0 after the
-    warm-up, rank 0's peak memory) or failed with a reason, next to the plan's estimate; the last
-    line is the fastest row's command, which lesson 07 accepts as the layout of that row."""
-    save_dir = tmp_path / "checkpoints"
+    warm-up, rank 0's peak memory) or failed with a reason, next to the plan's estimate by
+    --device-profile's device; the last line is the fastest row's command, which lesson 07
+    accepts as the layout of that row."""
+    save_dir, profile = tmp_path / "checkpoints", tmp_path / "h100.json"
+    save_profile(dataclasses.replace(published_profile("H100"), name="an H100 from a file"), str(profile))
     run = subprocess.run(autotune_command(tmp_path, "--autotune-top", "2", "--autotune-steps", "4",
-                                          "--save-dir", str(save_dir)),
+                                          "--save-dir", str(save_dir), "--device-profile", str(profile)),
                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "tuned.json").read_text())
     assert len(report["rows"]) == 2 and report["warmup_steps"] == 2
+    assert report["estimates_for"] == "an H100 from a file"     # the plan priced the layouts with the profile
     for row in report["rows"]:
         assert row["estimated"]["peak_memory_bytes"] > 0, row
         if row["failure"] is None:
@@ -57,7 +62,8 @@ def test_autotune_measures_the_best_layouts_and_prints_the_fastest_command_last(
 
     launcher, flags = shlex.split(lines[-1])[:3], shlex.split(lines[-1])[4:]
     assert launcher == ["torchrun", "--standalone", "--nproc_per_node=4"], lines[-1]
-    assert "--save-dir" in flags and "--autotune" not in flags and flags.count("--dp") == 1, lines[-1]
+    assert "--save-dir" in flags and flags.count("--dp") == 1, lines[-1]
+    assert not {"--autotune", "--autotune-top", "--device-profile", "--gpus"} & set(flags), lines[-1]
     monkeypatch.setenv("WORLD_SIZE", "4")
     full_5d = load_lesson("07_full_5d")
     plan = plan_run(full_5d.parse_args(flags), full_5d.validate, full_5d.model_config)
