@@ -57,8 +57,7 @@ import picotron_like.calibrate as calibration
 import picotron_like.checkpoint as checkpoints
 import picotron_like.sample as sampling
 from picotron_like.lessons import load_lesson
-from picotron_like.testing import torchrun_workers
-from picotron_like.topology import ConfigError
+from picotron_like.topology import ConfigError, torchrun_workers
 from picotron_like.train import batch_shape, exit_with_error, model_name
 
 memory_plan = load_lesson("07_memory_plan")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import picotron_like.checkpoint as checkpoints  # noqa: E402  (the repository root first)
-from picotron_like.testing import torchrun_workers  # noqa: E402
+from picotron_like.topology import torchrun_workers  # noqa: E402
 
 RUN = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256", "--seed", "3",
        "--lr", "3e-3", "--warmup-steps", "2", "--dp", "2", "--zero-stage", "2", "--steps", "12", "--save-every", "1",

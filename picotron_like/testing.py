@@ -36,6 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from picotron_like.lessons import REPO_ROOT
+from picotron_like.topology import torchrun_workers
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(["torch", "torch.distributed", "numpy", "picotron_like.model"])
@@ -222,21 +223,6 @@ def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
     micro_batches = [(inputs, targets[first + a * M: first + (a + 1) * M].clone())
                      for a, (inputs, _) in enumerate(batches.micro_batches(step, dp_rank))]
     return StepBatch(micro_batches, int((targets != IGNORE_INDEX).sum()))
-
-
-def torchrun_workers(parent: int) -> list[int]:
-    """The worker processes of the torchrun whose pid is `parent` (its children, read from /proc).
-    torchrun starts each worker in a session of its own, so killing torchrun's process group would
-    leave them running: a test that kills a run kills these."""
-    children = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as file:
-                if int(file.read().rsplit(")", 1)[1].split()[1]) == parent:
-                    children.append(int(entry))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return children
 
 
 def torchrun_workers_by_rank(parent: int) -> dict[int, int]:

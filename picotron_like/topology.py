@@ -247,6 +247,21 @@ def world_size_from_env() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def torchrun_workers(parent: int) -> list[int]:
+    """The worker processes of the torchrun whose pid is `parent` (its children, read from /proc).
+    torchrun starts each worker in a session of its own, so killing torchrun's process group would
+    leave them running: whoever kills a run (a test, --autotune's timeout) kills these."""
+    children = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as file:
+                if int(file.read().rsplit(")", 1)[1].split()[1]) == parent:
+                    children.append(int(entry))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return children
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """A process group as one rank sees it, without the group: its place in it and the group's size.

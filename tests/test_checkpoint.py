@@ -34,8 +34,8 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import GPT
 from picotron_like.moe import moe_layers
-from picotron_like.testing import run_ranks, torchrun_workers
-from picotron_like.topology import ProcessGrid
+from picotron_like.testing import run_ranks
+from picotron_like.topology import ProcessGrid, torchrun_workers
 from picotron_like.train import RankBatches, plan_run, train
 
 CPU = torch.device("cpu")

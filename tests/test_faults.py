@@ -13,7 +13,8 @@ import sys
 import time
 
 from picotron_like.lessons import REPO_ROOT
-from picotron_like.testing import torchrun_workers, torchrun_workers_by_rank
+from picotron_like.testing import torchrun_workers_by_rank
+from picotron_like.topology import torchrun_workers
 
 RUN = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256", "--seed", "3",
        "--lr", "3e-3", "--warmup-steps", "2", "--dp", "2", "--zero-stage", "1", "--steps", "14"]

@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.lessons import REPO_ROOT
-from picotron_like.testing import run_ranks, torchrun_workers, torchrun_workers_by_rank
+from picotron_like.testing import run_ranks, torchrun_workers_by_rank
 from picotron_like.topology import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ConfigError, GridShape, ProcessGrid, backend_for,
-                                    collective_timeout_s, rank_device,
+                                    collective_timeout_s, rank_device, torchrun_workers,
                                     validate_parallel_config)
 
 LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
