@@ -188,7 +188,7 @@ def signal_group(leader: int, signum: int) -> None:
 
 def failure_reason(returncode: int | None, log: str, timeout_s: float) -> str:
     """Why a child gave no timed steps, in one line: a timeout, running out of memory, its
-    `error:` line (a refusal), or its exit code with the last exception named in its output."""
+    `error:` line (a refusal), or its exit code with the first exception its ranks raised."""
     if returncode is None:
         return f"timed out after {timeout_s:.0f} s"
     lines = log.splitlines()
