@@ -33,7 +33,8 @@ same command on every node with torchrun's rendezvous flags in --autotune-torchr
 `--standalone --nproc_per_node=N` (say `--nnodes 4 --nproc_per_node 8 --node-rank K --master-addr
 HOST --master-port 29500`): every node walks the same layouts in the same order under the same
 timeouts, so each child's rendezvous meets all nodes. The node that holds rank 0 writes the
-metrics: its table is the report, the others' rows say where to read it.
+metrics: its table is the report, the others' rows say where to read it, and the command it
+prints last is every node's, each with its own --node-rank.
 """
 
 from __future__ import annotations
