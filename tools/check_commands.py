@@ -30,7 +30,8 @@ into the repository. torchrun becomes `python -m torch.distributed.run --standal
 no rendezvous to set up), python becomes this interpreter, and OMP_NUM_THREADS=1 (the ranks share
 the cores). A lesson under torchrun trains few steps: --steps 2, or the printed --steps capped at
 3; --save-every N becomes 1, so the periodic checkpoint runs too (the last step is saved anyway); a
-run that resumes trains 4 steps, one past the newest checkpoint a capped run can have written.
+run that resumes trains 4 steps, one past the newest checkpoint a capped run can have written;
+--calibrate measures its quick sweep (--calibrate-quick).
 The layout fuzzer (tools/fuzz_layouts.py) runs one draw, --n 1. Everything else (benchmarks,
 --plan, tools) runs as printed. A command that repeats one that already ran, and writes nothing a
 later command reads, does not run twice.
@@ -67,7 +68,8 @@ MAX_RANKS = 8
 CPU_PRESETS = ("tiny", "tiny-moe")
 GPU_ONLY_SCRIPTS = {"benchmarks/gpu_check.sh"}
 CUDA_ONLY_FLAGS = {"--memory-snapshot"}
-OUTPUT_FLAGS = {"--metrics", "--save-dir", "--profile", "--memory-snapshot", "-o", "--out"}
+OUTPUT_FLAGS = {"--metrics", "--save-dir", "--profile", "--memory-snapshot", "-o", "--out", "--calibrate",
+                "--autotune-out"}
 INPUT_FLAGS = {"--data", "--val-data"}
 FILE_SUFFIXES = {".bin", ".txt", ".jsonl", ".json", ".pt", ".safetensors", ".npy"}
 # Scripts besides the lessons whose size one flag sets, and the small value they run with here.
@@ -400,6 +402,8 @@ def few_steps(args: list[str]) -> list[str]:
         steps = FEW_STEPS
     if option(args, "--save-every") is not None:
         args = with_flag(args, "--save-every", "1")
+    if option(args, "--calibrate") is not None and "--calibrate-quick" not in args:
+        args = args + ["--calibrate-quick"]
     return with_flag(args, "--steps", str(steps))
 
 
