@@ -1,7 +1,7 @@
 """Measure the machine a run starts on: its device profile, over the process group (`--calibrate FILE`).
 
-    torchrun --standalone --nproc_per_node=4 07_full_5d.py --calibrate cpu.json
-    python 07_full_5d.py --plan --device-profile cpu.json --gpus 4 ...
+    torchrun --standalone --nproc_per_node=4 <lesson 07> --calibrate cpu.json
+    python <lesson 07> --plan --device-profile cpu.json --gpus 4 ...
 
 The step-time model prices a layout from a DeviceProfile (device_profile.py); this module measures
 one with the ranks torchrun starts, as they will train: every rank measures at the same time, so
@@ -512,7 +512,7 @@ def calibrate(args) -> None:
             raise ConfigError(f"--calibrate {args.calibrate}: cannot write a file there")
         if world_size_from_env() < 2:
             raise ConfigError("--calibrate measures collectives too: start 2 ranks or more "
-                              "(torchrun --standalone --nproc_per_node=2 07_full_5d.py --calibrate FILE)")
+                              "(torchrun --standalone --nproc_per_node=2 ... --calibrate FILE)")
     except ConfigError as error:
         exit_with_error(error)
     device = init_distributed()
@@ -520,5 +520,5 @@ def calibrate(args) -> None:
     if dist.get_rank() == 0:
         save_profile(profile, args.calibrate)
         print(profile_summary(profile))
-        print(f"wrote {args.calibrate}: plan with it by python 07_full_5d.py --plan --device-profile {args.calibrate}")
+        print(f"wrote {args.calibrate}: plan with it by --plan --device-profile {args.calibrate}")
     shutdown()

@@ -3,7 +3,7 @@
 A profile holds figures, not formulas: the achieved FLOP/s of matrix multiplications over a grid
 of shapes, of attention, the memory bandwidth an elementwise kernel reaches, the host time each
 launched operation costs, and each collective's latency and bus bandwidth inside a node and
-between nodes. The step-time model (07_memory_plan.py) reads them; `--calibrate` measures them on
+between nodes. The step-time model (lesson 07's plan) reads them; `--calibrate` measures them on
 the machine it runs on and writes them to a JSON file that `--plan --device-profile FILE` reads;
 the GPUs of the built-in table (published_profiles.published_profile) carry figures derived
 from published ones, their source stated in the profile. picotron_like.step_costs reads a
