@@ -1,7 +1,7 @@
 """
 The step-time model against this machine: a calibrated profile's estimates next to measured step times.
 
-    python benchmarks/step_time_vs_cpu.py [--repeats 5] [--steps 8] [--out step_time_vs_cpu.json]
+    python benchmarks/step_time_vs_cpu.py [--repeats 5] [--steps 10] [--out step_time_vs_cpu.json]
     python benchmarks/step_time_vs_cpu.py --measured step_time_vs_cpu.json     # estimates again, no run
 
 1. Calibrates this machine on 4 ranks and on 2 (torchrun ... 07_full_5d.py --calibrate FILE), so
@@ -164,8 +164,10 @@ def print_report(measured: dict, result: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=Formatter)
     parser.add_argument("--repeats", type=int, default=5, help="runs of each layout")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--skip", type=int, default=3, help="first steps of a run left out of its time")
