@@ -729,9 +729,9 @@ def add_plan_flags(parser) -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8,
                         help="with --plan: GPUs joined by NVLink; groups that span nodes use the network")
     parser.add_argument("--device-profile", default=None, metavar="FILE",
-                        help="with --plan: price with this device profile (written by --calibrate) instead of --gpu's "
-                             "published one: its memory per rank, ranks per node, GEMM and attention rates, memory "
-                             "bandwidth, per-op time, collectives' latencies and bandwidths")
+                        help="with --plan or --autotune: price with this device profile (written by --calibrate) "
+                             "instead of --gpu's published one: its memory per rank, ranks per node, GEMM and "
+                             "attention rates, memory bandwidth, per-op time, collectives' latencies and bandwidths")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
     parser.add_argument("--zero-table", action="store_true",
                         help="no training, no torchrun: print the model's states per GPU on 8 and 64 GPUs at "
