@@ -82,6 +82,10 @@ def test_a_layout_that_times_out_or_is_refused_is_a_row_with_its_reason(tmp_path
     argv = ["--autotune", "--gpus", "4", *USER_FLAGS, "--autotune-top", "1"]
     args = full_5d.parse_args(argv)
     _, [trial] = autotune.checked_autotune_flags(args, full_5d.validate, full_5d.expert_degree)
+    # Steps enough that the first child is still training when its 8 s run out, however fast the
+    # machine (a few steps of the tiny model can end within 8 s on a quiet one); the second is
+    # refused before its first step whatever the count.
+    args.autotune_steps = 100_000
     trials = [dataclasses.replace(trial, timeout_s=8.0),
               dataclasses.replace(trial, flags=[*trial.flags, "--tp", "3"], timeout_s=240.0)]
     runs = tmp_path / "runs"
