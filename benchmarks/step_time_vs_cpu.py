@@ -74,8 +74,8 @@ def load() -> float:
 
 
 def run_seconds(metrics: Path, skip: int) -> float:
-    """A run's step time: the median of its steps after the first `skip`."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    """A run's step time: the median of its steps after the first `skip` (read as --autotune reads them)."""
+    records = full_5d.autotune.read_metrics(metrics)
     return statistics.median(record["seconds"] for record in records if record["step"] >= skip)
 
 
