@@ -768,6 +768,8 @@ def print_memory_plan(args, validate, expert_degree) -> None:
                                               shape, precision, planned.pp_rank, device)[0]
                for mode in measurement.RECOMPUTE_MODES}
     print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
+    print(f"step time of this layout, estimated: {planned.step_seconds:.3f} s, "
+          f"{planned.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {planned.mfu:.1%} MFU")
     fitting = fitting_layouts(cfg, args, usable, precision, device, validate)
     print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "

@@ -1,9 +1,11 @@
 """
 The device check's table: for each run of lesson 07 that benchmarks/gpu_check.sh made, its
 tokens/s, MFU and peak allocated memory (medians over the steps after the first two, read from
-the run's --metrics file) next to the memory plan's prediction for the same flags (the "total"
-line of its --plan output). An FP8 run, NAME-fp8-RECIPE-REST, also shows its tokens/s over its bf16
-twin's, NAME-REST ("vs bf16"); its MFU, like every run's, is of the bf16 peak, so the two compare.
+the run's --metrics file) next to the plan's predictions for the same flags: the memory (the
+"total" line of its --plan output) and the step-time model's tokens/s per GPU for the run's
+own layout ("meas/plan": measured over estimated). An FP8 run, NAME-fp8-RECIPE-REST, also shows
+its tokens/s over its bf16 twin's, NAME-REST ("vs bf16"); its MFU, like every run's, is of the
+bf16 peak, so the two compare.
 
     python benchmarks/gpu_check_table.py OUT_DIR      # OUT_DIR holds NAME.metrics.jsonl, NAME.plan.txt
 """
@@ -27,6 +29,15 @@ def planned_gib(path: Path) -> str:
     return match.group(1) if match else "-"
 
 
+def planned_tokens_per_s(path: Path) -> float | None:
+    """The step-time model's tokens/s per GPU for the run's own layout, from its --plan output."""
+    if not path.exists():
+        return None
+    match = re.search(r"^step time of this layout, estimated: [\d.]+ s, ([\d,]+) tokens/s per GPU", path.read_text(),
+                      re.MULTILINE)
+    return float(match.group(1).replace(",", "")) if match else None
+
+
 def bf16_twin(name: str) -> str | None:
     """The bf16 run an FP8 run is compared with: its name without "-fp8-RECIPE"."""
     twin = re.sub(r"-fp8-[a-z0-9]+", "", name)
@@ -40,18 +51,19 @@ def main(out_dir: str) -> None:
     tokens = {name: statistics.median(r["tokens_per_s"] for r in (steps[2:] or steps))
               for name, steps in runs.items() if steps}
     print(f"{'run':<28}{'tok/s':>10}{'vs bf16':>9}{'MFU %':>8}{'peak GiB':>10}{'plan GiB':>10}{'steps':>7}"
-          f"{'last loss':>11}")
+          f"{'last loss':>11}{'plan tok/s':>12}{'meas/plan':>10}")
     for name, steps in runs.items():
         if not steps:
             print(f"{name:<28}{'no steps':>10}")
             continue
         mfu = [r["mfu"] for r in (steps[2:] or steps) if r.get("mfu") is not None]
         peak = max(r.get("max_memory_allocated_bytes", 0) for r in steps) / 2**30
-        twin = bf16_twin(name)
+        twin, planned = bf16_twin(name), planned_tokens_per_s(out / f"{name}.plan.txt")
         ratio = f"{tokens[name] / tokens[twin]:.2f}x" if twin in tokens else "-"
         print(f"{name:<28}{tokens[name]:>10,.0f}{ratio:>9}"
               f"{(100 * statistics.median(mfu) if mfu else float('nan')):>8.1f}"
-              f"{peak:>10.2f}{planned_gib(out / f'{name}.plan.txt'):>10}{len(steps):>7}{steps[-1]['loss']:>11.4f}")
+              f"{peak:>10.2f}{planned_gib(out / f'{name}.plan.txt'):>10}{len(steps):>7}{steps[-1]['loss']:>11.4f}"
+              f"{f'{planned:,.0f}' if planned else '-':>12}{f'{tokens[name] / planned:.2f}' if planned else '-':>10}")
 
 
 if __name__ == "__main__":
