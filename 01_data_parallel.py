@@ -59,8 +59,8 @@ from picotron_like.model import GPT, count_parameters
 from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shutdown, validate_parallel_config
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
-                                 add_training_flags, autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step,
-                                 plan_run, train)
+                                 add_training_flags, autocast_dtype, bucket_bytes_from_flags, build_optimizer,
+                                 clip_grad_norm_, default_bucket_bytes, optimizer_step, plan_run, train)
 
 # ============================================================================ the technique: naive data parallel
 
@@ -135,12 +135,15 @@ class BucketedDataParallel(nn.Module):
     buffers in place instead of setting gradients to None.
     """
 
-    def __init__(self, module: nn.Module, dp_group, bucket_bytes: int = 25 * 2**20):
+    def __init__(self, module: nn.Module, dp_group, bucket_bytes: int | None = None):
         super().__init__()
         self.module = module
         self.dp_group = dp_group
         self.require_backward_grad_sync = True
-        self.buckets = self._fill_buckets([p for p in module.parameters() if p.requires_grad], bucket_bytes)
+        params = [p for p in module.parameters() if p.requires_grad]
+        if bucket_bytes is None:    # the device's default: 25 MB on CUDA, 1 MB on a CPU
+            bucket_bytes = default_bucket_bytes(params[0].device)
+        self.buckets = self._fill_buckets(params, bucket_bytes)
         self._bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         for param in self._bucket_of:
             param.register_post_accumulate_grad_hook(self._mark_ready)
@@ -188,7 +191,7 @@ class BucketedDataParallel(nn.Module):
             bucket.grads.zero_()
 
 
-def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int) -> DataParallelModel:
+def wrap_data_parallel(model: nn.Module, dp_group, mode: str, bucket_bytes: int | None = None) -> DataParallelModel:
     """Either wrapper. Both offer what every data-parallel wrapper of the suite offers the step
     (train.DataParallelModel): module, dp_group, require_backward_grad_sync,
     finish_gradient_synchronization and zero_grad."""
@@ -295,7 +298,7 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     model = wrap_data_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.mode,
-                               int(args.bucket_mb * 2**20))
+                               bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
     settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm)
     shape = plan.shape

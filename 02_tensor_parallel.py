@@ -88,7 +88,7 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_r
                                     shutdown, validate_parallel_config)
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, plan_run, train)
+                                 bucket_bytes_from_flags, build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -793,7 +793,7 @@ def main(argv=None):
     module = apply_tensor_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.tp_group,
                                    **SEQUENCE_PARALLEL_FORMS[form])
     # The tp groups are data-parallel replicas of each other: lesson 01's bucketed all-reduce.
-    model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", int(args.bucket_mb * 2**20))
+    model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(module, args.lr)
     settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm,
                             norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group))

@@ -96,7 +96,8 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_di
                                     validate_parallel_config)
 from picotron_like.run_control import StepMeters, step_to_meter
 from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
+                                 autocast_dtype, bucket_bytes_from_flags, build_optimizer, clip_grad_norm_,
+                                 optimizer_step, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -525,7 +526,7 @@ def evaluate(pipeline: Pipeline, batch: StepBatch, settings: StepSettings) -> fl
 
 
 def build_model_chunks(cfg, seed: int, grid, device, virtual_stages: int = 1,
-                       bucket_bytes: int = 2**20) -> list[nn.Module]:
+                       bucket_bytes: int | None = None) -> list[nn.Module]:
     """This rank's chunks with the reference's weights, each wrapped for data parallelism (lesson 01):
     the rank's dp peers hold the same stage of the other pipelines."""
     chunks = build_stage_chunks(cfg, seed, grid.pp_size, grid.pp_rank, virtual_stages)
@@ -772,7 +773,8 @@ def main(argv=None):
     device = init_distributed()
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
-    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages, int(args.bucket_mb * 2**20))
+    chunks = build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages,
+                                bucket_bytes_from_flags(args, device))
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,

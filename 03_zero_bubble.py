@@ -69,8 +69,8 @@ from picotron_like.pipeline_tools import SendsInFlight, TimelineRecorder, bubble
 from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_distributed, shutdown,
                                     validate_parallel_config)
 from picotron_like.run_control import StepMeters, step_to_meter
-from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, autocast_dtype, build_optimizer,
-                                 plan_run, train)
+from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, autocast_dtype, bucket_bytes_from_flags,
+                                 build_optimizer, plan_run, train)
 
 pipeline_parallel = load_lesson("03_pipeline_parallel")
 Action = pipeline_parallel.Action
@@ -434,7 +434,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     cfg, shape = plan.cfg, plan.shape
     chunks = pipeline_parallel.build_model_chunks(cfg, args.seed, grid, device, args.virtual_stages,
-                                                  int(args.bucket_mb * 2**20))
+                                                  bucket_bytes_from_flags(args, device))
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = ZeroBubblePipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,

@@ -81,7 +81,7 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_di
                                     validate_parallel_config)
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (RankBatches, StepSettings, add_parallel_flags, add_training_flags, autocast_dtype,
-                                 build_optimizer, plan_run, train)
+                                 bucket_bytes_from_flags, build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -469,7 +469,7 @@ def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel, mode: st
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, cp: ContextParallel, mode: str, device,
-                bucket_bytes: int = 2**20) -> torch.nn.Module:
+                bucket_bytes: int | None = None) -> torch.nn.Module:
     """The reference GPT with context-parallel attention cores, wrapped in lesson 01's bucketed data
     parallel over the dp × cp group instead of dp alone.
 
@@ -676,7 +676,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     cp = ContextParallel.from_grid(grid, args.zigzag, args.ring_kernel)
     compute_dtype = autocast_dtype(args.dtype, device)
-    model = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, int(args.bucket_mb * 2**20))
+    model = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
     settings = StepSettings(device, compute_dtype, args.max_grad_norm)
     shape = plan.shape

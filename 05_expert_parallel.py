@@ -86,7 +86,7 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_di
                                     validate_parallel_config)
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, build_optimizer, plan_run, train)
+                                 autocast_dtype, bucket_bytes_from_flags, build_optimizer, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -282,7 +282,7 @@ class ExpertDataParallel(nn.Module):
     the classic expert-parallel bug: the gradient is then ep times off the reference.
     """
 
-    def __init__(self, module: nn.Module, grid: ProcessGrid, bucket_bytes: int):
+    def __init__(self, module: nn.Module, grid: ProcessGrid, bucket_bytes: int | None):
         super().__init__()
         self.module = module
         self.dp_group = grid.dp_group          # the step sums the loss over every rank holding other tokens
@@ -385,7 +385,7 @@ def router_loads_kept(model: nn.Module):
 
 
 def build_model(cfg, seed: int, grid: ProcessGrid, device, run_experts, sequences_per_step: int,
-                bucket_bytes: int = 2**20) -> ExpertDataParallel:
+                bucket_bytes: int | None = None) -> ExpertDataParallel:
     """The reference GPT, its experts sharded over ep and dispatched, balancing made global, its
     gradients summed over dp and edp."""
     model = apply_expert_parallel(GPT(cfg, seed=seed).to(device), ExpertParallel.from_grid(grid), run_experts)
@@ -639,7 +639,7 @@ def main(argv=None):
     compute_dtype = autocast_dtype(args.dtype, device)
     grouped = args.grouped_mm and grouped_mm_fits(cfg, compute_dtype, device)
     model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,
-                        shape.sequences_per_step, int(args.bucket_mb * 2**20))
+                        shape.sequences_per_step, bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
     settings = step_settings(model, grid, device, compute_dtype, args.max_grad_norm)
     log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp = {grid.dp_size}, {cfg.n_experts} experts "

@@ -50,7 +50,7 @@ from picotron_like import comm
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
 from picotron_like.topology import ProcessGrid, init_distributed, shutdown
-from picotron_like.train import autocast_dtype, build_optimizer, plan_run
+from picotron_like.train import autocast_dtype, bucket_bytes_from_flags, build_optimizer, plan_run
 
 lesson = load_lesson("05_expert_parallel")
 
@@ -105,7 +105,7 @@ class Variant:
         cfg, shape = plan.cfg, plan.shape
         run_experts = lesson.grouped_experts if grouped else lesson.looped_experts
         model = lesson.build_model(cfg, args.seed, grid, device, run_experts, shape.sequences_per_step,
-                                   int(args.bucket_mb * 2**20))
+                                   bucket_bytes_from_flags(args, device))
         optimizer = build_optimizer(model.module, args.lr)
         settings = lesson.step_settings(model, grid, device, compute_dtype, args.max_grad_norm)
         self.step_fn = functools.partial(lesson.train_step, model, optimizer, settings=settings,

@@ -335,8 +335,25 @@ def add_parallel_flags(parser, axes: tuple[str, ...], fill_axis: str, bucket_fla
         parser.add_argument("--sequence-parallel", action="store_true",
                             help="with --tp > 1: split norms and the residual stream along the sequence (Megatron-SP)")
     if "dp" in axes and bucket_flag:
-        parser.add_argument("--bucket-mb", type=float, default=1.0,
-                            help="data-parallel gradient bucket size in MB (PyTorch DDP uses 25)")
+        parser.add_argument("--bucket-mb", type=float, default=None,
+                            help="data-parallel gradient bucket size in MB; default: 25 on CUDA (PyTorch DDP's), "
+                                 "1 on a CPU (default_bucket_bytes)")
+
+
+def default_bucket_bytes(device) -> int:
+    """Lessons 01-05's gradient bucket when --bucket-mb is not given, decided here alone.
+
+    CUDA: 25 MB, PyTorch DDP's default. A bucket is one NCCL call a step, and a call costs a
+    launch and some latency whatever its size: 1 MB cuts the 125m preset's 650 MB of float32
+    gradients into 86 all-reduces (about one per weight matrix), 25 MB into 14, each large enough
+    to run near the link's bandwidth. Elsewhere (gloo on a CPU): 1 MB, so that the tiny test
+    models still cut into several buckets and the tests keep their bucket counts."""
+    return 25 * 2**20 if torch.device(device).type == "cuda" else 2**20
+
+
+def bucket_bytes_from_flags(args, device) -> int:
+    """--bucket-mb in bytes, or the device's default (default_bucket_bytes) when it is not given."""
+    return default_bucket_bytes(device) if args.bucket_mb is None else int(args.bucket_mb * 2**20)
 
 
 # The flags that override a field of --preset's GPTConfig, each named as the field it sets.

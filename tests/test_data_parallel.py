@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like import comm
+from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.loss import IGNORE_INDEX
@@ -263,3 +263,32 @@ def test_bad_configurations_fail_before_any_collective():
     assert "error: bad parallel configuration" in outputs["world size"][1]
     assert "dp*pp*cp*tp = 3*1*1*1 = 3 but the world size is 2" in outputs["world size"][1]
     assert "error: bad flags:\n  - --lr -1.0 must be a positive number" in outputs["flag"][1]
+
+
+BUCKETED_LESSONS = ("01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel", "03_zero_bubble",
+                    "04_context_parallel", "05_expert_parallel")
+
+
+def test_the_default_bucket_follows_the_device_and_every_lesson_takes_it_from_one_place():
+    """25 MB on CUDA (DDP's), 1 MB on a CPU, decided by train.default_bucket_bytes alone: each
+    bucketed lesson leaves --bucket-mb unset, turns it into bytes with bucket_bytes_from_flags and
+    gives its builders no size of its own. The 125m preset's gradients (built on the meta device)
+    make 14 buckets at CUDA's default, 86 at the CPU's (the figures default_bucket_bytes quotes)."""
+    assert train.default_bucket_bytes(torch.device("cuda")) == 25 * 2**20
+    assert train.default_bucket_bytes(CPU) == train.default_bucket_bytes("cpu") == 2**20
+    for name in BUCKETED_LESSONS:
+        lesson = load_lesson(name)
+        args = lesson.parse_args([])
+        assert args.bucket_mb is None, name
+        assert train.bucket_bytes_from_flags(args, torch.device("cuda")) == 25 * 2**20, name
+        assert train.bucket_bytes_from_flags(lesson.parse_args(["--bucket-mb", "0.5"]), CPU) == 2**19, name
+        source = (REPO_ROOT / f"{name}.py").read_text()
+        assert "bucket_bytes_from_flags(args, device)" in source and "2**20" not in source, name
+    with torch.device("meta"):
+        model = GPT(get_config("125m"))
+    params = list(model.parameters())
+    wrapper = load_lesson("01_data_parallel").BucketedDataParallel
+    on_cuda = wrapper._fill_buckets(params, train.default_bucket_bytes(torch.device("cuda")))
+    on_cpu = wrapper(model, None).buckets       # the meta device's default is the CPU's
+    assert all(bucket.grads.numel() * 4 >= 25 * 2**20 for bucket in on_cuda[:-1])
+    assert (len(on_cuda), len(on_cpu)) == (14, 86)
