@@ -36,12 +36,18 @@ time and overlap by their median, collective times by the slowest rank's (a coll
 when its last rank is done). The peak FLOP/s of a CPU is the best GEMM rate measured over whole
 calls; of a GPU its published one (metrics' table), or the best measured where its name is not in
 the table. Rank 0 writes the file.
+
+One rank has no collective to measure. On one GPU of a kind the published table knows (an H200 lent
+alone, say), --calibrate still measures the GPU and takes the links and the overlap from that GPU's
+published profile, which the profile's source and `extra` then say; on a CPU, or a GPU the table does
+not know, it needs 2 ranks or more.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -58,7 +64,8 @@ from picotron_like import comm, step_costs
 from picotron_like.device_profile import COLLECTIVES, LINKS, DeviceProfile, save_profile
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.metrics import peak_flops_of_name
-from picotron_like.topology import ConfigError, init_distributed, shutdown, world_size_from_env
+from picotron_like.published_profiles import PUBLISHED_GPUS, published_profile
+from picotron_like.topology import DEVICE_ENV, ConfigError, init_distributed, shutdown, world_size_from_env
 from picotron_like.train import exit_with_error
 
 GIB = 2**30
@@ -405,8 +412,19 @@ def commit() -> str:
     return head.stdout.strip() + ("+changes" if status.stdout.strip() else "")
 
 
-def measure_profile(device: torch.device, sweep: Sweep) -> DeviceProfile:
-    """This machine's profile, measured by every rank of the default process group (all must call it)."""
+def published_stand_in(gpu_name: str, memory_gib: float) -> DeviceProfile | None:
+    """The published profile of the GPU called `gpu_name` (its table key as a whole word, the A100s
+    told apart by their memory), whose links and overlap stand in for those one rank cannot
+    measure; None for a GPU the table does not know."""
+    known = [key for key in PUBLISHED_GPUS if re.search(rf"\b{re.escape(key.split('-')[0])}\b", gpu_name)]
+    if not known:
+        return None
+    return published_profile(min(known, key=lambda key: abs(PUBLISHED_GPUS[key].memory_gib - memory_gib)))
+
+
+def measure_profile(device: torch.device, sweep: Sweep, links_from: DeviceProfile | None = None) -> DeviceProfile:
+    """This machine's profile, measured by every rank of the default process group (all must call it).
+    With `links_from` (one rank: published_stand_in), its links and overlap are taken, not measured."""
     started = time.perf_counter()
     world, per_node = dist.get_world_size(), ranks_per_node()
     cuda = device.type == "cuda"
@@ -421,15 +439,22 @@ def measure_profile(device: torch.device, sweep: Sweep) -> DeviceProfile:
     attention = {str(dtype).removeprefix("torch."): attention_points(device, dtype, sweep, overhead)
                  for dtype in dtypes}
     bandwidth = memory_bandwidth(device, sweep, overhead)
-    intra_members, intra_group, inter_members, inter_group = node_groups(world, per_node)
-    intra, intra_points = link_figures(intra_members, intra_group, device, sweep, per_node)
-    if inter_members is None:
-        inter, inter_points = intra, intra_points
-        inter_note = "one host: the inter-node figures are the intra-node ones"
+    if links_from is not None:
+        intra, inter, overlap = links_from.links["intra"], links_from.links["inter"], links_from.overlap
+        intra_points = inter_points = {}
+        group_sizes = {"intra": links_from.ranks_per_node, "inter": links_from.ranks_per_node}
+        inter_note = f"one rank: the links and the overlap are {links_from.name}'s, not measured"
     else:
-        inter, inter_points = link_figures(inter_members, inter_group, device, sweep, per_node)
-        inter_note = f"{world // per_node} nodes: groups of one rank per node"
-    overlap = overlap_share(intra_members, intra_group, device, dtypes[0], sweep)
+        intra_members, intra_group, inter_members, inter_group = node_groups(world, per_node)
+        intra, intra_points = link_figures(intra_members, intra_group, device, sweep, per_node)
+        if inter_members is None:
+            inter, inter_points = intra, intra_points
+            inter_note = "one host: the inter-node figures are the intra-node ones"
+        else:
+            inter, inter_points = link_figures(inter_members, inter_group, device, sweep, per_node)
+            inter_note = f"{world // per_node} nodes: groups of one rank per node"
+        overlap = overlap_share(intra_members, intra_group, device, dtypes[0], sweep)
+        group_sizes = {"intra": len(intra_members), "inter": len(inter_members or intra_members)}
     peaks = dict(best)
     if cuda:
         name = torch.cuda.get_device_name(device)
@@ -454,14 +479,17 @@ def measure_profile(device: torch.device, sweep: Sweep) -> DeviceProfile:
                                 f"{1 + ATTENTION_BACKWARD_FLOPS} over the forward and backward's time",
              "work": "on a CPU a GEMM's, attention's and the elementwise pass's rates leave out the per-op time "
                      "of their ops (the model adds it to each op)",
-             "group_sizes": {"intra": len(intra_members), "inter": len(inter_members or intra_members)},
+             "group_sizes": group_sizes,
              "latency": "per step of the collective's algorithm as step_costs counts them (a ring all-reduce "
                         "2 (n - 1) steps, a tree 2 log2 n, the cheaper): the fitted latency of a call over the "
                         "group measured, divided by its steps",
              "inter": inter_note,
              "collective_times": {"intra": intra_points, "inter": inter_points},
              "seconds": round(time.perf_counter() - started, 1)}
-    return DeviceProfile(name=title, source=f"--calibrate on {host}, {date}, commit {revision}",
+    source = f"--calibrate on {host}, {date}, commit {revision}"
+    if links_from is not None:
+        source += f"; links and overlap from {links_from.name}: {links_from.source}"
+    return DeviceProfile(name=title, source=source,
                          device_type=device.type, memory_gib=memory_gib, ranks_per_node=per_node,
                          capability=tuple(torch.cuda.get_device_capability(device)) if cuda else None,
                          peak_flops=peaks, gemm=gemm, attention=attention, memory_bandwidth=bandwidth,
@@ -504,19 +532,34 @@ def add_calibrate_flags(parser) -> None:
                         help="with --calibrate: a few shapes and sizes only (seconds, for tests)")
 
 
+def one_rank_stand_in() -> DeviceProfile | None:
+    """For a run of one rank, before any process group: the published profile of the GPU it will
+    run on (published_stand_in), or None on a CPU or a GPU the table does not know."""
+    if os.environ.get(DEVICE_ENV) == "cpu" or not torch.cuda.is_available():
+        return None
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    return published_stand_in(torch.cuda.get_device_name(index),
+                               torch.cuda.get_device_properties(index).total_memory / GIB)
+
+
 def calibrate(args) -> None:
     """--calibrate FILE: measure on every rank, rank 0 writes the profile and prints its summary."""
     try:
         folder = os.path.dirname(os.path.abspath(args.calibrate))
         if os.path.isdir(args.calibrate) or not os.access(folder, os.W_OK):
             raise ConfigError(f"--calibrate {args.calibrate}: cannot write a file there")
+        links_from = None
         if world_size_from_env() < 2:
-            raise ConfigError("--calibrate measures collectives too: start 2 ranks or more "
-                              "(torchrun --standalone --nproc_per_node=2 ... --calibrate FILE)")
+            links_from = one_rank_stand_in()
+            if links_from is None:
+                raise ConfigError("--calibrate measures collectives too: start 2 ranks or more "
+                                  "(torchrun --standalone --nproc_per_node=2 ... --calibrate FILE); one rank "
+                                  "calibrates only on a GPU the published table knows (" + ", ".join(PUBLISHED_GPUS)
+                                  + "), whose links it takes from there")
     except ConfigError as error:
         exit_with_error(error)
     device = init_distributed()
-    profile = measure_profile(device, sweep_for(device.type, args.calibrate_quick))
+    profile = measure_profile(device, sweep_for(device.type, args.calibrate_quick), links_from)
     if dist.get_rank() == 0:
         save_profile(profile, args.calibrate)
         print(profile_summary(profile))

@@ -11,10 +11,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from picotron_like.calibrate import fit_latency_bandwidth
+from picotron_like.calibrate import Sweep, fit_latency_bandwidth, measure_profile, published_stand_in
 from picotron_like.device_profile import COLLECTIVES, LINKS, load_profile
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.published_profiles import published_profile
+from picotron_like.testing import run_ranks
 
 LESSON = str(REPO_ROOT / "07_full_5d.py")
 
@@ -97,6 +100,34 @@ def test_calibrate_refuses_what_it_cannot_run_in_one_line(tmp_path, command, mes
     done = run([sys.executable, LESSON, *[part.format(tmp=tmp_path) for part in command]])
     assert done.returncode == 2 and done.stderr.startswith("error:"), done.stderr
     assert message.format(tmp=tmp_path) in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def measure_one_rank(sweep, links_from):
+    return measure_profile(torch.device("cpu"), sweep, links_from)
+
+
+def test_one_rank_calibrates_on_a_known_gpu_with_its_published_links(tmp_path):
+    """A GPU lent alone (one rank) has no collective to measure: --calibrate measures the device and
+    takes the links and the overlap from the published profile of its kind, saying so. The stand-in
+    is found by the GPU's name (the A100s by their memory); a CPU, or an unknown GPU, gets none and
+    must start 2 ranks. The one-rank path runs here on a gloo world of one, with the H200's links."""
+    assert published_stand_in("NVIDIA H200", 140.0).name == "H200 (published)"
+    assert published_stand_in("NVIDIA A100-SXM4-40GB", 39.4).name == "A100-40GB (published)"
+    assert published_stand_in("NVIDIA A100-SXM4-80GB", 79.2).name == "A100-80GB (published)"
+    assert published_stand_in("NVIDIA GeForce RTX 4090", 24.0) is None
+    h200 = published_profile("H200")
+    sweep = Sweep(gemm_sizes=(16, 64), attention=((2, 64, 16, True),), elementwise_numel=2**16,
+                  collective_bytes=(1024,), window_s=0.005, trials=1, collective_calls=2)
+    profile = run_ranks(1, measure_one_rank, sweep, h200)[0]
+    assert profile.links == h200.links and profile.overlap == h200.overlap
+    assert "links and overlap from H200 (published)" in profile.source
+    assert profile.extra["inter"] == "one rank: the links and the overlap are H200 (published)'s, not measured"
+    assert all(rate > 0 for point in profile.gemm["float32"] for rate in point[-1:])
+    done = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", LESSON,
+                "--calibrate", str(tmp_path / "cpu.json")])
+    assert done.returncode != 0 and not (tmp_path / "cpu.json").exists(), done.stdout + done.stderr
+    assert "error: --calibrate measures collectives too: start 2 ranks or more" in done.stderr, done.stderr
+    assert "one rank calibrates only on a GPU the published table knows (B300, " in done.stderr, done.stderr
 
 
 def test_the_fit_recovers_latency_and_bandwidth():
