@@ -29,7 +29,8 @@ arbitrary places, so the optimizer sees it as *pieces*, one view per parameter i
 its parameter's weight-decay group: decay stays exactly per parameter.
 
 The code follows the stages: ZeRO-1 (whole gradients reduce-scattered once per step, AdamW on this
-rank's pieces of the float32 master, the updated shards all-gathered), then what ZeRO-2 changes (a
+rank's pieces of the float32 master, the updated shards all-gathered while the next step's forward
+runs, each unit's gather waited for just before that unit's forward), then what ZeRO-2 changes (a
 reduce-scatter at every micro-batch into the gradient shard), then what ZeRO-3 adds (each unit
 gathered just before its forward and again for its backward, freed after, the next one
 prefetched); then mixed precision (bf16 weights beside a float32 master), in a section of its
@@ -190,11 +191,24 @@ class ZeroDataParallel(nn.Module):
     and dropped. On the last micro-batch the unit's reduction starts at once, while autograd still
     computes the units before it; each unit reduces its own buffer in place, so every unit's
     reduction may be in flight together.
+
+    Weights: the step ends with every unit's all-gather started, none waited for. A forward
+    pre-hook on each unit waits for that unit's gather alone, just before it computes, so the
+    later units' gathers run while the earlier ones compute (Megatron's overlap of the parameter
+    all-gather with the forward):
+
+        step:     AdamW  gather(u0) gather(u1) gather(u2) ...      (started, in flight)
+        forward:  wait(u0) [u0 fwd] wait(u1) [u1 fwd] wait(u2) ...
+
+    A forward of any kind (validation, a sample) waits the same way; whatever reads the weights
+    otherwise (a checkpoint, the end of the run) calls wait_for_weights() first.
+    `overlap_weight_gather=False` waits for every gather inside the step instead.
     """
 
     stage = 1
 
-    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), replicate: bool = False):
+    def __init__(self, module: nn.Module, group, precision: Precision = Precision(), replicate: bool = False,
+                 overlap_weight_gather: bool = True):
         super().__init__()
         if replicate:
             self.stage = 0
@@ -207,10 +221,16 @@ class ZeroDataParallel(nn.Module):
         if sum(len(unit.params) for unit in self.units) != len(names):
             raise ConfigError("every parameter must belong to exactly one unit (embedding, block or head)")
         self._reductions = []       # this step's reductions in flight
+        self._weight_gathers = {}   # module unit index -> its flat units' all-gathers in flight
         for unit in self.units:
             self._shard_states(unit)
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(partial(self._grad_ready, unit))
+        # Stage 0 gathers nothing, and ZeRO-3 gathers each unit before its forward anyway.
+        self.overlap_weight_gather = overlap_weight_gather and self.stage in (1, 2)
+        if self.overlap_weight_gather:
+            for index, modules in enumerate(unit_modules(module)):
+                modules[0].register_forward_pre_hook(partial(self._gathered_before_forward, index))
 
     def flat_units(self, named_params: list) -> list[FlatUnit]:
         """A module unit's flat units: one, over the data-parallel group, with a shard per rank
@@ -281,29 +301,55 @@ class ZeroDataParallel(nn.Module):
     def step(self, optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
         """AdamW on this rank's shard of the float32 master unless the norm is not finite
         (optimizer_step: returns whether it skipped), its gradients dropped after (they are
-        rebuilt from the shard each step), then every rank's weights updated."""
+        rebuilt from the shard each step), then every rank's weights updated: their all-gathers
+        started, and waited for here only without the overlap."""
+        self.wait_for_weights()     # a unit no forward ran since the last step: its gather reads the master
         skipped = optimizer_step(optimizer, grad_norm)
         optimizer.zero_grad()
-        self.publish_master()
+        self._start_weight_gathers()
+        if not self.overlap_weight_gather:
+            self.wait_for_weights()
         return skipped
 
-    def _publish(self, unit: FlatUnit) -> None:
-        """Cast the updated master into this rank's shard of the weights, then gather every shard
-        in place (stage 0 has one shard: nothing to gather)."""
+    def _publish(self, unit: FlatUnit):
+        """Cast the updated master into this rank's shard of the weights, then start gathering every
+        shard in place; returns the all-gather in flight (stage 0 has one shard: None, nothing to gather)."""
         owner = unit.shard(unit.flat_params)
         if owner.data_ptr() != unit.master.data_ptr():
             owner.copy_(unit.master)
-        if self.stage > 0:
-            comm.call(comm.all_gather_single, unit.flat_params, owner, group=unit.group)
+        if self.stage == 0:
+            return None
+        return comm.call(comm.all_gather_single, unit.flat_params, owner, group=unit.group, async_op=True)
+
+    def _start_weight_gathers(self) -> None:
+        """Every unit's weights from the master, gathers left in flight, kept by module unit."""
+        for index, units in enumerate(self.unit_groups):
+            gathers = [work for work in map(self._publish, units) if work is not None]
+            if gathers:
+                self._weight_gathers[index] = gathers
+
+    def _gathered_before_forward(self, index: int, module, args) -> None:
+        """Module unit `index` whole before it computes: its own gathers waited for, the later
+        units' left running (on a GPU, wait() orders the compute stream after the gather: the host
+        does not block)."""
+        for work in self._weight_gathers.pop(index, ()):
+            work.wait()
+
+    def wait_for_weights(self) -> None:
+        """Every unit's weights whole: each gather still in flight waited for. A forward waits unit
+        by unit by itself; anything else that reads the weights or the master calls this first."""
+        for index in list(self._weight_gathers):
+            self._gathered_before_forward(index, None, None)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for unit in self.units:
             unit.grad_buffer.zero_()
 
     def publish_master(self) -> None:
-        """Every rank's weights from the master: after each step, and after a checkpoint loaded it."""
-        for unit in self.units:
-            self._publish(unit)
+        """Every rank's weights from the master, gathered before it returns: after a checkpoint or
+        a Hub folder loaded the master."""
+        self._start_weight_gathers()
+        self.wait_for_weights()
 
 
 def build_sharded_optimizer(model: ZeroDataParallel, lr: float) -> torch.optim.AdamW:
@@ -459,13 +505,15 @@ def precision_from_flags(dtype: str, reduce_dtype: str, device) -> Precision:
 
 
 def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Precision(),
-              reshard_after_forward: bool = True, prefetch: bool = True) -> ZeroDataParallel:
-    """`module` in its compute dtype's place: cast nothing beforehand, the units do it."""
+              reshard_after_forward: bool = True, prefetch: bool = True,
+              overlap_weight_gather: bool = True) -> ZeroDataParallel:
+    """`module` in its compute dtype's place: cast nothing beforehand, the units do it.
+    reshard_after_forward and prefetch are ZeRO-3's, overlap_weight_gather ZeRO-1/2's."""
     if stage == 3:
         return ZeroStage3(module, group, precision, reshard_after_forward, prefetch)
     if stage == 2:
-        return ZeroStage2(module, group, precision)
-    return ZeroDataParallel(module, group, precision, replicate=stage == 0)
+        return ZeroStage2(module, group, precision, overlap_weight_gather=overlap_weight_gather)
+    return ZeroDataParallel(module, group, precision, replicate=stage == 0, overlap_weight_gather=overlap_weight_gather)
 
 
 def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> torch.Tensor:
@@ -651,6 +699,9 @@ def add_zero_flags(parser) -> None:
                         help="ZeRO-3: free each unit after its forward and gather it again for backward")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="ZeRO-3: start gathering the next unit while this one computes")
+    parser.add_argument("--overlap-weight-gather", action=argparse.BooleanOptionalAction, default=True,
+                        help="ZeRO-1/2: leave the updated weights' all-gathers running after the step, each unit's "
+                             "waited for just before its next forward; off: the step waits for them all")
 
 
 def main(argv=None):
@@ -660,7 +711,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     precision = precision_from_flags(args.dtype, args.reduce_dtype, device)
     model = wrap_zero(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.zero_stage, precision,
-                      args.reshard_after_forward, args.prefetch)
+                      args.reshard_after_forward, args.prefetch, args.overlap_weight_gather)
     optimizer = build_sharded_optimizer(model, args.lr)
     settings = step_settings(device, precision, args.max_grad_norm)
     log0(f"lesson 06: ZeRO-{args.zero_stage} over dp = {grid.dp_size} ranks, {len(model.units)} units, "
@@ -672,6 +723,7 @@ def main(argv=None):
     throughput = train(args, optimizer, partial(train_step, model, optimizer, settings=settings), batches,
                        evaluate=partial(evaluate, model, settings=settings),
                        meters=StepMeters((SavedTensorMeters(gathered),)), cfg=plan.cfg)
+    model.wait_for_weights()        # the last step's gathers, before the report and the process group's end
     report(model, MeteredRun(model.module, optimizer, None, throughput, plan.cfg, plan.shape.seq_len, grid.dp_size,
                              device, throughput.steps), gathered, plan.shape.grad_accum)
     shutdown()

@@ -152,7 +152,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
     model = (wrap_zero_with_experts(one_module(chunks, grid), grid, args, precision) if cfg.n_experts else
              zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
-                            args.reshard_after_forward, args.prefetch))
+                            args.reshard_after_forward, args.prefetch, args.overlap_weight_gather))
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
@@ -308,7 +308,8 @@ def wrap_zero_with_experts(module, grid, args, precision):
     with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class), {"edp_group": grid.edp_group})
     if args.zero_stage == 3:
         return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
-    return with_experts(module, grid.dp_cp_group, precision, **({"replicate": True} if args.zero_stage == 0 else {}))
+    return with_experts(module, grid.dp_cp_group, precision, replicate=args.zero_stage == 0,
+                        overlap_weight_gather=args.overlap_weight_gather)
 
 
 # ---------------------------------------------------------------------------- 03 x 06: pipeline x ZeRO
@@ -873,6 +874,7 @@ def main(argv=None):
                                sampling.training_sampler(args, plan.cfg, grid, model, settings,
                                                          partial(outside_training, model)),
                                checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
+    model.wait_for_weights()        # the last step's gathers, before the report and the process group's end
     measurement.report(run, meters, throughput, device)
     first_steps.report()
     shutdown()

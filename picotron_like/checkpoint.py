@@ -747,6 +747,7 @@ def checkpoint_saver(args, cfg, shape, grid, model, optimizer) -> AfterStep | No
 
     def save_step(step: int, last: bool) -> None:
         info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
+        model.wait_for_weights()    # the weights' all-gathers a ZeRO step leaves running read the float32 master
         save(args.save_dir, step + 1, slices, optimizer, info, args.keep_last)
 
     return AfterStep(due, save_step)

@@ -22,8 +22,8 @@ from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 from test_zero import (ADAM_EPS, BF16, BF16_ROUNDING, CFG, CPU, LR, MAX_GRAD_NORM, MOE_CFG, PARAM_TOLERANCE, SEED,
-                       SEQ, STEPS, TOLERANCE, assert_equal, assert_formulas, batches, bf16_reference,
-                       parameter_change_error, reference, relative_error, zero_run)
+                       SEQ, STEPS, TOLERANCE, assert_equal, assert_formulas, assert_overlap_changes_only_the_timing,
+                       batches, bf16_reference, parameter_change_error, reference, relative_error, zero_run)
 
 __all__ = ["reference"]     # the one-device fixture, shared with lesson 06's tests
 
@@ -79,6 +79,7 @@ def composed():
     for stage in (0, 1):
         runs[f"pp stage {stage}"] = zero_run(pp_grid.shape, stage, grid=pp_grid)
     runs["pp bf16 stage 1"] = zero_run(pp_grid.shape, 1, precision=BF16, grid=pp_grid)
+    runs["pp stage 1 no overlap"] = zero_run(pp_grid.shape, 1, grid=pp_grid, overlap=False)
     for stage in (1, 2, 3):
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
@@ -100,7 +101,8 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     group and counts replicated gains once), equal to lessons 02 + 01 on the same ranks; dp 2 x cp 2:
     ZeRO over the four dp x cp ranks, equal to one device; pp 2 x dp 2: lesson 03's 1F1B over three
     micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
-    equal to one device, and in bf16 to the one-device bf16 regime; dp 4 with ep 2 (tiny-moe): dense
+    equal to one device, and in bf16 to the one-device bf16 regime, its weight all-gathers overlapped
+    with the next forward equal to them waited for in the step; dp 4 with ep 2 (tiny-moe): dense
     units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
     routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
     Formulas byte for byte in all of them. Experts with ZeRO and each other axis together (cp with
@@ -114,6 +116,7 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
             assert_equal(run, reference, where, names=run["params"])
             assert_formulas(run, where)
             covered[stage] |= set(run["params"])
+        assert_overlap_changes_only_the_timing(runs["pp stage 1"], runs["pp stage 1 no overlap"], f"rank={rank} pp")
         run, where = runs["pp bf16 stage 1"], f"rank={rank} pp bf16 stage 1"
         expected = {key: {name: bf16[key][name] for name in run["params"]} for key in ("grads", "params")}
         assert relative_error(run["grads"], expected["grads"]) < 2 * BF16_ROUNDING, where

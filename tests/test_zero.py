@@ -94,29 +94,36 @@ def observe_gradients(model, optimizer) -> dict:
 
 
 def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: bool = True,
-             precision=FP32, grid=None, cfg=CFG) -> dict:
+             precision=FP32, grid=None, cfg=CFG, overlap: bool = True) -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
     their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula.
     Dense on data parallelism alone: lesson 06 as its main() builds it. Any other layout (tp, cp,
     pp, experts): through lesson 07's parallelize and composed step, where ZeRO meets the other
-    axes (tests/test_full_5d_composition.py); with pp > 1 the rank's stage runs lesson 03's 1F1B."""
+    axes (tests/test_full_5d_composition.py); with pp > 1 the rank's stage runs lesson 03's 1F1B.
+    overlap: ZeRO-1/2's weight all-gathers left running into the next forward (lesson 06's default),
+    or waited for in the step; "weights" are the module's own after the last step's gathers, and
+    "in_flight" counts, at each micro-batch's first unit (after ZeRO's own hook), the module units
+    whose gathers are still running."""
     zero = lesson()
     grid = grid or ProcessGrid(grid_shape)
     precision = zero.Precision(**precision)
     data = batches(grid.dp_size)
     alone = grid_shape == GridShape(dp=grid_shape.dp) and not cfg.n_experts
     if alone:
-        model = zero.wrap_zero(GPT(cfg, seed=SEED), grid.dp_cp_group, stage, precision, reshard, prefetch)
+        model = zero.wrap_zero(GPT(cfg, seed=SEED), grid.dp_cp_group, stage, precision, reshard, prefetch, overlap)
         pipeline, settings, step = None, zero.step_settings(CPU, precision, MAX_GRAD_NORM), zero.train_step
     else:
         full_5d = load_lesson("07_full_5d")
-        args = composed_args(grid, stage, reshard, prefetch, precision, data.shape)
+        args = composed_args(grid, stage, reshard, prefetch, precision, data.shape, overlap)
         model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
         settings, step = full_5d.step_settings(grid, CPU, precision, MAX_GRAD_NORM), full_5d.train_step
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
     seen = observe_gradients(model, optimizer)
+    in_flight = []      # at each step's first forward: the units' gathers still running
+    zero.unit_modules(model.module)[0][0].register_forward_pre_hook(
+        lambda module, args: in_flight.append(len(model._weight_gathers)))
     split = context_split(grid)
     comm.meter.reset()
     meter = GatheredParameterMeter(model.module)
@@ -127,6 +134,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             batch = split(batch)
         with SavedTensorMeters(meter) if step_index == 0 else torch.enable_grad():
             results.append(step(model if pipeline is None else pipeline, optimizer, batch, settings))
+    model.wait_for_weights()        # as main() does before its report
     n, n_micro = grid.dp_size * grid.cp_size, data.shape.grad_accum
     norm_groups = (("dp_cp",) if stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     if alone:       # lesson 06's formulas on its units' sizes, as its report applies them
@@ -148,7 +156,9 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
                                     precision)
     params = gathered(model, lambda unit: unit.master)
-    return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params,
+    weights = {name: param.detach().clone() for name, param in model.module.named_parameters()}
+    return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params, "weights": weights,
+            "in_flight": in_flight, "n_units": len(model.unit_groups),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "states": asdict(zero.measured_model_states(model, optimizer)),
             "predicted_states": asdict(predicted_states),
@@ -159,7 +169,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             "inner_predicted": inner is not None}
 
 
-def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, shape):
+def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, shape, overlap: bool = True):
     """Lesson 07's flags for this layout and ZeRO setting, with the defaults lesson 06's own
     build used before the composition moved to 07 (looped experts, fused zigzag ring)."""
     dtypes = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -169,7 +179,8 @@ def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, sh
         "--dtype", dtypes[precision.param_dtype], "--reduce-dtype", dtypes[precision.reduce_dtype],
         "--micro-batch-size", str(shape.micro_batch_size), "--seq-len", str(shape.seq_len),
         "--grad-accum", str(shape.grad_accum), "--no-grouped-mm",
-        *([] if reshard else ["--no-reshard-after-forward"]), *([] if prefetch else ["--no-prefetch"])])
+        *([] if reshard else ["--no-reshard-after-forward"]), *([] if prefetch else ["--no-prefetch"]),
+        *([] if overlap else ["--no-overlap-weight-gather"])])
 
 
 def context_split(grid):
@@ -221,7 +232,27 @@ def reference():
 def every_stage():
     shape = GridShape(dp=dist.get_world_size())
     grid = ProcessGrid(shape)
-    return {f"stage {s} reshard={r} prefetch={p}": zero_run(shape, s, r, p, grid=grid) for s, r, p in STAGES}
+    runs = {f"stage {s} reshard={r} prefetch={p}": zero_run(shape, s, r, p, grid=grid) for s, r, p in STAGES}
+    for stage in (1, 2):
+        runs[f"stage {stage} no overlap"] = zero_run(shape, stage, grid=grid, overlap=False)
+    return runs
+
+
+def assert_overlap_changes_only_the_timing(overlapped: dict, waited: dict, where: str) -> None:
+    """ZeRO-1/2 with the weights' all-gathers overlapped with the next forward against the step
+    waiting for them: the same losses, norms, gradients before and after clipping, master and
+    gathered weights, bit for bit, and the same collectives. Overlapped, each step after the first
+    reaches its first unit with every later unit's gather still running (the first unit's own was
+    waited for by ZeRO's hook, run before the test's); waited for, none."""
+    for key in ("losses", "norms", "traffic", "states"):
+        assert overlapped[key] == waited[key], f"{where} {key}"
+    for key in ("grads", "clipped_grads", "params", "weights"):
+        for name, tensor in waited[key].items():
+            assert torch.equal(overlapped[key][name], tensor), f"{where} {key} {name}"
+    micro = len(overlapped["in_flight"]) // STEPS
+    later_units = overlapped["n_units"] - 1
+    assert overlapped["in_flight"] == [0] * micro + ([later_units] + [0] * (micro - 1)) * (STEPS - 1), where
+    assert set(waited["in_flight"]) == {0}, where
 
 
 @pytest.mark.parametrize("dp", [2, 3])
@@ -233,6 +264,12 @@ def test_every_stage_equals_one_device_and_its_formulas(dp, reference):
         for variant, result in variants.items():
             assert_equal(result, reference, f"dp={dp} rank={rank} {variant}")
             assert_formulas(result, f"dp={dp} rank={rank} {variant}")
+        for stage in (1, 2):
+            overlapped = variants[f"stage {stage} reshard=True prefetch=True"]
+            assert_overlap_changes_only_the_timing(overlapped, variants[f"stage {stage} no overlap"],
+                                                   f"dp={dp} rank={rank} stage {stage}")
+            for name, weight in overlapped["weights"].items():     # float32: the weights are the master
+                assert torch.equal(weight, overlapped["params"][name]), f"dp={dp} rank={rank} {name}"
     if dp == 3:
         assert any(count % 3 for count in load_lesson("07_memory_plan").unit_parameter_counts(CFG)), \
             "padding must be exercised"
@@ -295,6 +332,7 @@ def master_accumulates_small_updates() -> dict:
     data, after = batches(grid.dp_size), []
     for step in range(12):
         zero.train_step(model, optimizer, data.step_batch(step % STEPS, grid.dp_rank), settings)
+        model.wait_for_weights()    # the gain is read outside a forward
         after.append((gain.detach().float().clone(), gathered(model, lambda unit: unit.master)["layers.0.attn_norm.weight"]))
     return {"after": after, "bf16_alone": float((torch.ones(4, dtype=torch.bfloat16) - 1e-3).float()[0])}
 
@@ -353,6 +391,7 @@ def mixed_precision_and_pytorch():
     shape = GridShape(dp=dist.get_world_size())
     grid = ProcessGrid(shape)
     runs = {f"bf16 stage {s}": zero_run(shape, s, precision=BF16, grid=grid) for s in range(4)}
+    runs["bf16 stage 1 no overlap"] = zero_run(shape, 1, precision=BF16, grid=grid, overlap=False)
     runs["bf16 fp32-grads stage 2"] = zero_run(shape, 2, precision=BF16_FP32_GRADS, grid=grid)
     runs["bf16 fp32-grads stage 3 kept"] = zero_run(shape, 3, False, precision=BF16_FP32_GRADS, grid=grid)
     runs["ours stage 3"] = zero_run(shape, 3, grid=grid)
@@ -400,6 +439,9 @@ def test_mixed_precision_and_against_pytorch(reference):
             elif name.startswith("ours"):
                 assert_equal(result, reference, where)
                 assert_formulas(result, where)
+        assert_overlap_changes_only_the_timing(runs["bf16 stage 1"], runs["bf16 stage 1 no overlap"], f"rank={rank}")
+        for name, weight in runs["bf16 stage 1"]["weights"].items():    # gathered: the master's bf16 cast
+            assert torch.equal(weight, runs["bf16 stage 1"]["params"][name].to(torch.bfloat16)), name
         for ours, theirs in (("ours stage 3", "fsdp2 reshard"), ("ours stage 3 kept", "fsdp2 kept")):
             for key in ("losses", "grads"):
                 expected = reference[key] if key == "grads" else torch.tensor(reference[key])
