@@ -463,13 +463,25 @@ def zero_timeline(compute: list[float], gathers: list[float], reduces: list[floa
     return clock - sum(compute), max(0.0, stream - clock)
 
 
+def gathers_before_forward(forward: list[float], gathers: list[float]) -> float:
+    """ZeRO-1/2's overlapped weight gathers: all started at the step's end, one after another on
+    the stream; each unit's forward of the next step waits for its own. Returns the forward's waits
+    (the first unit's whole gather at least: nothing computes before it)."""
+    clock = ready = 0.0
+    for seconds, gather in zip(forward, gathers):
+        ready += gather
+        clock = max(clock, ready) + seconds
+    return clock - sum(forward)
+
+
 def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank: int,
                  micro: MicroBatchSeconds, m: int) -> tuple[float, float]:
     """(exposed communication, optimizer tail) of lesson 06 over dp x cp (experts over edp) on
     stage `pp_rank`, unit by unit on the group's link. Reductions start as each unit's backward
     ends (stages 0-1 in the last micro-batch only, 2-3 in every one, whose tail the next
     micro-batch's forward hides); ZeRO-3 gathers each unit behind the unit before it, forward
-    and (resharded) backward; stages 1-2 gather the weights after the step, waiting for them."""
+    and (resharded) backward; stages 1-2 gather the weights after the step, behind the next
+    step's first forward (or with --no-overlap-weight-gather waiting for them)."""
     units = zero_units(cfg, args, grid, ep, pp_rank)
     rank = grid.rank_of(pp=pp_rank)
     dense_ranks = group_of(grid, ("dp", "cp"), rank)
@@ -502,9 +514,12 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     exposed += waits + tail
     communication = (sum(reduces) * (m if stage >= 2 else 1) + sum(gathers) * m * (1 + args.reshard_after_forward)
                      * (stage == 3))
+    if stage in (1, 2) and args.overlap_weight_gather:
+        exposed += gathers_before_forward(forward, gathers)
+        communication += sum(gathers)
     # of the part the timeline hides behind compute, contention still adds (1 - overlap)
     exposed += (1 - device.overlap) * max(0.0, communication - exposed)
-    if stage in (1, 2):
+    if stage in (1, 2) and not args.overlap_weight_gather:
         exposed += sum(gathers)
     # the loss's and the gradient norm's small all-reduces over the whole grid's data ranks
     exposed += 2 * step_costs.collective_seconds(device, "all_reduce", 8, dense_ranks)
@@ -559,7 +574,8 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
             f"overlap as the code does it: tp's, Ulysses', ep's and pp's collectives on the critical path; ring "
             f"attention's sends behind one block's attention; gradient reductions unit by unit behind the rest of the "
             f"backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward too); ZeRO-3's "
-            f"gather of a unit behind the unit before it; ZeRO-1/2's weight all-gather after the step, waited for; "
+            f"gather of a unit behind the unit before it; ZeRO-1/2's weight all-gathers behind the next step's "
+            f"first forward, each unit's waited for before it (--no-overlap-weight-gather: in the step); "
             f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
             "experts: balanced routing (every expert receives k T / E of the tokens)"]
 

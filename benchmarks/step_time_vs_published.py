@@ -73,7 +73,9 @@ def layout_args(grid: GridShape, micro: int, zero_stage: int):
     return full_5d.parse_args(["--dp", str(grid.dp), "--tp", str(grid.tp), "--pp", str(grid.pp),
                                "--zero-stage", str(zero_stage), "--micro-batch-size", str(micro),
                                "--grad-accum", str(accum), "--seq-len", str(SEQ), "--recompute", "none",
-                               "--dtype", "bfloat16", "--gpu", "H100", "--gpus", str(grid.world_size), "--compile"]
+                               "--dtype", "bfloat16", "--gpu", "H100", "--gpus", str(grid.world_size), "--compile",
+                               # nanotron's ZeRO-1 all-gathers the weights inside its optimizer step and waits
+                               "--no-overlap-weight-gather"]
                               + ["--sequence-parallel"] * (grid.tp > 1))
 
 

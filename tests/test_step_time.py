@@ -96,16 +96,20 @@ def planned(flags: list[str], grid: GridShape, device=H100, accum: int = 4):
     return plan().plan_layout(get_config("1b"), args, grid, 1, shape, full_5d.zero.Precision(torch.bfloat16), device)
 
 
-def test_zero_1s_weight_gather_after_the_step_is_exposed_and_zero_0_has_none():
-    """ZeRO-1 gathers the updated weights after the step and waits for them: its dp part holds at
-    least every unit's all-gather. ZeRO-0 gathers nothing and all-reduces each unit's float32
-    gradients as its backward ends, behind the rest of the backward: less than all of their time
-    is exposed."""
+def test_zero_1s_weight_gathers_hide_behind_the_next_forward_unless_waited_for_and_zero_0_has_none():
+    """ZeRO-1 gathers the updated weights after the step. Waited for in the step
+    (--no-overlap-weight-gather), its dp part holds at least every unit's all-gather; left running
+    into the next forward, less, but at least the first unit's, before which nothing computes.
+    ZeRO-0 gathers nothing and all-reduces each unit's float32 gradients as its backward ends,
+    behind the rest of the backward: less than all of their time is exposed."""
     grid, node = GridShape(dp=8), list(range(8))
-    stage_0, stage_1 = planned(["--zero-stage", "0"], grid), planned(["--zero-stage", "1"], grid)
-    units = plan().zero_units(get_config("1b"), stage_1.args, grid, 1, 0)
-    gathers = sum(step_costs.collective_seconds(H100, "all_gather", count * 2, node) for count in units.dense)
-    assert stage_1.seconds["dp"] >= gathers > 0
+    stage_0, overlapped = planned(["--zero-stage", "0"], grid), planned(["--zero-stage", "1"], grid)
+    waited = planned(["--zero-stage", "1", "--no-overlap-weight-gather"], grid)
+    units = plan().zero_units(get_config("1b"), waited.args, grid, 1, 0)
+    gathers = [step_costs.collective_seconds(H100, "all_gather", count * 2, node) for count in units.dense]
+    assert waited.seconds["dp"] >= sum(gathers) > 0
+    assert gathers[0] <= overlapped.seconds["dp"] < waited.seconds["dp"]
+    assert plan().gathers_before_forward([1.0, 1.0, 1.0], [0.5, 0.5, 3.0]) == 2.0    # u2's gather ends at 4
     reductions = sum(step_costs.collective_seconds(H100, "all_reduce", count * 4, node) for count in units.dense)
     assert 0 < stage_0.seconds["dp"] < reductions
 
@@ -134,7 +138,7 @@ def test_the_plan_states_the_model_it_prices_with():
     lines = "\n".join(plan().plan_assumptions(H100))
     for words in ("H100 (published)", "NVIDIA H100 SXM data sheet", "at the profile's measured rate for its shape",
                   "latency per algorithm step", "per rank of the group on each node", "overlap as the code does it",
-                  f"{1 - H100.overlap:.0%} is still added (contention)", "ZeRO-1/2's weight all-gather after the step"):
+                  f"{1 - H100.overlap:.0%} is still added (contention)", "ZeRO-1/2's weight all-gathers behind the next step's"):
         assert words in lines, words
 
 
