@@ -370,7 +370,7 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
 
 def tp_counts_toward_norm(tp_group):
     """For clip_grad_norm_: count replicated parameters (norm gains) on tp rank 0 only."""
-    first = dist.get_rank(tp_group) == 0
+    first = group_rank(tp_group) == 0
     return lambda param: first or not getattr(param, "tp_replicated", False)
 
 
@@ -389,7 +389,7 @@ def start_all_gather_sequence(x, group):
     something else while the all-gather travels.
     """
     shard = x.transpose(0, 1).contiguous()
-    full = shard.new_empty((dist.get_world_size(group) * shard.shape[0], *shard.shape[1:]))
+    full = shard.new_empty((group_size(group) * shard.shape[0], *shard.shape[1:]))
     work = comm.call(comm.all_gather_single, full, shard, group=group, async_op=True)
 
     def wait():
@@ -405,7 +405,7 @@ def all_gather_sequence(x, group):
 
 def reduce_scatter_sequence(x, group):
     """Partial sums [b, s, h] on each rank -> rank r holds tokens [r*s/tp, (r+1)*s/tp) of the sum."""
-    tp = dist.get_world_size(group)
+    tp = group_size(group)
     if x.shape[1] % tp:
         # Checked on every rank from the same shape, before the collective, so no rank waits alone.
         raise ConfigError(f"sequence length {x.shape[1]} is not divisible by tp={tp}: sequence "

@@ -347,7 +347,7 @@ class Pipeline:
                  device, compute_dtype=torch.float32):
         self.chunks, self.schedule, self.virtual_stages = chunks, schedule, virtual_stages
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
-        self.peer_ranks = dist.get_process_group_ranks(grid.pp_group)  # pipeline index -> global rank
+        self.peer_ranks = dist.get_process_group_ranks(comm.process_group(grid.pp_group))  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
         self.device, self.compute_dtype = device, compute_dtype
@@ -469,7 +469,7 @@ class Pipeline:
             if transfer.direction == "recv":
                 buffer = torch.empty(self.activation_shape, dtype=self.boundary_dtype, device=self.device)
                 (inputs if message.kind == "activation" else grads)[(message.stage, message.micro_batch)] = buffer
-                operations.append(dist.P2POp(dist.irecv, buffer, peer, self.pp_group))
+                operations.append(comm.P2POp(dist.irecv, buffer, peer, self.pp_group))
                 continue
             if message.kind == "activation":
                 tensor = outputs[(message.stage - 1, message.micro_batch)].detach()
@@ -482,7 +482,7 @@ class Pipeline:
                                    f"{tensor.dtype}, but its neighbour expects {self.activation_shape} "
                                    f"{self.boundary_dtype}: "
                                    f"pass the boundary shape the chunks produce")
-            operations.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
+            operations.append(comm.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
         return comm.call(dist.batch_isend_irecv, operations) if operations else []
 
 

@@ -258,8 +258,8 @@ def ring_pass(send: torch.Tensor, cp: ContextParallel):
     other and deadlock; batched, they are posted together.
     """
     received = torch.empty_like(send)
-    requests = comm.call(dist.batch_isend_irecv, [dist.P2POp(dist.isend, send, cp.next_rank, cp.group),
-                                                  dist.P2POp(dist.irecv, received, cp.prev_rank, cp.group)])
+    requests = comm.call(dist.batch_isend_irecv, [comm.P2POp(dist.isend, send, cp.next_rank, cp.group),
+                                                  comm.P2POp(dist.irecv, received, cp.prev_rank, cp.group)])
 
     def wait() -> torch.Tensor:
         for request in requests:

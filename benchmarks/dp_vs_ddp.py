@@ -60,7 +60,7 @@ def main():
         log0(f"ours {mode:<9} bucket {bucket_mb:>5} MB: {shape.tokens_per_step / seconds:>9,.0f} tok/s, "
              f"{calls:.0f} gradient all-reduces per step")
 
-    ddp = DistributedDataParallel(GPT(cfg, seed=args.seed).to(device), process_group=grid.dp_group)
+    ddp = DistributedDataParallel(GPT(cfg, seed=args.seed).to(device), process_group=comm.process_group(grid.dp_group))
     optimizer = build_optimizer(ddp.module, args.lr)
 
     def ddp_step(step):

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import cross_entropy_loss
@@ -129,7 +130,7 @@ def torch_tensor_parallel(cfg, tp_group, shard_embedding_and_head: bool):
                                                    parallelize_module)
 
     model = GPT(cfg, seed=SEED)
-    mesh = DeviceMesh.from_group(tp_group, "cpu", mesh_dim_names=("tp",))
+    mesh = DeviceMesh.from_group(comm.process_group(tp_group), "cpu", mesh_dim_names=("tp",))
     plan = {}
     for index in range(cfg.n_layers):
         for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
@@ -202,7 +203,7 @@ def torch_pipeline(cfg, grid, schedule_class, shape: BatchShape):
 
     (chunk,) = pipeline_parallel.build_stage_chunks(cfg, SEED, grid.pp_size, grid.pp_rank)
     stage = PipelineStage(LogitsStage(chunk, shape.seq_len), grid.pp_rank, grid.pp_size, torch.device("cpu"),
-                          group=grid.pp_group)
+                          group=comm.process_group(grid.pp_group))
     n_targets = [0]  # the current step's global target count, read by loss_fn
 
     def loss_fn(logits, targets):
@@ -229,7 +230,7 @@ def torch_pipeline(cfg, grid, schedule_class, shape: BatchShape):
 
 def global_loss(step_fn, batch, group, replicated: bool) -> float:
     """The step's loss as the whole group sees it: one rank's copy (tp), or the sum over stages (pp)."""
-    loss = step_fn(batch).reshape(1).clone()
+    loss, group = step_fn(batch).reshape(1).clone(), comm.process_group(group)
     if replicated and dist.get_rank(group) != 0:
         loss.zero_()
     dist.all_reduce(loss, group=group)

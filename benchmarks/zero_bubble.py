@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import cross_entropy_loss
@@ -92,7 +93,8 @@ def torch_schedule(cfg, grid, schedule_class, stage_indices: list[int], n_stages
     ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, n_stages)
     modules = [pipeline_parallel.PipelineStage(cfg, SEED, ranges[index], has_embedding=index == 0,
                                                has_head=index == n_stages - 1) for index in stage_indices]
-    stages = [PipelineStage(timing.LogitsStage(module, shape.seq_len), index, n_stages, CPU, group=grid.pp_group)
+    stages = [PipelineStage(timing.LogitsStage(module, shape.seq_len), index, n_stages, CPU,
+                            group=comm.process_group(grid.pp_group))
               for index, module in zip(stage_indices, modules)]
     n_targets = [0]  # the current step's global target count, read by loss_fn
 
@@ -143,7 +145,7 @@ class StageTimeline:
             self.events.append((action, self._running.pop() - self._t0, time.perf_counter() - self._t0))
 
     def __enter__(self):
-        dist.barrier(group=self.group)
+        dist.barrier(group=comm.process_group(self.group))
         self.events, self._running, self._t0 = [], [], time.perf_counter()
         self._calls = CallObserver([getattr(type(stage), name) for stage in self.stages for name in self.methods],
                                    on_call=self._started, on_return=self._ended)

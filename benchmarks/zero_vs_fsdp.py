@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from picotron_like import comm
 from picotron_like.data import TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import log0
@@ -201,7 +202,7 @@ def torch_step(model, optimizer, args, device, compute_dtype, before_micro_batch
 
 
 def torch_ddp(cfg, args, grid, device, compute_dtype):
-    model = DistributedDataParallel(GPT(cfg, seed=args.seed).to(device), process_group=grid.dp_group,
+    model = DistributedDataParallel(GPT(cfg, seed=args.seed).to(device), process_group=comm.process_group(grid.dp_group),
                                     gradient_as_bucket_view=True)
     optimizer = build_optimizer(model.module, args.lr)
     no_sync = lambda last: nullcontext() if last else model.no_sync()  # noqa: E731

@@ -4,8 +4,12 @@ The communication meter: every collective a lesson issues goes through ``comm.ca
     handle = comm.call(dist.all_reduce, bucket, group=dp_group, async_op=True)
 
 The line still shows the real ``torch.distributed`` call and its arguments; ``call`` only counts it
-(one call, the size of its message, the process group) and then makes it. At the end of a run
+(one call, the size of its message, the axis) and then makes it. At the end of a run
 each lesson prints what was counted next to what its formula predicted.
+
+The grid's groups are ``AxisGroup`` handles: an axis's name beside its process group. Axes with the
+same members share one process group (one communicator), and the meter still reports each
+collective under the axis the lesson named; ``call`` passes torch the process group itself.
 
 Two sizes are recorded per call:
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,15 +46,45 @@ _KIND_NAMES = {"all_gather_into_tensor": "all_gather_single", "reduce_scatter_te
 _group_names: dict = {}
 
 
+@dataclass(frozen=True, eq=False)
+class AxisGroup:
+    """One axis's process group as the grid hands it out: the group, and the axis's name.
+
+    Axes whose members are the same ranks (dp and dp x cp when cp = 1, edp and dp x cp when
+    ep = 1) share one process group, so one communicator, not one each (on NCCL each costs GPU
+    memory and start-up time). The handle keeps their traffic apart in the meter: ``call``
+    reports a collective under the name of the handle it was given and hands torch the group.
+    """
+
+    process_group: Any
+    name: str
+
+
+def process_group(group):
+    """The torch process group behind an axis handle (torch's own functions take only the group)."""
+    return group.process_group if isinstance(group, AxisGroup) else group
+
+
 def name_group(group, name: str) -> None:
-    """Give a process group the name the meter reports it under (the grid names its axes)."""
+    """Give a process group the name the meter reports it under (the grid's axes carry theirs)."""
     _group_names[group] = name
 
 
 def group_name(group) -> str:
+    if isinstance(group, AxisGroup):
+        return group.name
     if group is None or group is dist.group.WORLD:
         return "world"
     return _group_names.get(group, "unnamed")
+
+
+class P2POp(dist.P2POp):
+    """torch's P2POp on an axis handle: built on the handle's process group (torch resolves the peer
+    there), and it keeps the axis name for the meter."""
+
+    def __init__(self, op, tensor, peer: int, group, tag: int = 0):
+        super().__init__(op, tensor, peer, process_group(group), tag)
+        self.axis = group
 
 
 @dataclass
@@ -132,11 +167,13 @@ class CommMeter:
             for op in args[0]:
                 kind = op.op.__name__
                 payload, sent = _measure(kind, (op.tensor,), {}, 2)
-                self.record(kind, op.group, payload, sent, op.tensor.device)
+                self.record(kind, getattr(op, "axis", op.group), payload, sent, op.tensor.device)
             return collective(*args, **kwargs)
         group = kwargs.get("group")
+        if isinstance(group, AxisGroup):
+            kwargs["group"] = group.process_group
         kind = _KIND_NAMES.get(collective.__name__, collective.__name__)
-        payload, sent = _measure(kind, args, kwargs, dist.get_world_size(group))
+        payload, sent = _measure(kind, args, kwargs, dist.get_world_size(kwargs.get("group")))
         self.record(kind, group, payload, sent, _device_of(args))
         return collective(*args, **kwargs)
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.metrics import CallObserver
+from picotron_like.topology import group_size
 
 
 def is_transfer_batch(step) -> bool:
@@ -233,7 +234,7 @@ def gather_timelines(events, group) -> list[list[tuple[RecordedAction, float, fl
     # the training step's tensors, which all live on the rank's device.
     rows = torch.tensor([["FBW".index(action.kind), action.chunk, action.micro_batch, start, end]
                          for action, start, end in events], dtype=torch.float64)
-    gathered = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+    gathered = [torch.empty_like(rows) for _ in range(group_size(group))]
     comm.call(dist.all_gather, gathered, rows, group=group)
     return [[(RecordedAction("FBW"[int(kind)], int(chunk), int(micro)), start, end)
              for kind, chunk, micro, start, end in stage_rows.tolist()] for stage_rows in gathered]

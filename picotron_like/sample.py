@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import checkpoint as checkpoints
+from picotron_like import comm
 from picotron_like.data import DataError, TextTokenizer, load_tokenizer
 from picotron_like.kv_cache import KVCache
 from picotron_like.metrics import log0
@@ -200,7 +201,7 @@ def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sam
                 logits = model(tokens.to(settings.device))[0, len(ids) - 1].contiguous()
             if grid.tp_size > 1:
                 slices = [torch.empty_like(logits) for _ in range(grid.tp_size)]
-                dist.all_gather(slices, logits, group=grid.tp_group)
+                dist.all_gather(slices, logits, group=comm.process_group(grid.tp_group))
                 logits = torch.cat(slices)
             token = torch.tensor([next_token(logits, choice, generator, tokenizer.vocab_size)],
                                  device=settings.device)

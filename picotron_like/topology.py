@@ -277,15 +277,16 @@ class GroupLayout:
 
 
 def group_rank(group) -> int:
-    return group.rank if isinstance(group, GroupLayout) else dist.get_rank(group)
+    return group.rank if isinstance(group, GroupLayout) else dist.get_rank(comm.process_group(group))
 
 
 def group_size(group) -> int:
-    return group.size if isinstance(group, GroupLayout) else dist.get_world_size(group)
+    return group.size if isinstance(group, GroupLayout) else dist.get_world_size(comm.process_group(group))
 
 
 class ProcessGrid:
-    """This rank's coordinates, its neighbours and the process group of every axis."""
+    """This rank's coordinates, its neighbours and the process group of every axis (an
+    comm.AxisGroup: axes with the same members share one process group)."""
 
     def __init__(self, shape: GridShape, ep: int = 1):
         if not dist.is_initialized():
@@ -300,6 +301,7 @@ class ProcessGrid:
         neighbours of `rank` in the layout."""
         ep_ranks = shape.ep_group_ranks(ep)     # raises ConfigError, before any group, if ep does not fit
         self.shape, self.rank = shape, rank
+        self.process_groups: dict[tuple[int, ...], object] = {}     # members -> the one group they share
         coords = shape.coords_of(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
         self.dp_size, self.pp_size, self.cp_size, self.tp_size = shape.dp, shape.pp, shape.cp, shape.tp
@@ -327,20 +329,28 @@ class ProcessGrid:
     def _create_groups(self, axes, name):
         return self._create_group_of(self.shape.group_ranks(axes), name)
 
-    def _create_group_of(self, all_ranks: list[list[int]], name: str):
-        mine = None
+    def _create_group_of(self, all_ranks: list[list[int]], name: str) -> comm.AxisGroup:
         for ranks in all_ranks:
-            # Every rank calls new_group for every group, in the same order: it is collective.
-            group = dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        comm.name_group(mine, name)
+            # One process group per distinct member set: an axis whose groups have the members of
+            # an earlier axis's (dp x cp when cp = 1 is dp) reuses them, and a group of every rank
+            # is the default group. Every rank calls new_group for every new set, in the same order
+            # (it is collective): all_ranks and the sets made so far are the same on every rank.
+            if tuple(ranks) not in self.process_groups:
+                whole_world = len(ranks) == self.shape.world_size
+                self.process_groups[tuple(ranks)] = dist.group.WORLD if whole_world else dist.new_group(ranks)
+        mine = comm.AxisGroup(self.process_groups[tuple(next(r for r in all_ranks if self.rank in r))], name)
         # A group's first operation must include all of its ranks (NCCL sets up its communicator
         # then, among whoever takes part). Without this barrier the first operation on a pipeline
         # group of 3 or more stages is a send between two neighbours, and the stage left out
         # would later join a communicator the others built without it.
         comm.call(dist.barrier, group=mine)
         return mine
+
+    def communicators(self) -> int:
+        """How many process groups this rank belongs to, the default group included: one per
+        distinct member set of its axes (so one communicator each on NCCL)."""
+        return len({id(group) for members, group in self.process_groups.items() if self.rank in members}
+                   | {id(dist.group.WORLD)})
 
     def __repr__(self):
         return (f"rank {self.rank}: dp={self.dp_rank} pp={self.pp_rank} cp={self.cp_rank} "

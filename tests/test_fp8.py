@@ -18,12 +18,13 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import ActivationMeter
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, group_rank
 from picotron_like.train import build_optimizer, clip_grad_norm_
 from test_zero import ADAM_EPS, gathered, observe_gradients
 
@@ -548,7 +549,7 @@ def cp_on_one_devices_inputs(one_device_log_paths: dict) -> dict:
     quantise, amax_over_shards, runs = lesson.quantise, lesson.amax_over_shards, {}
 
     def over_tp_only(amax, group):        # a cp group's ranks share this rank's tp coordinate
-        ranks = torch.distributed.get_process_group_ranks(group)
+        ranks = torch.distributed.get_process_group_ranks(comm.process_group(group))
         return amax if all(rank % 2 == coords["tp"] for rank in ranks) else amax_over_shards(amax, group)
 
     try:
@@ -661,7 +662,7 @@ def row_parallel_fp8(recipe: str, amax_over_tp: bool) -> dict:
     full.weight = torch.nn.Parameter(weight)
     layer = tensor_parallel.RowParallelLinear(full, group)
     lesson.to_fp8([layer], lesson.RECIPES[recipe], group)
-    x_shard = x.chunk(2, dim=1)[torch.distributed.get_rank(group)].clone().requires_grad_()
+    x_shard = x.chunk(2, dim=1)[group_rank(group)].clone().requires_grad_()
     y = layer(x_shard)
     y.backward(grad_y)
     return {"y": y.detach(), "dx": x_shard.grad, "dw": layer.weight.grad}
@@ -728,7 +729,7 @@ def sequence_parallel_column_fp8(recipe: str, amax_over_tp: bool) -> dict:
     lesson.amax_over_shards = lesson.__dict__.setdefault("_amax_over_shards", lesson.amax_over_shards) \
         if amax_over_tp else (lambda amax, group: amax)
     group = ProcessGrid(GridShape(tp=2)).tp_group
-    rank = torch.distributed.get_rank(group)
+    rank = group_rank(group)
     x, weight, grad_y = outlier_tokens()
     full = torch.nn.Linear(64, 64, bias=False)
     full.weight = torch.nn.Parameter(weight)

@@ -566,7 +566,8 @@ def torch_pipelining_losses(grid, schedule_class, micro_batches):
     from torch.distributed.pipelining import PipelineStage
 
     chunk = lesson.build_stage_chunks(CFG_8, SEED, grid.pp_size, grid.pp_rank)[0]
-    stage = PipelineStage(LogitsStage(chunk), grid.pp_rank, grid.pp_size, CPU, group=grid.pp_group)
+    stage = PipelineStage(LogitsStage(chunk), grid.pp_rank, grid.pp_size, CPU,
+                          group=comm.process_group(grid.pp_group))
     schedule = schedule_class(stage, len(micro_batches), loss_fn=cross_entropy_loss)
     inputs = torch.cat([batch[0] for batch in micro_batches])
     targets = torch.cat([batch[1] for batch in micro_batches])

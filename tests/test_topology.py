@@ -18,7 +18,8 @@ from picotron_like.topology import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ConfigError,
                                     collective_timeout_s, rank_device, torchrun_workers,
                                     validate_parallel_config)
 
-LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2)]
+LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2),
+           GridShape(dp=8)]
 
 
 @pytest.mark.parametrize("shape", LAYOUTS)
@@ -74,9 +75,10 @@ def test_ep_must_divide_dp_x_cp(ep):
 
 
 def check_process_groups():
-    """On 8 real ranks: each axis group holds exactly the ranks the arithmetic says."""
+    """On 8 real ranks: each axis group holds exactly the ranks the arithmetic says, and axes with
+    the same members share one process group."""
     report = {}
-    for shape, ep in zip(LAYOUTS, (4, 1, 2)):
+    for shape, ep in zip(LAYOUTS, (4, 1, 2, 8)):
         grid = ProcessGrid(shape, ep=ep)
         expected = [(shape.group_ranks(axes), group) for axes, group in (
             (("tp",), grid.tp_group), (("cp",), grid.cp_group), (("pp",), grid.pp_group),
@@ -92,6 +94,7 @@ def check_process_groups():
                 assert mine.index(dist.get_rank()) == grid.ep_rank
         report[str(shape)] = (grid.pp_prev_rank, grid.pp_next_rank, grid.cp_prev_rank, grid.cp_next_rank,
                               grid.is_first_stage, grid.is_last_stage)
+        report["communicators", str(shape)] = grid.communicators()
     # Every call above went through the meter under its axis name.
     report["groups"] = sorted({group for (_, group) in comm.meter.traffic})
     return report
@@ -105,6 +108,13 @@ def test_process_groups_on_real_ranks():
     # pp=2 tp=4: rank 5 = (pp 1, tp 1): previous stage is rank 1.
     assert results[5][str(LAYOUTS[1])] == (1, None, 5, 5, False, True)
     assert results[0][str(LAYOUTS[1])] == (None, 4, 0, 0, True, False)
+    # One process group per distinct member set, the default group counted (7 axes + it was 8):
+    # dp2 pp2 cp2 ep4: ep is dp x cp, edp and tp are the rank alone: singleton, cp, pp, dp, dp x cp, world.
+    # pp2 tp4 ep1: cp, dp, dp x cp, ep and edp are all the rank alone: singleton, tp, pp, world.
+    # dp2 cp2 tp2 ep2: ep is cp, edp is dp, pp the rank alone: singleton, tp, cp, dp, dp x cp, world.
+    # dp8 ep8: dp, dp x cp and ep are every rank, so the default group itself: singleton, world.
+    for result in results:
+        assert [result["communicators", str(shape)] for shape in LAYOUTS] == [6, 4, 6, 2]
 
 
 def first_operations_of_a_pipeline_grid():
@@ -113,7 +123,7 @@ def first_operations_of_a_pipeline_grid():
     if grid.pp_rank < 2:
         peer = grid.pp_next_rank if grid.is_first_stage else grid.pp_prev_rank
         op = dist.isend if grid.is_first_stage else dist.irecv
-        for work in comm.call(dist.batch_isend_irecv, [dist.P2POp(op, torch.ones(4), peer, group=grid.pp_group)]):
+        for work in comm.call(dist.batch_isend_irecv, [comm.P2POp(op, torch.ones(4), peer, grid.pp_group)]):
             work.wait()
     return dict(comm.meter.first_operation), sorted(comm.meter.traffic)
 

@@ -69,7 +69,7 @@ def gathered(model, shard_of) -> dict:
             flat = shard.clone()
         else:
             flat = shard.new_empty(unit.padded_numel)
-            comm.all_gather_single(flat, shard.contiguous(), group=unit.group)
+            comm.all_gather_single(flat, shard.contiguous(), group=comm.process_group(unit.group))
         offset = 0
         for name, shape in zip(unit.names, unit.shapes):
             whole[name] = flat[offset: offset + shape.numel()].view(shape).float()
