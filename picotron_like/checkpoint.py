@@ -250,7 +250,7 @@ def check_shared(save_dir) -> None:
     if dist.get_rank() == 0:
         probe.write_text(token)
     token = [token]
-    dist.broadcast_object_list(token, src=0)
+    comm.bookkeeping(dist.broadcast_object_list, token, src=0)
     seen = probe.exists() and probe.read_text() == token[0]
     everyone_sees_it = _agree(seen)
     if dist.get_rank() == 0:
@@ -410,10 +410,9 @@ def _sha256(path: Path) -> str:
 
 
 def _agree(ok: bool) -> bool:
-    """Whether every rank is ok: a MIN over ranks of a CPU tensor (gloo, also beside NCCL). Not
-    through comm.call: the communication meter reports the technique, not its bookkeeping."""
+    """Whether every rank is ok: a MIN over ranks of a CPU tensor (gloo, also beside NCCL)."""
     flag = torch.tensor([int(ok)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    comm.bookkeeping(dist.all_reduce, flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
 
@@ -482,7 +481,7 @@ def save(save_dir, step: int, slices: list[HeldSlice], optimizer, info: dict, ke
         cause = error.__context__ if isinstance(error.__context__, OSError) else error
         problem = f"{path}: could not be written ({cause})"
     records = torch.zeros(world_size * 6, dtype=torch.int64)
-    comm.all_gather_single(records, record)
+    comm.bookkeeping(comm.all_gather_single, records, record)
     records = records.view(world_size, 6)
     if not bool(records[:, 0].all()):
         failed = [r for r in range(world_size) if not records[r, 0]]
@@ -637,7 +636,7 @@ def load(manifest: dict, slices: list[HeldSlice], optimizer) -> None:
         # Every rank raises the same line (the lowest refusing rank's), so that the caller can
         # print it once, from rank 0, as for every other refusal.
         problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        comm.bookkeeping(dist.all_gather_object, problems, problem)
         raise CheckpointError(next(found for found in problems if found))
     states = {}
     with torch.no_grad():

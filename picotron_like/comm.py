@@ -21,6 +21,11 @@ Two sizes are recorded per call:
   (a reduce-scatter then an all-gather, each (n-1)/n * S). It is a model of the wire, derived
   from the measured payload, not a packet capture.
 
+Collectives that serve the run's control rather than the technique (agreed stops, the time
+budget, checkpoint agreement) go through ``bookkeeping``: not counted, but, like every call here,
+recorded when a test checks that every member of each group issued the same collectives
+(``picotron_like.testing.collective_sequences_checked``).
+
 ``AllToAll`` is the one collective with its own autograd rule here: an uneven all-to-all whose
 backward is the all-to-all with the split sizes swapped. Ulysses (lesson 04) and the expert
 dispatch (lesson 05) both use it, so it lives with the meter rather than in either lesson.
@@ -150,6 +155,9 @@ class CommMeter:
         self.traffic: dict[tuple[str, str], Traffic] = defaultdict(Traffic)
         self.first_operation: dict[str, str] = {}
         self.devices: dict[tuple[str, str], set[str]] = defaultdict(set)
+        # A testing.CollectiveLog while a test checks that every group's members issue the same
+        # collectives (testing.collective_sequences_checked); None otherwise: one test per call.
+        self.log = None
 
     def record(self, kind: str, group, payload: int, sent: float, device=None) -> None:
         name = group_name(group)
@@ -163,6 +171,8 @@ class CommMeter:
 
     def call(self, collective, *args, **kwargs):
         """Count `collective(*args, **kwargs)`, then run it and return what it returns."""
+        if self.log is not None:
+            self.log.add(collective, args, kwargs)
         if collective is dist.batch_isend_irecv:
             for op in args[0]:
                 kind = op.op.__name__
@@ -202,6 +212,18 @@ class CommMeter:
 
 meter = CommMeter()
 call = meter.call
+
+
+def bookkeeping(collective, *args, **kwargs):
+    """Run a collective of the run's control (an agreed stop, the time budget, a checkpoint's
+    agreement): not counted, since the meter reports the technique, but seen by the sequence check
+    like every other, since each member of its group must issue it too. These run on CPU tensors,
+    through gloo beside NCCL, between steps."""
+    if meter.log is not None:
+        meter.log.add(collective, args, kwargs, bookkeeping=True)
+    if "group" in kwargs:
+        kwargs["group"] = process_group(kwargs["group"])
+    return collective(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- a differentiable all-to-all

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity
 
+from picotron_like import comm
 from picotron_like.data import TokenBatches
 from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
 from picotron_like.model import GPTConfig, flops_per_token
@@ -407,8 +408,8 @@ class AgreedStop:
         step ended. Starts the agreement that the next step's call reads."""
         stop = self._wait() if self._agreeing is not None else False
         flag = torch.tensor([self.note], dtype=torch.float32)
-        # Not through comm.call: the communication meter reports the technique, not bookkeeping.
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if dist.is_initialized() else None
+        work = comm.bookkeeping(dist.all_reduce, flag, op=dist.ReduceOp.MAX, async_op=True) \
+            if dist.is_initialized() else None
         self._agreeing = (flag, work)
         return stop
 
@@ -478,7 +479,7 @@ class TimeBudget:
         left_s = self.budget_s - self.clock() - self.end_s()
         estimate = torch.tensor([min(max_steps, steps_done + max(0, math.floor(left_s / self.slowest_step_s())))])
         if dist.is_initialized():
-            dist.broadcast(estimate, src=0)     # not metered: bookkeeping, not the technique
+            comm.bookkeeping(dist.broadcast, estimate, src=0)
         self.planned = True
         return int(estimate.item())
 

@@ -201,14 +201,14 @@ def sample_text(model, grid, settings, tokenizer, prompt: list[int], choice: Sam
                 logits = model(tokens.to(settings.device))[0, len(ids) - 1].contiguous()
             if grid.tp_size > 1:
                 slices = [torch.empty_like(logits) for _ in range(grid.tp_size)]
-                dist.all_gather(slices, logits, group=comm.process_group(grid.tp_group))
+                comm.call(dist.all_gather, slices, logits, group=grid.tp_group)
                 logits = torch.cat(slices)
             token = torch.tensor([next_token(logits, choice, generator, tokenizer.vocab_size)],
                                  device=settings.device)
             # Every rank computed the same logits and draws the same number; rank 0's token is
             # sent anyway, so that a last-bit difference between replicas can never give the
             # ranks of one tp group different tokens to run.
-            dist.broadcast(token, src=0)
+            comm.call(dist.broadcast, token, src=0)
             ids.append(int(token))
     model.train()
     return tokenizer.decode(ids[len(prompt):])

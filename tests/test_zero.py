@@ -60,8 +60,8 @@ def lesson():
 
 
 def gathered(model, shard_of) -> dict:
-    """{parameter name: whole tensor} from every unit's shards (`shard_of(unit)`), gathered with the
-    raw collective so that the communication meter counts only the technique."""
+    """{parameter name: whole tensor} from every unit's shards (`shard_of(unit)`), gathered as
+    bookkeeping so that the communication meter counts only the technique."""
     whole = {}
     for unit in model.units:
         shard = shard_of(unit)
@@ -69,7 +69,7 @@ def gathered(model, shard_of) -> dict:
             flat = shard.clone()
         else:
             flat = shard.new_empty(unit.padded_numel)
-            comm.all_gather_single(flat, shard.contiguous(), group=comm.process_group(unit.group))
+            comm.bookkeeping(comm.all_gather_single, flat, shard.contiguous(), group=unit.group)
         offset = 0
         for name, shape in zip(unit.names, unit.shapes):
             whole[name] = flat[offset: offset + shape.numel()].view(shape).float()
