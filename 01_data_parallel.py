@@ -60,7 +60,7 @@ from picotron_like.topology import GridShape, ProcessGrid, init_distributed, shu
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
                                  add_training_flags, autocast_dtype, bucket_bytes_from_flags, build_optimizer,
-                                 clip_grad_norm_, default_bucket_bytes, optimizer_step, plan_run, train)
+                                 clip_and_step, default_bucket_bytes, plan_run, train)
 
 # ============================================================================ the technique: naive data parallel
 
@@ -231,9 +231,7 @@ def train_step(model: DataParallelModel, optimizer, batch: StepBatch, settings: 
     """One optimizer step over this rank's micro-batches; the loss is that of the global batch."""
     loss = forward_backward(model, batch, settings)
     model.finish_gradient_synchronization()
-    grad_norm = clip_grad_norm_(model.parameters(), settings.max_grad_norm, settings.norm_groups,
-                                settings.counts_toward_norm)
-    skipped = optimizer_step(optimizer, grad_norm)
+    grad_norm, skipped = clip_and_step(optimizer, model.parameters(), settings)
     model.zero_grad(set_to_none=False)
     comm.call(dist.all_reduce, loss, group=model.dp_group)
     return StepResult(loss, grad_norm, skipped=skipped)     # tensors: the shared loop reads them a step later
@@ -300,7 +298,7 @@ def main(argv=None):
     model = wrap_data_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.mode,
                                bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
-    settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm)
+    settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm, tail=args.step_tail)
     shape = plan.shape
     log0(f"lesson 01: data parallel, dp={grid.dp_size}, mode={args.mode}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {shape.tokens_per_step:,} tokens per step "

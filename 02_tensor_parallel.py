@@ -796,7 +796,8 @@ def main(argv=None):
     model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(module, args.lr)
     settings = StepSettings(device, autocast_dtype(args.dtype, device), args.max_grad_norm,
-                            norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group))
+                            norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group),
+                            tail=args.step_tail)
     log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={grid.dp_size}, sequence parallelism {form}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())

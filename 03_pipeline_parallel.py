@@ -76,7 +76,7 @@ from __future__ import annotations
 import argparse
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -96,8 +96,8 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, init_di
                                     validate_parallel_config)
 from picotron_like.run_control import StepMeters, step_to_meter
 from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, bucket_bytes_from_flags, build_optimizer, clip_grad_norm_,
-                                 optimizer_step, plan_run, train)
+                                 autocast_dtype, bucket_bytes_from_flags, build_optimizer, clip_and_step, plan_run,
+                                 train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -497,8 +497,7 @@ def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSe
     for chunk in pipeline.chunks:
         chunk.finish_gradient_synchronization()
     params = [p for chunk in pipeline.chunks for p in chunk.parameters()]
-    grad_norm = clip_grad_norm_(params, settings.max_grad_norm, (pipeline.pp_group,))
-    skipped = optimizer_step(optimizer, grad_norm)
+    grad_norm, skipped = clip_and_step(optimizer, params, replace(settings, norm_groups=(pipeline.pp_group,)))
     for chunk in pipeline.chunks:
         chunk.zero_grad(set_to_none=False)
     # Only the last stage computed the loss, each data-parallel rank its own tokens' share: sums
@@ -780,7 +779,7 @@ def main(argv=None):
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
                         activation_shape(cfg, shape), device, compute_dtype)
     optimizer = build_optimizer(modules, args.lr)
-    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm, tail=args.step_tail)
     log_header(args, plan, grid)
 
     # Both observe a late step from outside: the saved-tensor hooks and Python's profiler hook on

@@ -440,7 +440,7 @@ def main(argv=None):
     pipeline = ZeroBubblePipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
                                   pipeline_parallel.activation_shape(cfg, shape), device, compute_dtype)
     optimizer = build_optimizer(modules, args.lr)
-    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm, tail=args.step_tail)
     pipeline_parallel.log_header(args, plan, grid)
 
     activations, timeline = KeptActivationMeter(pipeline), TimelineRecorder(pipeline, grid.pp_group, device)

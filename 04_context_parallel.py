@@ -678,7 +678,7 @@ def main(argv=None):
     compute_dtype = autocast_dtype(args.dtype, device)
     model = build_model(plan.cfg, args.seed, grid, cp, args.cp_mode, device, bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
-    settings = StepSettings(device, compute_dtype, args.max_grad_norm)
+    settings = StepSettings(device, compute_dtype, args.max_grad_norm, tail=args.step_tail)
     shape = plan.shape
     log0(f"lesson 04: context parallel, cp={cp.size} ({args.cp_mode}, {'zigzag' if args.zigzag else 'contiguous'} "
          f"split), {count_parameters(plan.cfg)['total']:,} parameters, seq {shape.seq_len} = "

@@ -641,7 +641,7 @@ def main(argv=None):
     model = build_model(cfg, args.seed, grid, device, grouped_experts if grouped else looped_experts,
                         shape.sequences_per_step, bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(model.module, args.lr)
-    settings = step_settings(model, grid, device, compute_dtype, args.max_grad_norm)
+    settings = replace(step_settings(model, grid, device, compute_dtype, args.max_grad_norm), tail=args.step_tail)
     log0(f"lesson 05: expert parallel, ep={grid.ep_size} of dp = {grid.dp_size}, {cfg.n_experts} experts "
          f"top-{cfg.experts_per_token} ({cfg.router} router, {'grouped matmuls' if grouped else 'looped experts'}), "
          f"{cfg.n_experts // grid.ep_size} experts per rank, {count_parameters(cfg)['total']:,} parameters, "

@@ -65,7 +65,7 @@ ZeRO-3's peak of gathered weights, two units with prefetch; the traffic next to 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -83,7 +83,7 @@ from picotron_like.topology import (ConfigError, GridShape, ProcessGrid, group_r
                                     shutdown, validate_parallel_config)
 from picotron_like.run_control import StepMeters
 from picotron_like.train import (RankBatches, StepResult, StepSettings, add_parallel_flags, add_training_flags,
-                                 autocast_dtype, build_optimizer, clip_grad_norm_, optimizer_step, plan_run, train)
+                                 autocast_dtype, build_optimizer, clip_gradients, optimizer_step, plan_run, train)
 
 data_parallel = load_lesson("01_data_parallel")
 
@@ -140,16 +140,24 @@ class FlatUnit:
         return pieces
 
     def flatten(self, tensors, dtype) -> torch.Tensor:
-        flat = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        """`tensors` (one per parameter, in order) in one padded flat tensor of `dtype`: each element
+        written once, only the padding zeroed."""
+        flat = torch.empty(self.padded_numel, dtype=dtype, device=tensors[0].device)
         torch.cat([t.reshape(-1) for t in tensors], out=flat[: self.numel])
+        flat[self.numel:].zero_()
         return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of `flat`, in the parameter's shape."""
+        offsets = [0]
+        for shape in self.shapes:
+            offsets.append(offsets[-1] + shape.numel())
+        return [flat[lo: hi].view(shape) for lo, hi, shape in zip(offsets, offsets[1:], self.shapes)]
 
     def use_flat_parameters(self, flat: torch.Tensor) -> None:
         """Point every parameter at its slice of `flat`: the module computes with them in place."""
-        offset = 0
-        for param, shape in zip(self.params, self.shapes):
-            param.data = flat[offset: offset + shape.numel()].view(shape)
-            offset += shape.numel()
+        for param, view in zip(self.params, self.views(flat)):
+            param.data = view
 
     def release_parameters(self) -> None:
         """Drop the gathered weights; autograd's saved references see the next gather's data."""
@@ -190,7 +198,8 @@ class ZeroDataParallel(nn.Module):
     this micro-batch's gradient, they are added into the unit's flat buffer (in the reduce dtype)
     and dropped. On the last micro-batch the unit's reduction starts at once, while autograd still
     computes the units before it; each unit reduces its own buffer in place, so every unit's
-    reduction may be in flight together.
+    reduction may be in flight together. The step's first micro-batch writes the buffer instead of
+    adding to it, so zero_grad zeroes nothing: it marks the buffers as holding no gradient.
 
     Weights: the step ends with every unit's all-gather started, none waited for. A forward
     pre-hook on each unit waits for that unit's gather alone, just before it computes, so the
@@ -255,22 +264,33 @@ class ZeroDataParallel(nn.Module):
         return unit.shard(unit.flat_params)
 
     def _hold_gradients(self, unit: FlatUnit, device) -> None:
-        """A whole gradient buffer; its shard is where this rank's summed gradient lands."""
+        """A whole gradient buffer (its padding stays zero: nothing writes it, and a sum of zeros
+        is zero); its shard is where this rank's summed gradient lands."""
         unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=self.precision.reduce_dtype, device=device)
+        unit.grad_views = unit.views(unit.grad_buffer)
         unit.grad_shard = unit.shard(unit.grad_buffer)
+        unit.has_grad = False       # whether a micro-batch of this step has written its gradient yet
 
     def _grad_ready(self, unit: FlatUnit, param) -> None:
         unit.n_ready += 1
         if unit.n_ready == len(unit.params):
             unit.n_ready = 0
-            flat_grad = unit.flatten([p.grad for p in unit.params], self.precision.reduce_dtype)
+            grads = [p.grad for p in unit.params]
             for param in unit.params:
                 param.grad = None
-            self._reduce(unit, flat_grad)
+            self._reduce(unit, grads)
 
-    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
+    def _reduce(self, unit: FlatUnit, grads: list[torch.Tensor]) -> None:
+        # The step's first gradient is written straight into the buffer, cast to the reduce dtype on
+        # the way (one pass: no zeroed buffer to add it to, no flat copy); later micro-batches add
+        # theirs in place, parameter by parameter. Each element sees the same float additions as
+        # a zeroed buffer plus flat copies would give it, in the same order.
+        if unit.has_grad:
+            torch._foreach_add_(unit.grad_views, grads)
+        else:
+            torch.cat([grad.reshape(-1) for grad in grads], out=unit.grad_buffer[: unit.numel])
+            unit.has_grad = True
         # Summed, never averaged: each rank's loss is its share of the global batch's mean (train_step).
-        unit.grad_buffer += flat_grad
         if not self.require_backward_grad_sync:
             return                  # an earlier micro-batch of the step: accumulate only
         if self.stage == 0:
@@ -298,13 +318,14 @@ class ZeroDataParallel(nn.Module):
             for piece in unit.pieces:
                 piece.master.grad = grad_shard[piece.lo: piece.hi]
 
-    def step(self, optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    def step(self, optimizer, grad_norm: torch.Tensor, grad_scale: torch.Tensor | None = None) -> torch.Tensor:
         """AdamW on this rank's shard of the float32 master unless the norm is not finite
-        (optimizer_step: returns whether it skipped), its gradients dropped after (they are
-        rebuilt from the shard each step), then every rank's weights updated: their all-gathers
-        started, and waited for here only without the overlap."""
+        (optimizer_step: returns whether it skipped; `grad_scale`, the fused tail's clipping),
+        its gradients dropped after (they are rebuilt from the shard each step), then every
+        rank's weights updated: their all-gathers started, and waited for here only without the
+        overlap."""
         self.wait_for_weights()     # a unit no forward ran since the last step: its gather reads the master
-        skipped = optimizer_step(optimizer, grad_norm)
+        skipped = optimizer_step(optimizer, grad_norm, grad_scale)
         optimizer.zero_grad()
         self._start_weight_gathers()
         if not self.overlap_weight_gather:
@@ -342,8 +363,9 @@ class ZeroDataParallel(nn.Module):
             self._gathered_before_forward(index, None, None)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
+        """The next step's first micro-batch overwrites the gradients: nothing to zero."""
         for unit in self.units:
-            unit.grad_buffer.zero_()
+            unit.has_grad = False
 
     def publish_master(self) -> None:
         """Every rank's weights from the master, gathered before it returns: after a checkpoint or
@@ -380,26 +402,29 @@ class ZeroStage2(ZeroDataParallel):
 
     def _hold_gradients(self, unit: FlatUnit, device) -> None:
         unit.grad_shard = torch.zeros(unit.shard_numel, dtype=self.precision.reduce_dtype, device=device)
+        unit.has_grad = False
 
-    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
+    def _reduce(self, unit: FlatUnit, grads: list[torch.Tensor]) -> None:
+        # The step's first reduction lands in the shard itself (nothing to zero, nothing to add);
+        # later ones land beside it and are added when they finish.
         self._finish_in_flight()
-        partial_shard = torch.empty_like(unit.grad_shard)
-        work = comm.call(comm.reduce_scatter_single, partial_shard, flat_grad, group=unit.group, async_op=True)
+        flat_grad = unit.flatten(grads, self.precision.reduce_dtype)
+        partial_shard = torch.empty_like(unit.grad_shard) if unit.has_grad else None
+        work = comm.call(comm.reduce_scatter_single, unit.grad_shard if partial_shard is None else partial_shard,
+                         flat_grad, group=unit.group, async_op=True)
+        unit.has_grad = True
         self._in_flight = (work, unit, partial_shard, flat_grad)
 
     def _finish_in_flight(self) -> None:
         if self._in_flight is not None:
             work, unit, partial_shard, _ = self._in_flight
             work.wait()
-            unit.grad_shard += partial_shard
+            if partial_shard is not None:
+                unit.grad_shard += partial_shard
             self._in_flight = None
 
     def finish_gradient_synchronization(self) -> None:
         self._finish_in_flight()
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        for unit in self.units:
-            unit.grad_shard.zero_()
 
 
 # ============================================================================ the technique: ZeRO-3, the weights sharded too
@@ -471,9 +496,9 @@ class ZeroStage3(ZeroStage2):
     def _before_backward(self, index, grad):
         self._wait_for(index, then_prefetch=index - 1)
 
-    def _reduce(self, unit: FlatUnit, flat_grad: torch.Tensor) -> None:
+    def _reduce(self, unit: FlatUnit, grads: list[torch.Tensor]) -> None:
         """The unit's gradient is on its way: its gathered weights are freed until the next forward."""
-        super()._reduce(unit, flat_grad)
+        super()._reduce(unit, grads)
         unit.release_parameters()
 
     def _publish(self, unit: FlatUnit) -> None:
@@ -516,16 +541,19 @@ def wrap_zero(module: nn.Module, group, stage: int, precision: Precision = Preci
     return ZeroDataParallel(module, group, precision, replicate=stage == 0, overlap_weight_gather=overlap_weight_gather)
 
 
-def clip_sharded_grad_norm_(model: ZeroDataParallel, settings: StepSettings) -> torch.Tensor:
-    """The shared gradient clipping (train.clip_grad_norm_) on this rank's master pieces: each rank
+def clip_sharded_gradients(model: ZeroDataParallel, optimizer, settings: StepSettings):
+    """The shared gradient clipping (train.clip_gradients) on this rank's master pieces: each rank
     sums the squares of its own gradient shard, an all-reduce over the shard group (and lesson
     07's other axes: settings.norm_groups) sums the ranks, and every rank scales its pieces by the
-    same factor. Whether a piece counts is asked of its parameter; padding's gradient is zero."""
+    same factor (or, on the fused tail, hands 1 / factor to the optimizer: the grad_scale it
+    returns beside the norm). Whether a piece counts is asked of its parameter; padding's gradient
+    is zero."""
     counts = settings.counts_toward_norm or (lambda param: True)
     param_of = {piece.master: piece.param for unit in model.units for piece in unit.pieces}
     groups = settings.norm_groups if model.stage == 0 else (model.dp_group, *settings.norm_groups)
-    return clip_grad_norm_(param_of, settings.max_grad_norm, groups,
-                           lambda master: param_of[master] is None or counts(param_of[master]))
+    return clip_gradients(optimizer, param_of, replace(
+        settings, norm_groups=groups,
+        counts_toward_norm=lambda master: param_of[master] is None or counts(param_of[master])))
 
 
 def train_step(model: ZeroDataParallel, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -541,8 +569,8 @@ def finish_step(model: ZeroDataParallel, optimizer, loss: torch.Tensor, settings
     data-parallel group."""
     model.finish_gradient_synchronization()
     model.gradients_to_master()
-    grad_norm = clip_sharded_grad_norm_(model, settings)
-    skipped = model.step(optimizer, grad_norm)
+    grad_norm, grad_scale = clip_sharded_gradients(model, optimizer, settings)
+    skipped = model.step(optimizer, grad_norm, grad_scale)
     model.zero_grad()
     comm.call(dist.all_reduce, loss, group=model.dp_group)
     return StepResult(loss, grad_norm, skipped=skipped)     # tensors: the shared loop reads them a step later
@@ -565,10 +593,10 @@ def release_gathered(model: ZeroDataParallel) -> None:
             unit.release_parameters()
 
 
-def step_settings(device, precision: Precision, max_grad_norm: float) -> StepSettings:
+def step_settings(device, precision: Precision, max_grad_norm: float, tail: str = "auto") -> StepSettings:
     """Autocast in the weights' dtype (a no-op on bf16 weights' matmuls, the float32 norms and loss
-    as in the reference); the norm's sum over the shards is clip_sharded_grad_norm_'s own."""
-    return StepSettings(device, precision.param_dtype, max_grad_norm)
+    as in the reference); the norm's sum over the shards is clip_sharded_gradients' own."""
+    return StepSettings(device, precision.param_dtype, max_grad_norm, tail=tail)
 
 
 # ============================================================================ configuration rules
@@ -713,7 +741,7 @@ def main(argv=None):
     model = wrap_zero(GPT(plan.cfg, seed=args.seed).to(device), grid.dp_group, args.zero_stage, precision,
                       args.reshard_after_forward, args.prefetch, args.overlap_weight_gather)
     optimizer = build_sharded_optimizer(model, args.lr)
-    settings = step_settings(device, precision, args.max_grad_norm)
+    settings = step_settings(device, precision, args.max_grad_norm, args.step_tail)
     log0(f"lesson 06: ZeRO-{args.zero_stage} over dp = {grid.dp_size} ranks, {len(model.units)} units, "
          f"weights {precision.param_dtype}, gradients {precision.reduce_dtype}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")

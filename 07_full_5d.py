@@ -538,14 +538,14 @@ def balancing_log(model, pipeline, grid: ProcessGrid):
 # ============================================================================ the technique: the composed step
 
 
-def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float) -> StepSettings:
+def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float, tail: str = "auto") -> StepSettings:
     """Lesson 06's settings, and the groups the norm from ZeRO's shards must also sum over:
     pipeline stages hold different layers (pp), tensor-parallel ranks different slices of them,
     whose replicated gains count once (lesson 02's rule)."""
     pp_groups = (grid.pp_group,) if grid.pp_size > 1 else ()
     tp_groups = (grid.tp_group,) if grid.tp_size > 1 else ()
     tp_counts = tensor_parallel.tp_counts_toward_norm(grid.tp_group) if grid.tp_size > 1 else None
-    return replace(zero.step_settings(device, precision, max_grad_norm), norm_groups=(*pp_groups, *tp_groups),
+    return replace(zero.step_settings(device, precision, max_grad_norm, tail), norm_groups=(*pp_groups, *tp_groups),
                    counts_toward_norm=tp_counts)
 
 
@@ -848,7 +848,7 @@ def main(argv=None):
     model, pipeline = parallelize(plan.cfg, grid, args, device,
                                   values_to_load=manifest is not None or args.init_from is not None)
     optimizer = zero.build_sharded_optimizer(model, args.lr)
-    settings = step_settings(grid, device, model.precision, args.max_grad_norm)
+    settings = step_settings(grid, device, model.precision, args.max_grad_norm, args.step_tail)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")

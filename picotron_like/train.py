@@ -14,9 +14,10 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 - flags: ``add_training_flags`` (model, data, optimisation) and ``add_parallel_flags`` (the
   degrees of the grid), checked by ``check_flag_ranges``; ``plan_run`` turns them into the model
   shape, the grid and the batches, and stops every rank with one ``error:`` line if they cannot run;
-- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine),
-  ``clip_grad_norm_``, whose norm is that of the *whole* model even when each rank holds a part,
-  and ``optimizer_step``, which skips a step whose norm is not finite;
+- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine), and the
+  step's tail ``clip_and_step``: ``clip_grad_norm_``, whose norm is that of the *whole* model even
+  when each rank holds a part, and ``optimizer_step``, which skips a step whose norm is not
+  finite (on CUDA the clipping folded into fused AdamW);
 - the step contract: every lesson's ``train_step(model, optimizer, batch, settings) -> StepResult``,
   with ``batch`` a ``data.StepBatch`` and ``settings`` a ``StepSettings``; the loss is summed over
   tokens and divided by the global batch's target count (``StepBatch.n_targets``);
@@ -96,9 +97,43 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm=None) -> torch.Tensor:
+def global_grad_norm(grads: list[torch.Tensor], device: torch.device, sharded_over=(),
+                     foreach: bool = False) -> torch.Tensor:
+    """The norm of `grads` summed over the groups the parameters are split across (`sharded_over`),
+    a 0-dim float32 tensor on `device`.
+
+    `device` is the step's device, not the gradients': a rank that holds no gradient (nothing of
+    the model falls in its shards) still joins the all-reduce, and on a GPU run its tensor must be
+    on the GPU, where its peers' are (a CPU tensor would send it through gloo while they use NCCL).
+
+    The exact path adds each tensor's sum of squares in float32, one tensor at a time: the CPU
+    proofs compare it with one device's norm to float32 rounding. `foreach` takes every tensor's
+    norm in one multi-tensor kernel (`_foreach_norm`) and sums their squares: a few kernels in all,
+    where the exact path launches three per tensor and writes each square out; on a CPU its
+    blocked sums differ from the exact ones by ~2e-5 relative for a million values.
+    """
+    if foreach and grads:
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        norm_sq = torch.stack(norms).to(device).pow(2).sum()
+    else:
+        norm_sq = torch.zeros((), dtype=torch.float32, device=device)
+        for grad in grads:
+            norm_sq += grad.detach().float().pow(2).sum()
+    for group in sharded_over:
+        comm.call(dist.all_reduce, norm_sq, group=group)
+    return norm_sq.sqrt()
+
+
+def clip_factor(grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)), on the device: times 1 changes no bit when the norm is
+    below max_norm. A non-finite norm makes it 0 or NaN: optimizer_step skips that step."""
+    return (max_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm=None,
+                    device: torch.device | None = None, foreach: bool = False) -> torch.Tensor:
     """Scale gradients so that the global gradient norm is at most max_norm; return that norm (a
-    0-dim float32 tensor on the gradients' device).
+    0-dim float32 tensor on `device`, by default the gradients').
 
     The global norm squared is the sum of squares over every *distinct* parameter element of the
     model. A rank holding a shard contributes its shard's sum of squares, and the contributions
@@ -108,27 +143,25 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
     on the ranks whose copy should be skipped. Data-parallel replicas need no reduction at all:
     after the gradient all-reduce their gradients are identical.
 
-    Nothing here makes the host wait for the GPU: the factor min(1, max_norm / (norm + 1e-6)) is
-    computed and applied on the device (times 1 changes no bit when the norm is below max_norm),
-    and the norm goes on as a tensor, to optimizer_step and the step's StepResult. (A non-finite
-    norm makes the factor 0 or NaN: optimizer_step skips that step.)
+    Nothing here makes the host wait for the GPU: the factor (clip_factor) is computed and applied
+    on the device, and the norm goes on as a tensor, to optimizer_step and the step's StepResult.
+    A train_step calls this through clip_gradients, which passes the step's device (a rank with no
+    gradients must name it: see global_grad_norm) and may leave the scaling to the optimizer.
     """
     params = [p for p in params if p.grad is not None]
-    counted = [p for p in params if counts_toward_norm is None or counts_toward_norm(p)]
-    device = params[0].grad.device if params else torch.device("cpu")
-    norm_sq = torch.zeros((), dtype=torch.float32, device=device)
-    for p in counted:
-        norm_sq += p.grad.detach().float().pow(2).sum()
-    for group in sharded_over:
-        comm.call(dist.all_reduce, norm_sq, group=group)
-    total_norm = norm_sq.sqrt()
-    factor = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    counted = [p.grad for p in params if counts_toward_norm is None or counts_toward_norm(p)]
+    if device is None:
+        if not params:
+            raise ValueError("clip_grad_norm_ on a rank without gradients needs the step's device")
+        device = params[0].grad.device
+    total_norm = global_grad_norm(counted, device, sharded_over, foreach)
     if params:
-        torch._foreach_mul_([p.grad for p in params], factor)
+        torch._foreach_mul_([p.grad for p in params], clip_factor(total_norm, max_norm))
     return total_norm
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
+                   grad_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The optimizer's step, skipped when the gradient norm is not finite (an overflow, a bad
     batch); returns whether it was skipped, a bool tensor on the norm's device, unread.
 
@@ -137,28 +170,73 @@ def optimizer_step(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) ->
     weights and move the moments). The norm is global (summed over every group the parameters are
     split across, identical on data-parallel replicas after the gradient all-reduce), so every
     rank decides the same and no collective is added. Every train_step calls this in place of
-    `optimizer.step()`, and hands the flag on in its StepResult.
+    `optimizer.step()` (most through clip_and_step), and hands the flag on in its StepResult.
 
     The interface is PyTorch's own, the one its GradScaler uses: an optimizer that declares
-    `_step_supports_amp_scaling` (AdamW with fused=True, lesson 07's on CUDA) finds the flag as a
-    float tensor in its `found_inf` attribute during `step()` and leaves weights, moments and
-    step count as they were where it is 1: the device decides and the host reads nothing. Any
-    other optimizer (the exact per-tensor loop of the CPU proofs) is asked on the host, a read of
-    the norm. An optimizer added later (a host-offloaded AdamW, Muon) implements the same: set the
-    attribute and honour `found_inf` in its step to keep the host out, or be asked on the host.
-    (`grad_scale`, the attribute's twin, stays unset: clipping has already scaled the gradients,
-    in place, in one multi-tensor kernel.)
+    `_step_supports_amp_scaling` (AdamW with fused=True, every lesson's on CUDA) finds the flag as
+    a float tensor in its `found_inf` attribute during `step()` and leaves weights, moments and
+    step count as they were where it is 1: the device decides and the host reads nothing. Its
+    twin `grad_scale`, when given, is a float tensor the optimizer divides every gradient by
+    inside its kernel before using it (and writes the quotient back into .grad): GradScaler's
+    unscaling, here the clipping (clip_gradients gives 1 / clip_factor). Any other optimizer (the
+    exact per-tensor loop of the CPU proofs) is asked on the host, a read of the norm, and takes
+    no grad_scale. An optimizer added later (a host-offloaded AdamW, Muon) implements the same:
+    set the attribute and honour `found_inf` and `grad_scale` in its step to keep the host out,
+    or be asked on the host.
     """
     skipped = ~torch.isfinite(grad_norm)
-    if getattr(optimizer, "_step_supports_amp_scaling", False):
+    if supports_amp_scaling(optimizer):
         optimizer.found_inf = skipped.float()
+        if grad_scale is not None:
+            optimizer.grad_scale = grad_scale
         try:
             optimizer.step()
         finally:
             del optimizer.found_inf
+            if grad_scale is not None:
+                del optimizer.grad_scale
+    elif grad_scale is not None:
+        raise ValueError(f"{type(optimizer).__name__} does not take a grad_scale: scale the gradients before it")
     elif not skipped.item():
         optimizer.step()
     return skipped
+
+
+def supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer honours `found_inf` and `grad_scale` in its step (PyTorch's flag)."""
+    return getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, params, settings: "StepSettings") -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor | None]:
+    """Clipping as the step's settings say; returns (the global norm before clipping, the
+    grad_scale that optimizer_step must hand the optimizer, or None where the gradients are
+    already scaled), tensors on the step's device, unread. `params` hold the gradients;
+    settings.norm_groups and settings.counts_toward_norm say how they are split over ranks
+    (clip_grad_norm_).
+
+    settings.fused_tail picks how. Exact (the CPU proofs): per-tensor sums of squares, then the
+    gradients scaled in place: they are read three times and written once before the optimizer
+    reads them again. Fused (CUDA): one `_foreach_norm`, and where the optimizer takes a
+    grad_scale (fused AdamW) no scaling pass at all: the optimizer divides by 1 / clip_factor as
+    it reads each gradient (for a finite norm below max_norm, a division by exactly 1).
+    """
+    params = [p for p in params if p.grad is not None]
+    if not (settings.fused_tail and supports_amp_scaling(optimizer)):
+        return clip_grad_norm_(params, settings.max_grad_norm, settings.norm_groups, settings.counts_toward_norm,
+                               settings.device, foreach=settings.fused_tail), None
+    counts = settings.counts_toward_norm
+    grad_norm = global_grad_norm([p.grad for p in params if counts is None or counts(p)], settings.device,
+                                 settings.norm_groups, foreach=True)
+    return grad_norm, clip_factor(grad_norm, settings.max_grad_norm).reciprocal()
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params, settings: "StepSettings") -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+    """The step's tail once the gradients are summed: clip_gradients, then optimizer_step;
+    returns (the norm before clipping, whether the step was skipped), unread."""
+    grad_norm, grad_scale = clip_gradients(optimizer, params, settings)
+    return grad_norm, optimizer_step(optimizer, grad_norm, grad_scale)
 
 
 # ----------------------------------------------------------------------------- the step contract
@@ -193,7 +271,8 @@ class StepSettings:
     """What a train_step needs besides the model, the optimizer and the batch.
 
     norm_groups and counts_toward_norm tell gradient clipping how the parameters are split over
-    ranks (see clip_grad_norm_); data parallelism alone splits nothing.
+    ranks (see clip_grad_norm_); data parallelism alone splits nothing. tail is how the step's
+    tail clips and steps (clip_gradients, --step-tail): "exact", "fused", or "auto" (fused on CUDA).
     """
 
     device: torch.device
@@ -201,6 +280,11 @@ class StepSettings:
     max_grad_norm: float = 1.0
     norm_groups: tuple = ()
     counts_toward_norm: Callable | None = None
+    tail: str = "auto"
+
+    @property
+    def fused_tail(self) -> bool:
+        return self.tail == "fused" or (self.tail == "auto" and self.device.type == "cuda")
 
     def autocast(self):
         """The forward pass's mixed-precision context (a no-op in float32)."""
@@ -285,6 +369,10 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    parser.add_argument("--step-tail", choices=("auto", "exact", "fused"), default="auto",
+                        help="how the step clips and updates: exact: per-tensor norms, gradients scaled before "
+                             "the optimizer (the CPU proofs); fused: one multi-tensor norm, the clipping done "
+                             "inside fused AdamW (grad_scale); auto: fused on CUDA, exact elsewhere")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype under autocast; auto: bfloat16 on CUDA, float32 on CPU")

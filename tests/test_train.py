@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like import run_control, train
+from picotron_like import comm, run_control, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
@@ -94,6 +94,115 @@ def test_clipping_uses_the_norm_of_the_whole_model():
     torch.testing.assert_close(torch.cat([shard0, shard1]), reference[0].grad)
     torch.testing.assert_close(vec0, reference[1].grad)
     torch.testing.assert_close(vec1, reference[1].grad)
+
+
+def tail_model(rank: int, n_rows: int = 400, n_cols: int = 500) -> dict:
+    """Rank `rank`'s half of a 2 n_rows x n_cols matrix and a vector every rank holds, with the same
+    gradients on every call (about 2e5 values each: enough for _foreach_norm's blocked sums to
+    differ from the exact ones), each as a parameter with its gradient set."""
+    generator = torch.Generator().manual_seed(11)
+    full, vector = torch.randn(2 * n_rows, n_cols, generator=generator), torch.randn(700, generator=generator)
+    params = {"shard": torch.nn.Parameter(torch.randn(n_rows, n_cols, generator=generator)),
+              "vector": torch.nn.Parameter(torch.randn(700, generator=generator))}
+    params["shard"].grad = full[rank * n_rows: (rank + 1) * n_rows].clone()
+    params["vector"].grad = vector.clone()
+    return params
+
+
+def tail_steps() -> dict:
+    """Each rank's figures of the fused tail against the exact one (clip_gradients as the step's
+    settings pick it), with both kinds of AdamW; and a rank holding no gradient at all."""
+    rank, world = dist.get_rank(), dist.group.WORLD
+    out = {}
+
+    def run(tail: str, fused_adamw: bool):
+        params = tail_model(rank)
+        optimizer = torch.optim.AdamW(params.values(), lr=0.1, fused=fused_adamw, foreach=False if not fused_adamw
+                                      else None)
+        settings = train.StepSettings(torch.device("cpu"), max_grad_norm=1.0, norm_groups=(world,),
+                                      counts_toward_norm=lambda p: p is params["shard"] or rank == 0, tail=tail)
+        norm, grad_scale = train.clip_gradients(optimizer, params.values(), settings)
+        clipped = {name: p.grad.clone() for name, p in params.items()}
+        skipped = optimizer_step(optimizer, norm, grad_scale)
+        return dict(norm=norm.item(), grad_scale=grad_scale, clipped=clipped, skipped=skipped.item(),
+                    stepped_grads={name: p.grad.clone() for name, p in params.items()},
+                    params={name: p.detach().clone() for name, p in params.items()})
+
+    for tail in ("exact", "fused"):
+        for fused_adamw in (False, True):
+            out[tail, fused_adamw] = run(tail, fused_adamw)
+    # The grad_scale path alone, from one norm: AdamW dividing by 1 / factor, against scaling first.
+    for fold in (False, True):
+        params = tail_model(rank)
+        optimizer = torch.optim.AdamW(params.values(), lr=0.1, fused=True)
+        norm = train.global_grad_norm([params["shard"].grad] + ([params["vector"].grad] if rank == 0 else []),
+                                      torch.device("cpu"), (world,))
+        factor = train.clip_factor(norm, 1.0)
+        if not fold:
+            torch._foreach_mul_([p.grad for p in params.values()], factor)
+        optimizer_step(optimizer, norm, factor.reciprocal() if fold else None)
+        out["one norm", fold] = {name: p.detach().clone() for name, p in params.items()}
+    # A rank without gradients (rank 1 here) still joins the norm's all-reduce, on the step's device.
+    comm.meter.reset()
+    params = tail_model(rank)
+    if rank == 1:
+        for p in params.values():
+            p.grad = None
+    settings = train.StepSettings(torch.device("cpu"), norm_groups=(world,), counts_toward_norm=lambda p: True)
+    out["empty"] = train.clip_gradients(torch.optim.AdamW(params.values()), params.values(), settings)[0].item()
+    out["empty devices"] = dict(comm.meter.devices)
+    return out
+
+
+def test_the_fused_tail_equals_the_exact_one_and_a_rank_without_gradients_norms_on_the_step_device():
+    """The fused tail (forced on the CPU: tail="fused") against the exact one, on two ranks each
+    holding half a matrix and a replicated vector counted once. Its norm (_foreach_norm) is the
+    exact one within 3e-5 relative, the CPU's own _foreach_norm error (the exact path's is that of
+    one device, test_clipping_uses_the_norm_of_the_whole_model); with fused AdamW the clipping is
+    folded into the step (a grad_scale, gradients unscaled until AdamW reads them), without it the
+    gradients are scaled first; the norm returned is the norm before clipping either way. From one
+    norm, AdamW dividing by 1 / factor gives clip-then-step's weights to float32 rounding (g / (1/c)
+    and g c differ by an ulp: the weights, of order 1, by an ulp or two). A rank
+    holding no gradient norms on the step's device and gets the whole model's norm."""
+    ranks = run_ranks(2, tail_steps)
+    for out in ranks:
+        exact, fused = out["exact", True], out["fused", True]
+        assert exact["norm"] > 1.0 and exact["grad_scale"] is None      # clipping acts
+        assert fused["norm"] == pytest.approx(exact["norm"], rel=3e-5) and fused["norm"] != exact["norm"]
+        assert fused["grad_scale"].item() == pytest.approx(fused["norm"] + 1e-6, rel=1e-6)
+        for name, clipped in exact["clipped"].items():
+            torch.testing.assert_close(fused["clipped"][name], clipped * exact["norm"], rtol=3e-5, atol=0)
+            torch.testing.assert_close(fused["stepped_grads"][name], clipped, rtol=3e-5, atol=0)
+        assert out["exact", False]["norm"] == exact["norm"] and out["fused", False]["norm"] == fused["norm"]
+        assert out["fused", False]["grad_scale"] is None        # a per-tensor AdamW: scaled first
+        for name, clipped in out["fused", False]["clipped"].items():
+            torch.testing.assert_close(clipped, exact["clipped"][name], rtol=3e-5, atol=0)
+        for result in (exact, fused, out["exact", False], out["fused", False]):
+            assert not result["skipped"]
+            for name, param in result["params"].items():
+                torch.testing.assert_close(param, exact["params"][name], rtol=1e-5, atol=1e-6)
+        for name, param in out["one norm", True].items():      # two float32 ulps at the weights' scale (1)
+            torch.testing.assert_close(param, out["one norm", False][name], rtol=2**-22, atol=2**-22)
+    assert ranks[0]["exact", True]["norm"] == ranks[1]["exact", True]["norm"]
+    assert ranks[0]["empty"] == ranks[1]["empty"] > 0
+    assert all(out["empty devices"][("all_reduce", "world")] == {"cpu"} for out in ranks)
+
+
+def test_the_norm_lives_on_the_steps_device_and_the_tail_setting_picks_the_path():
+    """A rank whose parameters hold no gradient builds its norm on StepSettings.device, not the
+    CPU (on a GPU run a CPU tensor would put its all-reduce on gloo while its peers use NCCL):
+    shown here with the meta device, which no gradient is on; without a device it refuses rather
+    than guess. "auto" is fused on CUDA only."""
+    param = torch.nn.Parameter(torch.zeros(3))
+    for tail in ("exact", "fused"):
+        settings = train.StepSettings(torch.device("meta"), tail=tail)
+        norm, grad_scale = train.clip_gradients(torch.optim.AdamW([param], fused=True), [param], settings)
+        assert norm.device.type == "meta" and (grad_scale is None) == (tail == "exact")
+    with pytest.raises(ValueError, match="device"):
+        clip_grad_norm_([param], 1.0)
+    assert train.StepSettings(torch.device("cuda")).fused_tail and not train.StepSettings(torch.device("cpu")).fused_tail
+    assert train.StepSettings(torch.device("cpu"), tail="fused").fused_tail
+    assert not train.StepSettings(torch.device("cuda"), tail="exact").fused_tail
 
 
 # ----------------------------------------------------------------------------- flags and the run plan
