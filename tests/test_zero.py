@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from picotron_like import comm
+from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import GatheredParameterMeter, SavedTensorMeters, add_traffic, step_bookkeeping_traffic
@@ -94,7 +94,7 @@ def observe_gradients(model, optimizer) -> dict:
 
 
 def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: bool = True,
-             precision=FP32, grid=None, cfg=CFG, overlap: bool = True) -> dict:
+             precision=FP32, grid=None, cfg=CFG, overlap: bool = True, tail: str = "auto") -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
     their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula.
     Dense on data parallelism alone: lesson 06 as its main() builds it. Any other layout (tp, cp,
@@ -117,6 +117,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         args = composed_args(grid, stage, reshard, prefetch, precision, data.shape, overlap)
         model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
         settings, step = full_5d.step_settings(grid, CPU, precision, MAX_GRAD_NORM), full_5d.train_step
+    settings = replace(settings, tail=tail)
     optimizer = zero.build_sharded_optimizer(model, LR)
     for group in optimizer.param_groups:
         group["eps"] = ADAM_EPS
@@ -400,6 +401,8 @@ def mixed_precision_and_pytorch():
     runs["fsdp2 kept"] = fsdp2_run(False)
     runs["zero redundancy optimizer"] = zero_redundancy_optimizer_run()
     runs["master"] = master_accumulates_small_updates()
+    train.adamw_implementation = lambda device: {"fused": True}     # lesson 07's AdamW on CUDA; the CPU has one
+    runs["fused tail stage 1"] = zero_run(shape, 1, grid=grid, tail="fused")
     return runs
 
 
@@ -424,7 +427,7 @@ def test_mixed_precision_and_against_pytorch(reference):
     """One spawn at dp = 2: bf16 at every stage (and fp32 gradients) against the one-device bf16
     regime, formulas byte for byte; the fp32 master keeping updates bf16 cannot hold; our ZeRO-3
     equal to FSDP2 (resharding and keeping weights gathered) and our ZeRO-1 to
-    ZeroRedundancyOptimizer's, all of them equal to one device."""
+    ZeroRedundancyOptimizer's, all of them equal to one device; ZeRO-1 with the fused tail too."""
     regimes = {torch.bfloat16: bf16_reference(torch.bfloat16), torch.float32: bf16_reference(torch.float32)}
     for rank, runs in enumerate(run_ranks(2, mixed_precision_and_pytorch, timeout_s=300)):
         for name, result in runs.items():
@@ -451,6 +454,17 @@ def test_mixed_precision_and_against_pytorch(reference):
                                            actual, rtol=0, atol=1e-5 if key == "losses" else 1e-6)
             for name, param in runs[theirs]["params"].items():
                 torch.testing.assert_close(runs[ours]["params"][name], param, **PARAM_TOLERANCE, msg=name)
+        # The fused tail (forced here; CUDA's default) on ZeRO-1's shards with fused AdamW: the same
+        # gradients before clipping, the norm within 3e-5 relative (the CPU's _foreach_norm error),
+        # the clipping done inside AdamW (grad_scale), the weights after it as one device's.
+        fused = runs["fused tail stage 1"]
+        for name in reference["grads"]:
+            torch.testing.assert_close(fused["grads"][name], reference["grads"][name], **TOLERANCE, msg=name)
+        torch.testing.assert_close(torch.tensor(fused["norms"]), torch.tensor(reference["norms"]), rtol=3e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(reference["losses"]), rtol=0, atol=1e-5)
+        for name, param in reference["params"].items():
+            torch.testing.assert_close(fused["params"][name], param, **PARAM_TOLERANCE, msg=name)
+        assert_formulas(fused, f"rank={rank} fused tail")
         ours_zero1 = runs["zero redundancy optimizer"]
         torch.testing.assert_close(torch.tensor(ours_zero1["losses"]), torch.tensor(reference["losses"]),
                                    rtol=0, atol=1e-5)
