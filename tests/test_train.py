@@ -205,6 +205,26 @@ def test_the_norm_lives_on_the_steps_device_and_the_tail_setting_picks_the_path(
     assert not train.StepSettings(torch.device("cuda"), tail="exact").fused_tail
 
 
+def test_the_fused_tail_reads_nothing_to_the_host():
+    """clip_and_step on the fused tail with fused AdamW: the norm, the clip coefficient (as
+    grad_scale) and the skip flag stay tensors the optimizer reads on the device; a non-finite
+    gradient still skips the step, and the step leaves no attribute on the optimizer."""
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    settings = train.StepSettings(torch.device("cpu"), tail="fused")
+    for poisoned in (False, True):
+        model(torch.ones(2, 4)).sum().backward()
+        if poisoned:
+            model.weight.grad[0, 0] = float("inf")
+        before = model.weight.detach().clone()
+        with HostReads() as reads:
+            norm, skipped = train.clip_and_step(optimizer, model.parameters(), settings)
+        assert reads.sites == [] and skipped.item() == poisoned
+        assert torch.equal(model.weight, before) == poisoned
+        optimizer.zero_grad()
+    assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
+
+
 # ----------------------------------------------------------------------------- flags and the run plan
 
 
