@@ -79,8 +79,8 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.loss import (VocabularyStatistics, logit_gradients, logit_statistics, loss_chunk_tokens, matmul_dtype,
-                                reduced_loss, token_gradient_scale)
+from picotron_like.loss import (LossSettings, VocabularyStatistics, logit_gradients, logit_statistics, loss_chunk_tokens,
+                                matmul_dtype, reduced_loss, token_gradient_scale)
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows)
 from picotron_like.model import GPT, RMSNorm, SwiGLU, count_parameters
@@ -288,16 +288,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, kept, weight, targets, reduction: str, vocab_start: int, group, restore_input):
+    def forward(ctx, x, kept, weight, targets, reduction: str, vocab_start: int, group, restore_input,
+                settings: LossSettings):
         dtype = matmul_dtype(x, weight)
         with torch.autocast(x.device.type, enabled=False):
             saved = kept.to(dtype)
             inputs = (saved if kept is x else x.to(dtype)).reshape(-1, x.shape[-1])
             targets_flat = targets.reshape(-1)
-            stats = logit_statistics(inputs, weight.to(dtype), targets_flat - vocab_start)
+            stats = logit_statistics(inputs, weight.to(dtype), targets_flat - vocab_start, settings)
             loss, log_sum_exp = reduced_loss(combine_vocabulary_slices(stats, group), targets_flat, reduction)
         ctx.save_for_backward(saved, weight, targets_flat, log_sum_exp)
-        ctx.reduction, ctx.vocab_start, ctx.restore_input = reduction, vocab_start, restore_input
+        ctx.reduction, ctx.vocab_start, ctx.restore_input, ctx.settings = reduction, vocab_start, restore_input, settings
         ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
         return loss
 
@@ -308,9 +309,9 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             inputs = saved if ctx.restore_input is None else ctx.restore_input(saved)
             grad_inputs, grad_weight = logit_gradients(
                 inputs.reshape(-1, inputs.shape[-1]), weight.to(saved.dtype), targets_flat - ctx.vocab_start,
-                log_sum_exp, token_gradient_scale(grad_loss, targets_flat, ctx.reduction))
+                log_sum_exp, token_gradient_scale(grad_loss, targets_flat, ctx.reduction), ctx.settings)
         return (grad_inputs.view(ctx.input_shape).to(ctx.input_dtype), None, grad_weight.to(weight.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -318,8 +319,10 @@ class VocabParallelHead(ColumnParallelLinear):
 
     Without targets it returns this rank's slice of the logits. With targets, the loss without
     ever gathering the logits (VocabParallelCrossEntropy): loss_t = log sum_v exp(z_tv) - z_t,target,
-    and each rank holds V/tp of the z_tv.
+    and each rank holds V/tp of the z_tv. `loss_settings` as the reference's head's (LMHead).
     """
+
+    loss_settings = LossSettings()
 
     def __init__(self, full: nn.Linear, group):
         super().__init__(full, group)
@@ -329,7 +332,7 @@ class VocabParallelHead(ColumnParallelLinear):
         if targets is None:
             return super().forward(x)
         return VocabParallelCrossEntropy.apply(x, x, self.weight, targets, reduction, self.vocab_start, self.group,
-                                               None)
+                                               None, self.loss_settings)
 
 
 # The five layer types a conversion swaps in; sequence parallelism (the next sections) swaps in
@@ -610,7 +613,7 @@ class ShardSavingVocabParallelHead(VocabParallelHead):
             return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
         x.regather.readers += 1
         return VocabParallelCrossEntropy.apply(x.full, x.shard, self.weight, targets, reduction, self.vocab_start,
-                                               self.group, x.regather.gathered)
+                                               self.group, x.regather.gathered, self.loss_settings)
 
 
 SHARD_SAVING_LAYERS = (SequenceParallelEmbedding, ShardSavingRMSNorm, ShardSavingColumnLinear,

@@ -674,10 +674,14 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
     (tp's all-reduces, cp's ring, ep's all-to-alls) splits the compiled code, and runs eagerly in
     between. Every block runs the same code on same-shaped tensors, so all share one compilation
     (recomputation keeps it so: apply_recompute changes classes, not each block's functions).
+    The LM head's loss (picotron_like.loss) compiles its chunk bodies with the same backend: each
+    chunk's softmax statistics and gradient in one fused kernel instead of a few float32 passes.
     `backend`: TorchInductor; the tests count compilations with a backend of their own."""
     if enabled:
         for block in model.layers:
             block.forward = torch.compile(block.forward, backend=backend)
+        if model.lm_head is not None:
+            model.lm_head.loss_settings = replace(model.lm_head.loss_settings, compile_backend=backend)
     return model
 
 
@@ -807,7 +811,8 @@ def parse_args(argv=None):
                         help="selective: compute the norms' arithmetic and SwiGLU's silu again in backward (no "
                              "matmul, no collective); full: keep only each block's input and run its forward again")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each block's forward (the first step compiles: ~20 s or more on a CPU)")
+                        help="torch.compile each block's forward and the loss's chunk bodies (the first step compiles: "
+                             "~20 s or more on a CPU)")
     fp8.add_fp8_flag(parser)
     parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
                         help="CUDA: record the allocator's history over the first steps and write it to "

@@ -53,7 +53,7 @@ from typing import NamedTuple
 import torch
 
 from picotron_like.lessons import load_lesson
-from picotron_like.loss import loss_chunk_tokens
+from picotron_like.loss import LossSettings, loss_chunk_shape, loss_chunk_tokens
 from picotron_like import step_costs
 from picotron_like.device_profile import DeviceProfile, ProfileError, load_profile
 from picotron_like.metrics import add_traffic, loss_transient_parts
@@ -192,17 +192,25 @@ def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_unit
     return buffers
 
 
-def planned_loss_parts(cfg, args, grid: GridShape, shape, precision, pp_rank: int) -> dict[str, int]:
+def planned_loss_parts(cfg, args, grid: GridShape, shape, precision, pp_rank: int,
+                       device: DeviceProfile) -> dict[str, int]:
     """The chunked loss's backward on a rank that holds the LM head (the last pipeline stage; none
     on the others), by part: metrics.loss_transient_parts for its tokens (b s / cp, the whole
     sequence under sequence parallelism, which gathers it again for the head) and its vocabulary
-    slice V / tp, in the weights' dtype, on a GPU. It comes at the start of a micro-batch's
-    backward, when the activations counted above are all alive: the step's peak, together with them."""
+    slice V / tp, in the weights' dtype, with the device's chunk budget, its bodies compiled under
+    --compile. It comes at the start of a micro-batch's backward, when the activations counted
+    above are all alive: the step's peak, together with them."""
     if pp_rank != grid.pp - 1:
         return {}
     tokens = shape.micro_batch_size * shape.seq_len // grid.cp
     return loss_transient_parts(tokens, cfg.hidden, cfg.vocab_size // grid.tp, precision.param_dtype,
-                                regathered_input=args.sequence_parallel)
+                                regathered_input=args.sequence_parallel, device_type=device.device_type,
+                                settings=planned_loss_settings(args))
+
+
+def planned_loss_settings(args) -> LossSettings:
+    """How a run with these flags runs its loss: its chunk bodies compiled under --compile."""
+    return LossSettings(compile_backend="inductor" if args.compile else None)
 
 
 def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
@@ -226,7 +234,8 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     memory = {"parameters": states.parameters, "gradients": states.gradients,
               "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
               "activations": activations,
-              "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank).values()),
+              "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank,
+                                                                  device).values()),
               "gathered weights (ZeRO-3)": gathered,
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
@@ -252,6 +261,9 @@ ELEMENTWISE_PASSES = {
 # The chunked loss, per logit: the float32 logits written and read for the maximum and the sum of
 # exponentials (forward), and again for softmax minus the target (backward), its gradient in e.
 LOSS_FLOAT32_PASSES = (3, 4)
+# Compiled (loss.LossSettings), per logit in e: read for the maximum and again for the sum
+# (forward); read, and the gradient written over it (backward); one kernel each.
+LOSS_COMPILED_PASSES = (2, 2)
 # AdamW's tail per parameter of this rank's shard, float32: parameter, gradient and two moments
 # read, three written; the weights' cast back (4 read, e written); the gradient norm's read.
 OPTIMIZER_BYTES = 7 * 4 + 4 + 4
@@ -372,14 +384,15 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
                  "full": layers * (gemm_f + attn_f + elem_f)}[args.recompute]
     if with_head:       # the chunked loss: each chunk's logits in forward, again in backward, then dx and dW
         words = cfg.vocab_size // tp
-        chunk = min(tokens, loss_chunk_tokens(words))
+        chunk = min(tokens, loss_chunk_tokens(words, device.device_type))
         n_chunks = -(-tokens // chunk)
         head_f, head_b = gemm_pass_seconds(device, [(chunk, words, cfg.hidden)], dtype)
         forward += n_chunks * head_f
         backward += n_chunks * (head_f + head_b)
         logits = chunk * words
-        elementwise += n_chunks * step_costs.memory_seconds(
-            device, logits * (sum(LOSS_FLOAT32_PASSES) * 4 + 2 * e), 12)
+        elementwise += n_chunks * (
+            step_costs.memory_seconds(device, logits * sum(LOSS_COMPILED_PASSES) * e, 2) if args.compile else
+            step_costs.memory_seconds(device, logits * (sum(LOSS_FLOAT32_PASSES) * 4 + 2 * e), 12))
     if with_embedding:  # a gather forward, a scatter-add of the rows' gradients backward
         elementwise += step_costs.memory_seconds(device, 4 * tokens * cfg.hidden * e, 3)
 
@@ -781,7 +794,7 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     if shape.seq_len != cfg.seq_len:
         print(f"note: {args.preset} is sized for --seq-len {cfg.seq_len}")
     print_planned_memory(planned, usable)
-    print_peak_makeup(planned, cfg, shape, precision)
+    print_peak_makeup(planned, cfg, shape, precision, device)
     by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
                                               shape, precision, planned.pp_rank, device)[0]
                for mode in measurement.RECOMPUTE_MODES}
@@ -815,16 +828,17 @@ def print_planned_memory(planned: PlannedLayout, usable: float) -> None:
                                   f"the {usable / GIB:.1f} GiB planned")
 
 
-def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision) -> None:
+def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: DeviceProfile) -> None:
     """Which tensors the total counts, and when they are all alive at once."""
-    loss = planned_loss_parts(cfg, planned.args, planned.grid, shape, precision, planned.pp_rank)
+    loss = planned_loss_parts(cfg, planned.args, planned.grid, shape, precision, planned.pp_rank, device)
     parts = ["the model states", f"the kept activations of {planned.live_micro_batches} micro-batch"
              + ("es" if planned.live_micro_batches > 1 else "")]
     if loss:
-        chunk = min(shape.micro_batch_size * shape.seq_len // planned.grid.cp,
-                    loss_chunk_tokens(cfg.vocab_size // planned.grid.tp))
+        tokens, words = loss_chunk_shape(shape.micro_batch_size * shape.seq_len // planned.grid.cp,
+                                         cfg.vocab_size // planned.grid.tp, device.device_type,
+                                         planned_loss_settings(planned.args))
         parts.append(f"the loss's backward (the head's dW {loss['dW'] / GIB:.2f} GiB, dx {loss['dx'] / GIB:.2f} GiB, "
-                     f"the logits of one chunk of {chunk} tokens {loss['chunk'] / GIB:.2f} GiB)")
+                     f"the logits of one chunk, {tokens} tokens x {words} words, {loss['chunk'] / GIB:.2f} GiB)")
     if planned.memory["gathered weights (ZeRO-3)"]:
         parts.append("ZeRO-3's gathered units")
     when = ("at the start of a micro-batch's backward, in the LM head" if loss else

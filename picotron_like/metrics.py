@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
-from picotron_like.loss import loss_chunk_tokens
+from picotron_like.loss import LossSettings, loss_chunk_shape, loss_chunk_tokens
 from picotron_like.model import GPTConfig, flops_per_token
 from picotron_like.moe import expert_counts, moe_layers
 
@@ -226,32 +226,42 @@ def predicted_activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int, n
 
 
 def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch.float32,
-                         regathered_input: bool = False, matmul_scratch_bytes: int = 0) -> dict[str, int]:
+                         regathered_input: bool = False, matmul_scratch_bytes: int = 0, device_type: str = "cpu",
+                         settings: LossSettings = LossSettings()) -> dict[str, int]:
     """What the chunked loss's backward (loss.LinearCrossEntropy) holds at its peak besides what
     forward kept, in bytes, for n = `tokens` tokens over a vocabulary slice of V words of the LM head,
     hidden h, its weights stored and multiplied in `dtype` (e bytes: float32, or bf16 as lessons 06
-    and 07 keep them), c tokens per chunk:
+    and 07 keep them), on a device of `device_type` (its chunk budget), run as `settings` say: by
+    words, blocks of n x b logits; by tokens, chunks of c x V (l logits either way):
       "dW"      the head's weight gradient, until autograd adds it into .grad          V h e
       "dx"      the gradient of the head's input; under sequence parallelism saving     n h e
                 the shard, the input gathered again beside it                          (2 n h e)
-      "chunk"   one chunk's recomputed logits in float32, beside their product in e     c V 4 in float32,
-                (or beside the gradient cast back to e)                               c V (4 + e) else
-                or, if larger, c V e beside what the matmul dx = g W allocates for
-                itself, `matmul_scratch_bytes` (cuBLAS: nothing; the CPU's oneDNN packs
-                its bf16 operands: a copy of W on some CPUs, less where bf16 is native)
-      "targets" each target's index in the slice (int64), whether it lies in the slice
-                (a mask), two per-token scales (float32), the loss's float32 gradient  17 n + 4
+      "chunk"   eager: one block's recomputed logits in float32, beside their product   l 4 in float32,
+                in e (or beside the gradient cast back to e)                           l (4 + e) else
+                or, if larger, l e beside what the matmuls dW = g^T x and dx = g W
+                allocate for themselves, `matmul_scratch_bytes` (cuBLAS: nothing; the
+                CPU's oneDNN packs its bf16 operands: a copy of W on some CPUs, less
+                where bf16 is native); compiled: the gradient written over the product  l e + scratch
+      "targets" the loss's float32 gradient and each token's scale (float32), and      4 n + 4, and
+                by words each target's column in the block (int64) and whether it lies  12 n by words,
+                there (float32); by tokens, each target's index in the slice (int64),   13 n by tokens
+                whether it lies in the slice (a mask) and whether it is a word there
+                (float32)
     This comes at the start of backward, while every activation is still alive: with a large
     vocabulary, the step's peak. tests/test_loss_memory.py measures it on the CPU allocator (the
     loss summed, as a training step asks for it): to the byte in float32; in bf16, with the bare
-    matmul's allocation measured on the same CPU, up to some KiB of oneDNN scratch."""
+    matmuls' allocations measured on the same CPU, up to some KiB of oneDNN scratch."""
     e = dtype.itemsize
-    chunk = min(tokens, loss_chunk_tokens(vocab_slice))
-    logits = chunk * vocab_slice * (4 + e if e != 4 else 4)
-    if e != 4:
-        logits = max(logits, chunk * vocab_slice * e + matmul_scratch_bytes)
+    rows, cols = loss_chunk_shape(tokens, vocab_slice, device_type, settings)
+    logits = rows * cols
+    if settings.compile_backend is not None:
+        chunk = logits * e + matmul_scratch_bytes
+    elif e == 4:
+        chunk = logits * 4
+    else:
+        chunk = max(logits * (4 + e), logits * e + matmul_scratch_bytes)
     return {"dW": vocab_slice * hidden * e, "dx": tokens * hidden * e * (1 + regathered_input),
-            "chunk": logits, "targets": 17 * tokens + 4}
+            "chunk": chunk, "targets": 4 * tokens + 4 + (12 if settings.by_words(tokens, vocab_slice) else 13) * tokens}
 
 
 def predicted_loss_transient_bytes(*args, **kwargs) -> int:

@@ -40,17 +40,20 @@ The two formulas used for MFU and memory predictions live here too: ``count_para
 
 from __future__ import annotations
 
+import inspect
 import math
 import zlib
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from picotron_like import moe
 from picotron_like.kv_cache import KVCache, cached_attention
-from picotron_like.loss import linear_cross_entropy
+from picotron_like.loss import LossSettings, linear_cross_entropy
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -162,6 +165,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+# On CUDA, SDPA's kernels in the order torchtitan pins them: cuDNN's (the fastest on H100 and later
+# where it takes the shape), FlashAttention-2, the memory-efficient one, then the math fallback.
+# torch's own order is flash, efficient, math, then cuDNN: after math, which takes every shape, so
+# cuDNN never runs. A CPU has its own two (a flash kernel for the CPU and math) and keeps torch's.
+CUDA_ATTENTION_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                           SDPBackend.MATH)
+
+
+def attention_backends(device_type: str) -> AbstractContextManager:
+    """The context a run enters once around its steps (train.train): SDPA's priority on CUDA, where
+    torch's sdpa_kernel takes one (set_priority, torch 2.6 and later), nothing elsewhere. Around
+    the steps, not inside causal_attention: a compiled block reads the priority when it is traced,
+    and sdpa_kernel inside a compiled region has broken compilation and its cache (pytorch
+    issues 155898 and 194007)."""
+    if device_type != "cuda" or "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return nullcontext()
+    return sdpa_kernel(list(CUDA_ATTENTION_PRIORITY), set_priority=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -224,7 +246,10 @@ class LMHead(nn.Linear):
     """The vocabulary projection. Without targets it returns the logits (sampling, tests); with
     targets it returns the loss through linear_cross_entropy, the logits never made whole. The loss
     is computed inside this module's call so that whatever wraps a module's call (ZeRO-3 gathers a
-    unit's weights around it) wraps the loss's use of the weight too."""
+    unit's weights around it) wraps the loss's use of the weight too. `loss_settings`: how the loss
+    runs (eager by default; lesson 07's --compile compiles its chunk bodies)."""
+
+    loss_settings = LossSettings()
 
     def __init__(self, hidden: int, vocab_size: int):
         super().__init__(hidden, vocab_size, bias=False)
@@ -232,7 +257,7 @@ class LMHead(nn.Linear):
     def forward(self, x, targets=None, reduction: str = "mean"):
         if targets is None:
             return super().forward(x)
-        return linear_cross_entropy(x, self.weight, targets, reduction)
+        return linear_cross_entropy(x, self.weight, targets, reduction, self.loss_settings)
 
 
 class GPT(nn.Module):

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import Throughput
-from picotron_like.model import GPTConfig, get_config
+from picotron_like.model import GPTConfig, attention_backends, get_config
 from picotron_like.run_control import (AfterStep, LaggedStepLog, RunControl, StepMeters, seconds_since_process_start,
                                        step_profiler)
 from picotron_like.topology import AXES, ConfigError, GridShape, collective_timeout_s, world_size_from_env
@@ -698,7 +698,8 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     learning rate and the data follow from the step alone). `after_step` runs where an AfterStep
     says it is due (a plain function: every step), once the step's line is out (checkpoints:
     `last` is true for the run's final step, also when the ranks agreed to stop early). `clock`
-    reads the seconds since the process started, for --max-minutes (RunControl).
+    reads the seconds since the process started, for --max-minutes (RunControl). On CUDA the loop
+    runs inside SDPA's backend priority (model.attention_backends).
     """
     validating = evaluate is not None and batches.val is not None and getattr(args, "val_every", 0) > 0
     if after_step is not None and not isinstance(after_step, AfterStep):
@@ -706,7 +707,7 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     log = LaggedStepLog(args, batches.train, batches.device, cfg, start_step)
     control = RunControl(args, clock, args.val_batches if validating else 0)
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, batches.device)
-    with control, log, profiler or nullcontext():
+    with control, log, profiler or nullcontext(), attention_backends(batches.device.type):
         for step in range(start_step, args.steps):      # a time budget may lower args.steps: `last` ends it
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)

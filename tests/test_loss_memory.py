@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 from picotron_like import loss as loss_module
 from picotron_like.data import BatchShape
 from picotron_like.lessons import load_lesson
-from picotron_like.loss import IGNORE_INDEX, cross_entropy_loss
+from picotron_like.loss import IGNORE_INDEX, LossSettings, cross_entropy_loss, linear_cross_entropy
 from picotron_like.metrics import loss_transient_parts, predicted_loss_transient_bytes
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
@@ -147,14 +147,17 @@ def allocator_peak(step) -> int:
     return peak
 
 
-def measured_loss_transient(dtype: torch.dtype, chunk: int | None, chunked: bool = True) -> int:
+def measured_loss_transient(dtype: torch.dtype, chunk: int | None, chunked: bool = True,
+                            settings: LossSettings = LossSettings()) -> int:
     """The backward's transient over the activations the forward kept: one micro-batch of 2 x 64
     tokens through a one-layer GPT whose vocabulary dominates (V = 4096, h = 128), the loss summed,
     gradients already held (a later micro-batch's backward, which adds its dW into .grad: the worse
-    case). `chunk` tokens per chunk, or all of them in one."""
+    case). `chunk` tokens per chunk (as many logits per block of words), or all of them in one;
+    the head's loss run as `settings` say."""
     cfg = replace(get_config("tiny"), n_layers=1, vocab_size=4096)
     loss_module.LOSS_CHUNK_BYTES = 4 * cfg.vocab_size * chunk if chunk else 2**30
     model = GPT(cfg, seed=SEED).to(dtype)
+    model.lm_head.loss_settings = settings
     inputs, targets = masked_tokens(cfg.vocab_size, seq=64)
 
     def loss():
@@ -166,32 +169,63 @@ def measured_loss_transient(dtype: torch.dtype, chunk: int | None, chunked: bool
 
 
 def matmul_scratch_bytes(tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> int:
-    """What this CPU's matmul dx = g W, as the loss's backward calls it (into a given output),
-    allocates for itself: oneDNN packs its bf16 operands, a whole copy of W on some CPUs (seen on
-    Intel Xeons) and less on others that multiply bf16 natively (AMD EPYC with avx512_bf16)."""
-    grad_logits, weight = torch.zeros(tokens, vocab, dtype=dtype), torch.zeros(vocab, hidden, dtype=dtype)
-    out = torch.empty(tokens, hidden, dtype=dtype)
-    return allocator_peak(lambda: torch.mm(grad_logits, weight, out=out))
+    """What this CPU's matmuls dW = g^T x and dx = g W, as the loss's backward calls them on its
+    largest block of logits (loss_chunk_shape), allocate for themselves, the larger: oneDNN packs
+    its bf16 operands, a whole copy of one on some CPUs (seen on Intel Xeons) and less on others
+    that multiply bf16 natively (AMD EPYC with avx512_bf16)."""
+    rows, cols = loss_module.loss_chunk_shape(tokens, vocab)
+    by_words = rows == tokens
+    grad_logits = torch.zeros(rows, cols, dtype=dtype)
+    weight = torch.zeros(cols, hidden, dtype=dtype)
+    inputs, grad_inputs = torch.zeros(rows, hidden, dtype=dtype), torch.zeros(rows, hidden, dtype=dtype)
+    grad_weight = torch.zeros(cols, hidden, dtype=dtype)
+    return max(allocator_peak(lambda: torch.mm(grad_logits, weight, out=grad_inputs)),
+               allocator_peak(lambda: grad_inputs.addmm_(grad_logits, weight)) if by_words else 0,
+               allocator_peak(lambda: torch.mm(grad_logits.t(), inputs, out=grad_weight)) if by_words else
+               allocator_peak(lambda: grad_weight.addmm_(grad_logits.t(), inputs)))
 
 
 def test_loss_transient_measured_on_the_allocator_equals_its_formula():
-    """Float32 to the byte, chunked three ways. bf16 (weights in bf16, as 06 and 07 keep them) to
-    the byte in one chunk, where the chunk's float32 logits beside their bf16 product make the
-    peak; chunked, the peak moves to dx = g W, whose own allocation on this CPU (oneDNN packing
-    its operands) is measured apart on a bare matmul of the same shapes and counted, leaving
-    some KiB of scratch of its own (not counted)."""
+    """Float32 to the byte, chunked three ways, by words (the default at 128 tokens over 4096 words)
+    and by tokens. bf16 (weights in bf16, as 06 and 07 keep them) to the byte in one chunk, where
+    the chunk's float32 logits beside their bf16 product make the peak; chunked, the peak moves to
+    the matmuls dW = g^T x and dx = g W, whose own allocations on this CPU (oneDNN packing its
+    operands) are measured apart on bare matmuls of the same shapes and counted, leaving some KiB
+    of scratch of their own (not counted)."""
     chunk_bytes = loss_module.LOSS_CHUNK_BYTES
     try:
         n, hidden, vocab = BATCH * 64, get_config("tiny").hidden, 4096
-        for chunk in (None, 16, CHUNK):
-            assert measured_loss_transient(torch.float32, chunk) == predicted_loss_transient_bytes(n, hidden, vocab)
+        for settings in (LossSettings(), LossSettings(backward="tokens")):
+            for chunk in (None, 16, CHUNK):
+                assert (measured_loss_transient(torch.float32, chunk, settings=settings)
+                        == predicted_loss_transient_bytes(n, hidden, vocab, settings=settings)), (settings, chunk)
         for chunk, scratch in ((None, 0), (16, 64 * 2**10)):      # oneDNN's: 6 to 30 KiB seen
             measured = measured_loss_transient(torch.bfloat16, chunk)
-            packing = matmul_scratch_bytes(chunk or n, vocab, hidden, torch.bfloat16)
+            packing = matmul_scratch_bytes(n, vocab, hidden, torch.bfloat16)
             predicted = predicted_loss_transient_bytes(n, hidden, vocab, torch.bfloat16, matmul_scratch_bytes=packing)
             assert 0 <= measured - predicted <= scratch, (chunk, measured, predicted, packing)
         # The textbook loss: the gradients of the log-probabilities and of the logits at once.
         assert measured_loss_transient(torch.float32, None, chunked=False) > 2 * 4 * vocab * n
+    finally:
+        loss_module.LOSS_CHUNK_BYTES = chunk_bytes
+
+
+def test_loss_transient_at_the_gpu_budget_equals_its_formula():
+    """The GPU's budget (LOSS_CHUNK_BYTES_CUDA, 1 GiB of float32 logits) on the CPU: 1024 tokens over
+    294,912 words, more than one budget of logits, so that backward runs two blocks of words
+    (262,144 and 32,768): the transient to the byte, as the formula has it for a GPU."""
+    chunk_bytes = loss_module.LOSS_CHUNK_BYTES
+    try:
+        loss_module.LOSS_CHUNK_BYTES = loss_module.LOSS_CHUNK_BYTES_CUDA
+        tokens, hidden, vocab = 1024, 4, 294912
+        assert loss_module.loss_chunk_shape(tokens, vocab, "cuda") == (tokens, 262144)
+        generator = torch.Generator().manual_seed(SEED)
+        inputs = torch.randn(tokens, hidden, generator=generator, requires_grad=True)
+        weight = torch.randn(vocab, hidden, generator=generator, requires_grad=True)
+        targets = torch.randint(vocab, (tokens,), generator=generator)
+        loss = linear_cross_entropy(inputs, weight, targets, reduction="sum")
+        assert allocator_peak(loss.backward) == predicted_loss_transient_bytes(tokens, hidden, vocab,
+                                                                               device_type="cuda")
     finally:
         loss_module.LOSS_CHUNK_BYTES = chunk_bytes
 
@@ -206,8 +240,10 @@ def test_the_plan_counts_the_loss_transient_where_the_head_is(capsys):
                    for rank in (0, 1))
     assert first["loss's backward (chunked)"] == 0
     assert last["loss's backward (chunked)"] == predicted_loss_transient_bytes(
-        8192, cfg.hidden, cfg.vocab_size // 4, torch.bfloat16, regathered_input=True)
+        8192, cfg.hidden, cfg.vocab_size // 4, torch.bfloat16, regathered_input=True, device_type="cuda")
     assert loss_transient_parts(8192, cfg.hidden, cfg.vocab_size // 4, torch.bfloat16)["chunk"] <= 1.5 * 2**28
+    assert (loss_transient_parts(8192, cfg.hidden, cfg.vocab_size // 4, torch.bfloat16, device_type="cuda")["chunk"]
+            <= 1.5 * loss_module.LOSS_CHUNK_BYTES_CUDA)
     full_5d.main(["--plan", "--preset", "8b", "--gpus", "8", "--gpu", "H100", "--seq-len", "8192",
                   "--micro-batch-size", "1", "--grad-accum", "8", "--plan-top", "1"])
     out = capsys.readouterr().out
