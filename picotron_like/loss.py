@@ -54,23 +54,6 @@ LOSS_CHUNK_BYTES = 256 * 2**20
 LOSS_CHUNK_BYTES_CUDA = 2**30
 
 
-def loss_chunk_bytes(device_type: str = "cpu") -> int:
-    """The byte budget of one chunk's float32 logits on a device of this type."""
-    return LOSS_CHUNK_BYTES_CUDA if device_type == "cuda" else LOSS_CHUNK_BYTES
-
-
-def loss_chunk_tokens(words: int, device_type: str = "cpu") -> int:
-    """Tokens per forward chunk: as many as keep a chunk's float32 logits over `words` words within
-    the device's budget, at least one."""
-    return max(1, loss_chunk_bytes(device_type) // (4 * words))
-
-
-def loss_block_words(tokens: int, words: int, device_type: str = "cpu") -> int:
-    """Words per backward block (by words, below): as many as keep the float32 logits of `tokens`
-    tokens over them within the device's budget, at least one, at most `words`."""
-    return min(words, max(1, loss_chunk_bytes(device_type) // (4 * tokens)))
-
-
 @dataclass(frozen=True)
 class LossSettings:
     """How the chunked loss runs. Every choice gives the same loss and gradients up to float32
@@ -85,10 +68,13 @@ class LossSettings:
         chunks and adds each chunk's part of dW into it, reading and writing all V h of it once per
         chunk (the only backward before issue 37: kept so that a device check can time the two);
         "auto" takes the one that rewrites the smaller gradient: words when the micro-batch has
-        fewer tokens than the weight has words."""
+        fewer tokens than the weight has words.
+    chunk_bytes: the budget of one chunk's float32 logits; None: the device's (loss_chunk_bytes).
+        benchmarks/gpu_loss.py gives the CPU's on a GPU to time the loss as it ran before issue 37."""
 
     compile_backend: str | Callable | None = None
     backward: str = "auto"
+    chunk_bytes: int | None = None
 
     def __post_init__(self):
         if self.backward not in ("auto", "words", "tokens"):
@@ -99,12 +85,31 @@ class LossSettings:
         return tokens < words if self.backward == "auto" else self.backward == "words"
 
 
+def loss_chunk_bytes(device_type: str = "cpu", settings: LossSettings = LossSettings()) -> int:
+    """The byte budget of one chunk's float32 logits on a device of this type (or the settings')."""
+    if settings.chunk_bytes is not None:
+        return settings.chunk_bytes
+    return LOSS_CHUNK_BYTES_CUDA if device_type == "cuda" else LOSS_CHUNK_BYTES
+
+
+def loss_chunk_tokens(words: int, device_type: str = "cpu", settings: LossSettings = LossSettings()) -> int:
+    """Tokens per forward chunk: as many as keep a chunk's float32 logits over `words` words within
+    the budget, at least one."""
+    return max(1, loss_chunk_bytes(device_type, settings) // (4 * words))
+
+
+def loss_block_words(tokens: int, words: int, device_type: str = "cpu", settings: LossSettings = LossSettings()) -> int:
+    """Words per backward block (by words, below): as many as keep the float32 logits of `tokens`
+    tokens over them within the budget, at least one, at most `words`."""
+    return min(words, max(1, loss_chunk_bytes(device_type, settings) // (4 * tokens)))
+
+
 def loss_chunk_shape(tokens: int, words: int, device_type: str = "cpu",
                      settings: LossSettings = LossSettings()) -> tuple[int, int]:
     """(tokens, words) of the largest block of logits the loss's backward makes at once."""
     if settings.by_words(tokens, words):
-        return tokens, loss_block_words(tokens, words, device_type)
-    return min(tokens, loss_chunk_tokens(words, device_type)), words
+        return tokens, loss_block_words(tokens, words, device_type, settings)
+    return min(tokens, loss_chunk_tokens(words, device_type, settings)), words
 
 
 class VocabularyStatistics(NamedTuple):
@@ -186,10 +191,10 @@ EAGER_BODIES = ChunkBodies(chunk_statistics, chunk_logit_gradient)
 
 @lru_cache(maxsize=None)
 def compiled_bodies(backend: str | Callable) -> ChunkBodies:
-    """The fused bodies through torch.compile with `backend`, made once per backend (each compiles
-    on its first call, again for a chunk of another shape: the short last one)."""
-    return ChunkBodies(torch.compile(chunk_statistics_fused, backend=backend),
-                       torch.compile(chunk_logit_gradient_fused, backend=backend))
+    """The fused bodies through torch.compile with `backend`, made once per backend. Compiled for
+    any shape (dynamic): the last chunk is shorter, and tp's slices and the budgets change the rest."""
+    return ChunkBodies(torch.compile(chunk_statistics_fused, backend=backend, dynamic=True),
+                       torch.compile(chunk_logit_gradient_fused, backend=backend, dynamic=True))
 
 
 def chunk_bodies(settings: LossSettings) -> ChunkBodies:
@@ -206,7 +211,7 @@ def logit_statistics(inputs: torch.Tensor, weights: torch.Tensor, targets: torch
     rows_of_targets, has_row = target_rows(targets, weights.shape[0])
     row_max, sum_exp, target_logit = (inputs.new_zeros(inputs.shape[0], dtype=torch.float32) for _ in range(3))
     statistics = chunk_bodies(settings).statistics
-    chunk = loss_chunk_tokens(weights.shape[0], inputs.device.type)
+    chunk = loss_chunk_tokens(weights.shape[0], inputs.device.type, settings)
     for start in range(0, inputs.shape[0], chunk):
         rows = slice(start, start + chunk)
         row_max[rows], sum_exp[rows], target_logit[rows] = statistics(
@@ -249,7 +254,7 @@ def logit_gradients_by_words(inputs, weights, targets, log_sum_exp, row_scale, s
     and written once per block after the first, against by tokens' V h per chunk after the first."""
     logit_gradient = chunk_bodies(settings).logit_gradient
     grad_inputs, grad_weight = torch.empty_like(inputs), torch.empty_like(weights)
-    block = loss_block_words(inputs.shape[0], weights.shape[0], inputs.device.type)
+    block = loss_block_words(inputs.shape[0], weights.shape[0], inputs.device.type, settings)
     for start in range(0, weights.shape[0], block):
         words = slice(start, start + block)
         width = min(block, weights.shape[0] - start)
@@ -273,7 +278,7 @@ def logit_gradients_by_tokens(inputs, weights, targets, log_sum_exp, row_scale, 
     rows_of_targets, has_row = target_rows(targets, weights.shape[0])
     minus_one_at_target = torch.where(has_row, -1.0, 0.0)
     grad_inputs, grad_weight = torch.empty_like(inputs), torch.zeros_like(weights)
-    chunk = loss_chunk_tokens(weights.shape[0], inputs.device.type)
+    chunk = loss_chunk_tokens(weights.shape[0], inputs.device.type, settings)
     for start in range(0, inputs.shape[0], chunk):
         rows = slice(start, start + chunk)
         grad_logits = logit_gradient(inputs[rows] @ weights.t(), log_sum_exp[rows], rows_of_targets[rows],

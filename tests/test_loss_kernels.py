@@ -12,11 +12,14 @@ The loss, one process, float32, torch.testing's float32 tolerances (rtol 1.3e-6,
 - lesson 07's compile step sets the LM head's backend (Dynamo's "eager" backend, seconds).
 Attention: on a CPU attention_backends changes nothing (the same output bit for bit), and the CUDA
 branch, entered on the CPU, sets torch's priority to cuDNN, flash, efficient, math and restores it.
+The device check's scripts (benchmarks/gpu_loss.py, gpu_attention.py) run in their tiny CPU mode.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +140,29 @@ def test_attention_priority_is_cudas_alone():
         assert order[:len(CUDA_ATTENTION_PRIORITY)] == [int(backend) for backend in CUDA_ATTENTION_PRIORITY]
         assert torch.equal(causal_attention(q, k, v), plain)      # a CPU tensor keeps the CPU's kernel
     assert torch._C._get_sdp_priority_order() == before
+
+
+def run_script(name: str, capsys) -> list[str]:
+    """benchmarks/<name>.py's main in --tiny mode (what a CPU without a GPU runs): its lines."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--tiny"])
+    return capsys.readouterr().out.splitlines()
+
+
+def test_the_gpu_loss_script_runs_tiny_one_line_per_row(capsys):
+    header, *rows = run_script("gpu_loss", capsys)
+    assert header.startswith("loss: T=256 V=2048 h=64 float32 on cpu (tiny)")
+    assert [row.split("  ")[1].strip() for row in rows] == [
+        "full logits (F.cross_entropy)", "chunked, before issue 37 (eager, by tokens, 256 MiB)", "chunked eager",
+        "chunked compiled"]
+    losses = {row.rsplit("loss ", 1)[1] for row in rows}
+    assert len(losses) == 1 and all(" ms  peak n/a on a CPU" in row for row in rows), rows
+
+
+def test_the_gpu_attention_script_runs_tiny_one_line_per_backend(capsys):
+    header, *rows = run_script("gpu_attention", capsys)
+    assert header.startswith("attention: batch 1 x seq 64, 4 heads over 2 K/V heads of 16, causal, float32 on cpu")
+    assert [row.split()[0] for row in rows] == [backend.name for backend in CUDA_ATTENTION_PRIORITY] + ["priority"]
+    assert "not available" in rows[0] and rows[1].endswith(" ms") and rows[-1].endswith("(no priority on a CPU)")
