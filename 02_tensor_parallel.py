@@ -79,7 +79,7 @@ from torch import nn
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.loss import (LossSettings, VocabularyStatistics, logit_gradients, logit_statistics, loss_chunk_tokens,
+from picotron_like.loss import (LossSettings, VocabularyStatistics, logit_gradients, logit_statistics, loss_chunk_shape,
                                 matmul_dtype, reduced_loss, token_gradient_scale)
 from picotron_like.metrics import (ActivationMeter, MeteredRun, log0, log_compute_report, log_memory_rows,
                                    log_traffic_rows)
@@ -319,7 +319,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     Without targets it returns this rank's slice of the logits. With targets, the loss without
     ever gathering the logits (VocabParallelCrossEntropy): loss_t = log sum_v exp(z_tv) - z_t,target,
-    and each rank holds V/tp of the z_tv. `loss_settings` as the reference's head's (LMHead).
+    and each rank holds V/tp of the z_tv. `loss_settings`: how its loss runs, as LMHead's.
     """
 
     loss_settings = LossSettings()
@@ -764,9 +764,9 @@ def report(run: MeteredRun, plan, form: str, compute_dtype) -> None:
         log0("activations predicted per rank, sequence parallelism " + ", ".join(
             f"{name} {predicted_tp_activation_bytes(cfg, b, s, tp, **other) / 1e6:.3f} MB"
             for name, other in SEQUENCE_PARALLEL_FORMS.items()))
-    chunk = min(b * s, loss_chunk_tokens(cfg.vocab_size // tp))
-    log0(f"float32 logits at a time: one chunk of {chunk} tokens over the vocab slice, "
-         f"{chunk * cfg.vocab_size // tp * 4 / 1e6:.3f} MB per rank; the micro-batch's gathered would be "
+    tokens, words = loss_chunk_shape(b * s, cfg.vocab_size // tp, run.device.type, run.model.lm_head.loss_settings)
+    log0(f"float32 logits at a time: one chunk of {tokens} tokens x {words} words of the vocab slice, "
+         f"{tokens * words * 4 / 1e6:.3f} MB per rank; the micro-batch's gathered would be "
          f"{b * s * cfg.vocab_size * 4 / 1e6:.3f} MB")
     log_traffic_rows(run, f"b={b}, s={s}, h={cfg.hidden}, L={cfg.n_layers}, {shape.grad_accum} micro-batches",
                      predicted_tp_traffic(cfg, b, s, shape.grad_accum, tp, compute_dtype=compute_dtype, **keywords),

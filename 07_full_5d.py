@@ -15,7 +15,7 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> context-parallel attention               (04)
       -> experts sharded over ep and dispatched   (05)
       -> ZeRO over the dp x cp ranks              (06; stage 0 is lesson 01's all-reduce)
-      -> each block compiled (--compile)          (this lesson)
+      -> blocks and the loss's chunks compiled    (this lesson: --compile)
       -> activation recomputation                 (this lesson)
       -> the pipeline schedule over the stage     (03)
 

@@ -182,6 +182,8 @@ def chunk_logit_gradient_fused(logits: torch.Tensor, log_sum_exp: torch.Tensor, 
 
 
 class ChunkBodies(NamedTuple):
+    """A pair of chunk bodies: the forward's statistics and the backward's gradient by the logits."""
+
     statistics: Callable
     logit_gradient: Callable
 
@@ -198,6 +200,7 @@ def compiled_bodies(backend: str | Callable) -> ChunkBodies:
 
 
 def chunk_bodies(settings: LossSettings) -> ChunkBodies:
+    """The bodies the settings ask for: eager, or compiled with their backend."""
     return EAGER_BODIES if settings.compile_backend is None else compiled_bodies(settings.compile_backend)
 
 

@@ -2,7 +2,9 @@
 and its memory measured next to its formulas.
 
 Equality, on 3 gloo ranks, every loss chunked over a few tokens (LOSS_CHUNK_BYTES lowered in each
-rank: 32 tokens in 7 chunks, the last one short), with masked targets, for the mean and the sum:
+rank: 32 tokens in 7 chunks, the last one short; backward as LossSettings() chooses it, by 7 blocks
+of words at tp = 1 and 2, where the 32 tokens are fewer than a rank's words, by the 7 chunks of
+tokens at tp = 3), with masked targets, for the mean and the sum:
 - tp = 1: the reference GPT's loss and every gradient against the same GPT's logits through
   F.cross_entropy (cross_entropy_loss);
 - tp = 2 (ranks 0-1): lesson 02's whole model with sequence parallelism saving the shard, the form
@@ -14,7 +16,8 @@ Float32, torch.testing's float32 tolerances (rtol 1.3e-6, atol 1e-5): the two si
 order of summation only (per chunk, per vocabulary slice, log-sum-exp against log-softmax).
 
 Memory, on one process: the transient of the loss's backward measured on the CPU allocator equals
-metrics.loss_transient_parts to the byte in float32 for three chunk sizes, and in bf16 up to
+metrics.loss_transient_parts to the byte in float32 for three chunk sizes, by words and by tokens,
+and at the GPU's budget (LOSS_CHUNK_BYTES_CUDA, on the CPU), and in bf16 up to
 oneDNN's few KiB of scratch; the textbook loss measured the same way holds more than the issue's
 2 * 4 * V * n bytes there. The memory plan counts the transient on the rank with the LM head only
 and says what makes the peak.
