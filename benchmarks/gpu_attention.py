@@ -3,8 +3,9 @@ Causal attention at the 1b preset's shapes on one GPU, through each of SDPA's ba
 through the priority the training loop enters (model.attention_backends: cuDNN, flash, efficient,
 math): forward and backward time, bf16, batch 4 x 2048 tokens, 32 query heads over 8 K/V heads of
 64, called as the model calls it (K and V not repeated: enable_gqa). One line per backend, "not
-available" with torch's reason for one that refuses the shape; then the priority's time and the
-backend whose kernels it ran (the same CUDA kernel names, from the profiler).
+available" with torch's reason for one that refuses the shape; then each --attention-priority
+(cudnn: the model's default, torch: torch's own order), its time and the backend whose kernels it
+ran (the same CUDA kernel names, from the profiler).
 
 Time: CUDA events around forward and backward, the median of 10 after 3 untimed.
 
@@ -100,13 +101,14 @@ def main(argv=None) -> None:
             continue
         kernels[backend.name] = kernel_names(step, device)
         print(f"  {backend.name:<22} {ms:9.3f} ms", flush=True)
-    step = step_in(lambda: attention_backends(device.type))
-    ms = timed_ms(step, device, warmup, timed)
-    ran = kernel_names(step, device)
-    same = [name for name, names in kernels.items() if names and names == ran]
-    print(f"  {'priority (the model)':<22} {ms:9.3f} ms  "
-          + (f"ran {same[0]}'s kernels" if same else "its kernels match no backend's alone" if ran
-             else "torch's CPU choice (no priority on a CPU)"), flush=True)
+    for priority, label in (("cudnn", "priority cudnn"), ("torch", "priority torch")):
+        step = step_in(lambda priority=priority: attention_backends(device.type, priority))
+        ms = timed_ms(step, device, warmup, timed)
+        ran = kernel_names(step, device)
+        same = [name for name, names in kernels.items() if names and names == ran]
+        print(f"  {label:<22} {ms:9.3f} ms  "
+              + (f"ran {same[0]}'s kernels" if same else "its kernels match no backend's alone" if ran
+                 else "torch's CPU choice (no priority on a CPU)"), flush=True)
 
 
 if __name__ == "__main__":

@@ -173,13 +173,20 @@ CUDA_ATTENTION_PRIORITY = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTIO
                            SDPBackend.MATH)
 
 
-def attention_backends(device_type: str) -> AbstractContextManager:
-    """The context a run enters once around its steps (train.train): SDPA's priority on CUDA, where
-    torch's sdpa_kernel takes one (set_priority, torch 2.6 and later), nothing elsewhere. Around
-    the steps, not inside causal_attention: a compiled block reads the priority when it is traced,
-    and sdpa_kernel inside a compiled region has broken compilation and its cache (pytorch
-    issues 155898 and 194007)."""
-    if device_type != "cuda" or "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+ATTENTION_PRIORITIES = ("cudnn", "torch")     # --attention-priority
+
+
+def attention_backends(device_type: str, priority: str = "cudnn") -> AbstractContextManager:
+    """The context a run enters once around its steps (train.train): with `priority` "cudnn", SDPA's
+    order CUDA_ATTENTION_PRIORITY on CUDA, where torch's sdpa_kernel takes one (set_priority,
+    torch 2.6 and later); nothing elsewhere, or with "torch" (torch's own order). Around the steps,
+    not inside causal_attention: a compiled block reads the priority when it is traced, and
+    sdpa_kernel inside a compiled region has broken compilation and its cache (pytorch issues
+    155898 and 194007)."""
+    if priority not in ATTENTION_PRIORITIES:
+        raise ValueError(f"attention priority must be one of {ATTENTION_PRIORITIES}, got {priority!r}")
+    if (device_type != "cuda" or priority == "torch"
+            or "set_priority" not in inspect.signature(sdpa_kernel).parameters):
         return nullcontext()
     return sdpa_kernel(list(CUDA_ATTENTION_PRIORITY), set_priority=True)
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
 from picotron_like.metrics import Throughput
-from picotron_like.model import GPTConfig, attention_backends, get_config
+from picotron_like.model import ATTENTION_PRIORITIES, GPTConfig, attention_backends, get_config
 from picotron_like.run_control import (AfterStep, LaggedStepLog, RunControl, StepMeters, seconds_since_process_start,
                                        step_profiler)
 from picotron_like.topology import AXES, ConfigError, GridShape, collective_timeout_s, world_size_from_env
@@ -373,6 +373,10 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
                         help="how the step clips and updates: exact: per-tensor norms, gradients scaled before "
                              "the optimizer (the CPU proofs); fused: one multi-tensor norm, the clipping done "
                              "inside fused AdamW (grad_scale); auto: fused on CUDA, exact elsewhere")
+    parser.add_argument("--attention-priority", choices=ATTENTION_PRIORITIES, default="cudnn",
+                        help="the order in which SDPA tries its kernels on CUDA: cudnn: cuDNN, flash, efficient, "
+                             "math (torchtitan's); torch: torch's own (flash, efficient, math, cuDNN); a CPU keeps "
+                             "torch's")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                         help="compute dtype under autocast; auto: bfloat16 on CUDA, float32 on CPU")
@@ -699,7 +703,7 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     says it is due (a plain function: every step), once the step's line is out (checkpoints:
     `last` is true for the run's final step, also when the ranks agreed to stop early). `clock`
     reads the seconds since the process started, for --max-minutes (RunControl). On CUDA the loop
-    runs inside SDPA's backend priority (model.attention_backends).
+    runs inside SDPA's backend priority (model.attention_backends, --attention-priority).
     """
     validating = evaluate is not None and batches.val is not None and getattr(args, "val_every", 0) > 0
     if after_step is not None and not isinstance(after_step, AfterStep):
@@ -707,7 +711,8 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     log = LaggedStepLog(args, batches.train, batches.device, cfg, start_step)
     control = RunControl(args, clock, args.val_batches if validating else 0)
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, batches.device)
-    with control, log, profiler or nullcontext(), attention_backends(batches.device.type):
+    priority = attention_backends(batches.device.type, getattr(args, "attention_priority", "cudnn"))
+    with control, log, profiler or nullcontext(), priority:
         for step in range(start_step, args.steps):      # a time budget may lower args.steps: `last` ends it
             lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
             set_learning_rate(optimizer, lr)

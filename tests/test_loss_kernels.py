@@ -11,7 +11,8 @@ The loss, one process, float32, torch.testing's float32 tolerances (rtol 1.3e-6,
   transient equals the formula's (loss_transient_parts with compile_backend) to the byte;
 - lesson 07's compile step sets the LM head's backend (Dynamo's "eager" backend, seconds).
 Attention: on a CPU attention_backends changes nothing (the same output bit for bit), and the CUDA
-branch, entered on the CPU, sets torch's priority to cuDNN, flash, efficient, math and restores it.
+branch, entered on the CPU, sets torch's priority to cuDNN, flash, efficient, math and restores it
+(--attention-priority torch leaves torch's).
 The device check's scripts (benchmarks/gpu_loss.py, gpu_attention.py) run in their tiny CPU mode.
 """
 
@@ -134,12 +135,20 @@ def test_attention_priority_is_cudas_alone():
     before = torch._C._get_sdp_priority_order()
     with attention_backends("cpu"):
         assert torch._C._get_sdp_priority_order() == before
+    with attention_backends("cuda", "torch"):                      # --attention-priority torch
+        assert torch._C._get_sdp_priority_order() == before
+    with pytest.raises(ValueError, match="attention priority must be one of"):
+        attention_backends("cuda", "flash")
         assert torch.equal(causal_attention(q, k, v), plain)
     with attention_backends("cuda"):
         order = torch._C._get_sdp_priority_order()
         assert order[:len(CUDA_ATTENTION_PRIORITY)] == [int(backend) for backend in CUDA_ATTENTION_PRIORITY]
         assert torch.equal(causal_attention(q, k, v), plain)      # a CPU tensor keeps the CPU's kernel
     assert torch._C._get_sdp_priority_order() == before
+    with attention_backends("cuda", "torch"):                      # --attention-priority torch
+        assert torch._C._get_sdp_priority_order() == before
+    with pytest.raises(ValueError, match="attention priority must be one of"):
+        attention_backends("cuda", "flash")
 
 
 def run_script(name: str, capsys) -> list[str]:
@@ -164,5 +173,6 @@ def test_the_gpu_loss_script_runs_tiny_one_line_per_row(capsys):
 def test_the_gpu_attention_script_runs_tiny_one_line_per_backend(capsys):
     header, *rows = run_script("gpu_attention", capsys)
     assert header.startswith("attention: batch 1 x seq 64, 4 heads over 2 K/V heads of 16, causal, float32 on cpu")
-    assert [row.split()[0] for row in rows] == [backend.name for backend in CUDA_ATTENTION_PRIORITY] + ["priority"]
-    assert "not available" in rows[0] and rows[1].endswith(" ms") and rows[-1].endswith("(no priority on a CPU)")
+    assert [row.split()[0] for row in rows] == [backend.name for backend in CUDA_ATTENTION_PRIORITY] + ["priority"] * 2
+    assert "not available" in rows[0] and rows[1].endswith(" ms")
+    assert all(row.endswith("(no priority on a CPU)") for row in rows[-2:])
