@@ -298,7 +298,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             stats = logit_statistics(inputs, weight.to(dtype), targets_flat - vocab_start, settings)
             loss, log_sum_exp = reduced_loss(combine_vocabulary_slices(stats, group), targets_flat, reduction)
         ctx.save_for_backward(saved, weight, targets_flat, log_sum_exp)
-        ctx.reduction, ctx.vocab_start, ctx.restore_input, ctx.settings = reduction, vocab_start, restore_input, settings
+        ctx.reduction, ctx.vocab_start, ctx.restore_input = reduction, vocab_start, restore_input
+        ctx.settings = settings
         ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
         return loss
 

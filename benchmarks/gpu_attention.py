@@ -67,10 +67,12 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     cfg = get_config("1b")
     if device.type == "cuda":
-        batch, seq, heads, kv_heads, head_dim, dtype = 4, 2048, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16
+        batch, seq, dtype = 4, 2048, torch.bfloat16
+        heads, kv_heads, head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         warmup, timed = 3, 10
     else:
-        batch, seq, heads, kv_heads, head_dim, dtype = 1, 64, 4, 2, 16, torch.float32
+        batch, seq, dtype = 1, 64, torch.float32
+        heads, kv_heads, head_dim = 4, 2, 16
         warmup, timed = 1, 3
     generator = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(batch, n, seq, head_dim, device=device, generator=generator, dtype=dtype).requires_grad_()

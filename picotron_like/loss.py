@@ -242,7 +242,8 @@ def token_gradient_scale(grad_loss: torch.Tensor, targets: torch.Tensor, reducti
 
 
 def logit_gradients(inputs: torch.Tensor, weights: torch.Tensor, targets: torch.Tensor, log_sum_exp: torch.Tensor,
-                    row_scale: torch.Tensor, settings: LossSettings = LossSettings()) -> tuple[torch.Tensor, torch.Tensor]:
+                    row_scale: torch.Tensor, settings: LossSettings = LossSettings()
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx [n, h], dW [V, h]) in the matmul dtype, the logits made again block by block (`targets`
     as in logit_statistics, row_scale from token_gradient_scale): by words or by tokens
     (LossSettings.backward)."""

@@ -249,8 +249,9 @@ def loss_transient_parts(tokens: int, hidden: int, vocab_slice: int, dtype=torch
                 (float32)
     This comes at the start of backward, while every activation is still alive: with a large
     vocabulary, the step's peak. tests/test_loss_memory.py measures it on the CPU allocator (the
-    loss summed, as a training step asks for it): to the byte in float32; in bf16, with the bare
-    matmuls' allocations measured on the same CPU, up to some KiB of oneDNN scratch."""
+    loss summed, as a training step asks for it): to the byte in float32, eager and compiled
+    (tests/test_loss_kernels.py); in bf16, with the bare matmuls' allocations measured on the same
+    CPU, up to some KiB of oneDNN scratch."""
     e = dtype.itemsize
     rows, cols = loss_chunk_shape(tokens, vocab_slice, device_type, settings)
     logits = rows * cols
