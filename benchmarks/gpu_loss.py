@@ -16,7 +16,7 @@ before it (the inputs, the weight). Each row's loss is printed beside, as a chec
 
     PYTHONPATH=. python benchmarks/gpu_loss.py          # a GPU: about 20 s on an H100, most of it compiling
     PYTHONPATH=. python benchmarks/gpu_loss.py --tiny   # any machine (a CPU without a GPU runs this):
-                                                        # seconds; T = 256, V = 2048, h = 64, float32, the
+                                                        # seconds; T = 128, V = 1024, h = 32, float32, the
                                                         # compiled row traced by Dynamo's "eager" backend
 """
 
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     tiny = device.type == "cpu"
-    tokens, words, hidden, dtype = (256, 2048, 64, torch.float32) if tiny else (8192, 128256, 2048, torch.bfloat16)
+    tokens, words, hidden, dtype = (128, 1024, 32, torch.float32) if tiny else (8192, 128256, 2048, torch.bfloat16)
     warmup, timed = (1, 3) if tiny else (3, 10)
     generator = torch.Generator(device).manual_seed(0)
     inputs = (torch.randn(tokens, hidden, device=device, generator=generator) / 4).to(dtype).requires_grad_()

@@ -85,12 +85,12 @@ def test_settings_choose_the_backward_and_refuse_a_bad_one():
         LossSettings(backward="vocabulary")
 
 
-@pytest.mark.parametrize("tokens, words", ((64, 512), (96, 40)))
-def test_backward_by_words_and_by_tokens_equal_the_textbook_loss(chunk_bytes, tokens, words):
-    """Blocks of 3 and 7 tokens' worth of logits (a short last one), and one chunk."""
+def test_backward_by_words_and_by_tokens_equal_the_textbook_loss(chunk_bytes):
+    """Blocks of 7 tokens' worth of logits (a short last one), and one chunk."""
+    tokens, words = 64, 200
     inputs, weight, targets = problem(tokens, words)
     expected = loss_and_gradients(inputs, weight, targets, LossSettings(), textbook=True)
-    for chunk in (3, 7, tokens):
+    for chunk in (7, tokens):
         loss_module.LOSS_CHUNK_BYTES = 4 * words * chunk
         for backward in ("words", "tokens"):
             got = loss_and_gradients(inputs, weight, targets, LossSettings(backward=backward))
@@ -162,7 +162,7 @@ def run_script(name: str, capsys) -> list[str]:
 
 def test_the_gpu_loss_script_runs_tiny_one_line_per_row(capsys):
     header, *rows = run_script("gpu_loss", capsys)
-    assert header.startswith("loss: T=256 V=2048 h=64 float32 on cpu (tiny)")
+    assert header.startswith("loss: T=128 V=1024 h=32 float32 on cpu (tiny)")
     assert [row.split("  ")[1].strip() for row in rows] == [
         "full logits (F.cross_entropy)", "chunked, before issue 37 (eager, by tokens, 256 MiB)", "chunked eager",
         "chunked compiled"]
