@@ -264,12 +264,17 @@ LOSS_FLOAT32_PASSES = (3, 4)
 # Compiled (loss.LossSettings), per logit in e: read for the maximum and again for the sum
 # (forward); read, and the gradient written over it (backward); one kernel each.
 LOSS_COMPILED_PASSES = (2, 2)
-# AdamW's tail per parameter of this rank's shard, float32: parameter, gradient and two moments
-# read, three written; the weights' cast back (4 read, e written); the gradient norm's read.
-OPTIMIZER_BYTES = 7 * 4 + 4 + 4
+# The step's tail per parameter of this rank's shard, float32, as a GPU runs it (--step-tail's
+# fused path): the gradient norm's one read (_foreach_norm); fused AdamW reading parameter,
+# gradient and two moments and writing all four (the gradient divided by the clipping's
+# grad_scale); the weights' cast back (4 read, e written).
+OPTIMIZER_BYTES = 4 + 8 * 4 + 4
 OPTIMIZER_KERNELS_PER_UNIT = 12  # foreach AdamW over one unit's pieces, the norm, the cast
-# Each micro-batch's gradients flattened into their unit's buffer (read, written) and added to it.
-ACCUMULATE_BYTES = 5 * 4
+# A micro-batch's gradients into their unit's buffer at ZeRO-0/1: the step's first written (read,
+# written), each later one added (gradient and buffer read, buffer written); at ZeRO-2/3 each one
+# flattened into a copy to reduce-scatter (read, written).
+FIRST_ACCUMULATE_BYTES = 2 * 4
+ACCUMULATE_BYTES = 3 * 4
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -542,8 +547,10 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
                 + zero.padded(experts, units.edp) // (units.edp if stage else 1)
                 for dense, experts in zip(units.dense, units.experts))
     local = sum(units.dense) + sum(units.experts)
+    later = FIRST_ACCUMULATE_BYTES if stage >= 2 else ACCUMULATE_BYTES
     tail = (step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share))
-            + m * step_costs.memory_seconds(device, local * ACCUMULATE_BYTES, 3 * len(share)))
+            + step_costs.memory_seconds(device, local * FIRST_ACCUMULATE_BYTES, len(share))
+            + (m - 1) * step_costs.memory_seconds(device, local * later, 3 * len(share)))
     return exposed, tail
 
 
