@@ -34,6 +34,11 @@ The column layers keep the gathered sequence for their weight gradients. The ref
 (--save-sequence-shard, as Megatron-LM's code does) keeps only this rank's s/tp tokens of it and
 gathers them again in backward, once per norm: then every activation of a block is divided by tp.
 
+Async dgrad (on; --no-async-tp-dgrad turns it off). In backward each column layer makes its input's
+gradient and leaves its weight's gradient to the norm's f, which starts its all-reduce (under
+sequence parallelism, reduce-scatter) and makes those weight gradients while it travels, as
+Megatron-LM's async dgrad does: the same collectives and products, overlapped instead of in turn.
+
 The price (per micro-batch of b sequences of s tokens, L layers, hidden h, vocabulary V):
     memory:  weights, gradients, optimizer states / tp (norm gains replicated); a block's
              activations / tp, except the norms' 2(3h + 1) elements per token and layer, which stay
@@ -103,21 +108,36 @@ def all_reduced(x, group):
     return x
 
 
+def start_all_reduce(x, group):
+    """all_reduced, started: returns a function that waits for the sum and returns it."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    work = comm.call(dist.all_reduce, x, group=group, async_op=True)
+
+    def wait():
+        work.wait()
+        return x
+    return wait
+
+
 class CopyToTensorParallelRegion(torch.autograd.Function):
     """f: identity forward, all-reduce backward.
 
     Every rank feeds the same X to its slice of the next layer, so dL/dX is the sum of every
-    slice's contribution: the backward pass must add them up.
+    slice's contribution: the backward pass must add them up. With `in_flight` (a
+    WeightGradientsInFlight, the async dgrad section below), the all-reduce travels while the
+    weight gradients that the column layers reading X left there are computed.
     """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, in_flight=None):
+        ctx.group, ctx.in_flight = group, in_flight
         return x
 
     @staticmethod
     def backward(ctx, grad):
-        return all_reduced(grad, ctx.group), None
+        if ctx.in_flight is None:
+            return all_reduced(grad, ctx.group), None, None
+        return ctx.in_flight.beside(start_all_reduce(grad, ctx.group)), None, None
 
 
 class ReduceFromTensorParallelRegion(torch.autograd.Function):
@@ -170,6 +190,9 @@ class ColumnParallelLinear(nn.Module):
         self.bias = take_shard(full.bias, 0, group) if full.bias is not None else None
 
     def forward(self, x):
+        in_flight = getattr(x, "weight_gradients_in_flight", None)     # async dgrad (its section below)
+        if in_flight is not None:
+            return LinearLeavingWeightGradient.apply(x, (self.weight, self.bias), in_flight)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -197,19 +220,21 @@ class TensorParallelRMSNorm(RMSNorm):
     """The RMSNorm in front of a block's column-parallel layers (or of the LM head): it applies f.
 
     The norm is where those layers take their shared input, so it is where the entry operator
-    goes. The gain is replicated: every rank normalises the whole activation.
+    goes. The gain is replicated: every rank normalises the whole activation. `async_dgrad`: f's
+    backward all-reduce travels while those layers' weight gradients are computed (its section below).
     """
 
-    def __init__(self, norm: RMSNorm, group):
+    def __init__(self, norm: RMSNorm, group, async_dgrad: bool = True):
         super().__init__(norm.weight.shape[0], norm.eps)
-        self.group = group
+        self.group, self.async_dgrad = group, async_dgrad
         self.weight = replicated(nn.Parameter(norm.weight.detach().clone()))
 
     def forward(self, x):
         return self.enter_region(super().forward(x))
 
     def enter_region(self, x):
-        return CopyToTensorParallelRegion.apply(x, self.group)                      # f
+        in_flight = weight_gradients_in_flight(self)
+        return handed_to_readers(CopyToTensorParallelRegion.apply(x, self.group, in_flight), in_flight)   # f
 
 
 def parallelize_attention(attn, group, column=ColumnParallelLinear, row=RowParallelLinear) -> None:
@@ -342,7 +367,8 @@ TENSOR_PARALLEL_LAYERS = (VocabParallelEmbedding, TensorParallelRMSNorm, ColumnP
                           VocabParallelHead)
 
 
-def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequence_shard: bool = False):
+def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequence_shard: bool = False,
+                          async_dgrad: bool = True):
     """Turn a reference GPT into its tensor-parallel version, in place, and return it.
 
     Its parameters hold the full reference weights (the same on every rank of the tp group); every
@@ -354,6 +380,7 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
     returns this rank's [b, s/tp, h], the blocks take and return it, and the final norm gathers the
     sequence before the head. Raises ConfigError (before any collective) for a dimension tp does not
     divide or a mixture of experts; the sequence length is checked by validate_tensor_parallel.
+    `async_dgrad`: the norms' f overlaps its collective with the column layers' weight gradients.
     """
     validate_tensor_parallel(model.cfg, group_size(tp_group))
     embedding, norm, column, row, head = (TENSOR_PARALLEL_LAYERS if not sequence_parallel else
@@ -361,12 +388,12 @@ def apply_tensor_parallel(model, tp_group, sequence_parallel: bool, save_sequenc
     if model.tok_embeddings is not None:
         model.tok_embeddings = embedding(model.tok_embeddings, tp_group)
     for block in model.layers:
-        block.attn_norm = norm(block.attn_norm, tp_group)
+        block.attn_norm = norm(block.attn_norm, tp_group, async_dgrad)
         parallelize_attention(block.attn, tp_group, column, row)
-        block.mlp_norm = norm(block.mlp_norm, tp_group)
+        block.mlp_norm = norm(block.mlp_norm, tp_group, async_dgrad)
         parallelize_mlp(block.mlp, tp_group, column, row)
     if model.norm is not None:
-        model.norm = norm(model.norm, tp_group)
+        model.norm = norm(model.norm, tp_group, async_dgrad)
     if model.lm_head is not None:
         model.lm_head = head(model.lm_head, tp_group)
     return model
@@ -407,8 +434,9 @@ def all_gather_sequence(x, group):
     return start_all_gather_sequence(x, group)()
 
 
-def reduce_scatter_sequence(x, group):
-    """Partial sums [b, s, h] on each rank -> rank r holds tokens [r*s/tp, (r+1)*s/tp) of the sum."""
+def start_reduce_scatter_sequence(x, group):
+    """Start reducing partial sums [b, s, h] from each rank so that rank r holds tokens
+    [r*s/tp, (r+1)*s/tp) of the sum; returns a function that waits for them and returns them."""
     tp = group_size(group)
     if x.shape[1] % tp:
         # Checked on every rank from the same shape, before the collective, so no rank waits alone.
@@ -416,8 +444,17 @@ def reduce_scatter_sequence(x, group):
                           f"parallelism splits it evenly; use a --seq-len that is a multiple of {tp}")
     full = x.transpose(0, 1).contiguous()
     shard = full.new_empty((full.shape[0] // tp, *full.shape[1:]))
-    comm.call(comm.reduce_scatter_single, shard, full, group=group)
-    return shard.transpose(0, 1).contiguous()
+    work = comm.call(comm.reduce_scatter_single, shard, full, group=group, async_op=True)
+
+    def wait():
+        work.wait()
+        return shard.transpose(0, 1).contiguous()
+    return wait
+
+
+def reduce_scatter_sequence(x, group):
+    """Partial sums [b, s, h] on each rank -> rank r holds tokens [r*s/tp, (r+1)*s/tp) of the sum."""
+    return start_reduce_scatter_sequence(x, group)()
 
 
 class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -438,16 +475,19 @@ class GatherFromSequenceParallelRegion(torch.autograd.Function):
 
     The gradient that arrives here is the sum of the input gradients of every column layer that
     read the gathered sequence (autograd adds them up), so one reduce-scatter serves q, k and v.
+    With `in_flight`, as f: the reduce-scatter travels while their weight gradients are computed.
     """
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, in_flight=None):
+        ctx.group, ctx.in_flight = group, in_flight
         return all_gather_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_sequence(grad, ctx.group), None
+        if ctx.in_flight is None:
+            return reduce_scatter_sequence(grad, ctx.group), None, None
+        return ctx.in_flight.beside(start_reduce_scatter_sequence(grad, ctx.group)), None, None
 
 
 def sum_gradient_over_tp(param: nn.Parameter, group) -> None:
@@ -479,12 +519,13 @@ class SequenceParallelRMSNorm(TensorParallelRMSNorm):
     """Normalises this rank's s/tp tokens, then all-gathers the whole sequence for the
     column-parallel layers after it. The gain saw s/tp tokens here, so its gradient is summed over tp."""
 
-    def __init__(self, norm: RMSNorm, group):
-        super().__init__(norm, group)
+    def __init__(self, norm: RMSNorm, group, async_dgrad: bool = True):
+        super().__init__(norm, group, async_dgrad)
         sum_gradient_over_tp(self.weight, group)
 
     def enter_region(self, x):
-        return GatherFromSequenceParallelRegion.apply(x, self.group)                # SP's f
+        in_flight = weight_gradients_in_flight(self)
+        return handed_to_readers(GatherFromSequenceParallelRegion.apply(x, self.group, in_flight), in_flight)  # SP's f
 
 
 class SequenceParallelRowLinear(RowParallelLinear):
@@ -555,9 +596,9 @@ class SequenceParallelInput:
     what makes every activation of a block 1/tp.
     """
 
-    def __init__(self, shard, group):
-        self.shard, self.regather = shard, SequenceRegather(group)
-        self.full = GatherFromSequenceParallelRegion.apply(shard, group)
+    def __init__(self, shard, group, in_flight=None):
+        self.shard, self.regather, self.in_flight = shard, SequenceRegather(group), in_flight
+        self.full = GatherFromSequenceParallelRegion.apply(shard, group, in_flight)
 
 
 class LinearSavingSequenceShard(torch.autograd.Function):
@@ -595,14 +636,14 @@ class ShardSavingRMSNorm(SequenceParallelRMSNorm):
     and this rank's tokens of it to keep."""
 
     def enter_region(self, x):
-        return SequenceParallelInput(x, self.group)
+        return SequenceParallelInput(x, self.group, weight_gradients_in_flight(self))
 
 
 class ShardSavingColumnLinear(ColumnParallelLinear):
     """Multiplies the gathered sequence, keeps this rank's tokens of it for backward."""
 
     def forward(self, x: SequenceParallelInput):
-        return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
+        return linear_saving_sequence_shard(x, self.weight, self.bias)
 
 
 class ShardSavingVocabParallelHead(VocabParallelHead):
@@ -611,7 +652,7 @@ class ShardSavingVocabParallelHead(VocabParallelHead):
 
     def forward(self, x: SequenceParallelInput, targets=None, reduction: str = "mean"):
         if targets is None:
-            return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, self.weight, self.bias)
+            return linear_saving_sequence_shard(x, self.weight, self.bias)
         x.regather.readers += 1
         return VocabParallelCrossEntropy.apply(x.full, x.shard, self.weight, targets, reduction, self.vocab_start,
                                                self.group, x.regather.gathered, self.loss_settings)
@@ -619,6 +660,120 @@ class ShardSavingVocabParallelHead(VocabParallelHead):
 
 SHARD_SAVING_LAYERS = (SequenceParallelEmbedding, ShardSavingRMSNorm, ShardSavingColumnLinear,
                        SequenceParallelRowLinear, ShardSavingVocabParallelHead)
+
+
+# ============================================================================ the technique: async dgrad
+
+# A column layer's backward makes two products: dX = dY A, the input's gradient, which the norm's f
+# then sums over tp (all-reduce; under sequence parallelism, reduce-scatter), and dA = dY^T X, the
+# weight's, which no other rank waits for. Autograd makes both in the layer's own node, so f's
+# collective starts only once every layer reading the norm has made both: link and GPU take turns.
+# Megatron-LM's async dgrad reorders them (as here): each column layer makes dX only and leaves
+# (X, dY) behind; f starts its collective on their sum at once, makes the dA while it travels,
+# then waits. The same collectives, bytes and products, in another order. A layer that makes its
+# dA itself (lesson 07's FP8 layers, the head's loss, zero-bubble's layers that leave dA for W)
+# simply leaves nothing: f then waits for its collective as before. On by default; off
+# (--no-async-tp-dgrad, async_dgrad=False) is the order above, which the device check measures.
+
+
+class WeightGradientsInFlight:
+    """The weight gradients that the column layers reading one norm's output (one forward) leave
+    for its f, which makes them while its collective travels.
+
+    They reach .grad through autograd, in one backward call of their own made inside f's backward,
+    so that the data-parallel wrappers' post-accumulate hooks run as in the layers' own backward.
+    (So torch.autograd.grad, which returns gradients instead of accumulating them, would not see
+    them: the lessons train with backward.)"""
+
+    def __init__(self):
+        self.kept = []
+
+    def keep(self, weight, bias, x, grad_output) -> None:
+        self.kept.append((weight, bias, x, grad_output))
+
+    def beside(self, wait):
+        """Make every kept weight gradient while the collective that `wait` waits for travels, then
+        wait for it and return its result."""
+        params, grads = [], []
+        for weight, bias, x, grad_output in self.kept:
+            grad_output = grad_output.reshape(-1, grad_output.shape[-1])
+            params.append(weight)
+            grads.append((grad_output.t() @ x.reshape(-1, x.shape[-1]).to(grad_output.dtype)).to(weight.dtype))
+            if bias is not None:
+                params.append(bias)
+                grads.append(grad_output.sum(0).to(bias.dtype))
+        self.kept = []
+        if params:
+            torch.autograd.backward(params, grads)
+        return wait()
+
+
+def weight_gradients_in_flight(norm) -> WeightGradientsInFlight | None:
+    """What a tp norm's f hands the column layers after it for one forward: a fresh
+    WeightGradientsInFlight, or None with async dgrad off or where no backward follows (no_grad)."""
+    return WeightGradientsInFlight() if norm.async_dgrad and torch.is_grad_enabled() else None
+
+
+def handed_to_readers(x, in_flight):
+    """The norm's output, marked with `in_flight` for the column layers that read it."""
+    if in_flight is not None:
+        x.weight_gradients_in_flight = in_flight
+    return x
+
+
+class LinearLeavingWeightGradient(torch.autograd.Function):
+    """A column layer's Y = X A^T + b whose backward makes dX and leaves (X, dY) in `in_flight`.
+
+    The weight and bias come in inside a tuple, so autograd draws no edge to them: their hooks run
+    when f accumulates their gradients, not here with none. Under autocast the matmul runs in the
+    autocast dtype, as F.linear's would, and X is kept in it, so dA is made from the very tensors
+    F.linear's backward would use."""
+
+    @staticmethod
+    def forward(ctx, x, weight_and_bias: tuple, in_flight: WeightGradientsInFlight):
+        weight, bias = weight_and_bias
+        x_used, weight_used = x, weight
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x_used, weight_used = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x_used, weight_used)
+        ctx.weight, ctx.bias, ctx.in_flight, ctx.input_dtype = weight, bias, in_flight, x.dtype
+        return F.linear(x_used, weight_used, None if bias is None else bias.to(weight_used.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x_used, weight_used = ctx.saved_tensors
+        ctx.in_flight.keep(ctx.weight, ctx.bias, x_used, grad_output)
+        return (grad_output @ weight_used).to(ctx.input_dtype), None, None
+
+
+class LinearSavingShardLeavingWeightGradient(torch.autograd.Function):
+    """LinearSavingSequenceShard whose backward leaves dA for f: it gathers X again and makes dX
+    while the all-gather travels, as there, and leaves (X, dY) in `in_flight`. The weight and bias
+    come in inside a tuple, as in LinearLeavingWeightGradient."""
+
+    @staticmethod
+    def forward(ctx, full, shard, regather, weight_and_bias: tuple, in_flight: WeightGradientsInFlight):
+        weight, bias = weight_and_bias
+        regather.readers += 1
+        ctx.regather, ctx.in_flight, ctx.weight, ctx.bias = regather, in_flight, weight, bias
+        ctx.save_for_backward(shard, weight)
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard, weight = ctx.saved_tensors
+        ctx.regather.start(shard)
+        grad_input = (grad @ weight.to(grad.dtype)).to(shard.dtype)
+        ctx.in_flight.keep(ctx.weight, ctx.bias, ctx.regather.result(), grad)
+        return grad_input, None, None, None, None
+
+
+def linear_saving_sequence_shard(x: SequenceParallelInput, weight, bias):
+    """A shard-saving column layer's output: its dA made by itself, or left for f (async dgrad)."""
+    if x.in_flight is None:
+        return LinearSavingSequenceShard.apply(x.full, x.shard, x.regather, weight, bias)
+    return LinearSavingShardLeavingWeightGradient.apply(x.full, x.shard, x.regather, (weight, bias), x.in_flight)
 
 
 # ============================================================================ configuration rules
@@ -778,12 +933,19 @@ def report(run: MeteredRun, plan, form: str, compute_dtype) -> None:
 # ============================================================================ main
 
 
+def add_async_dgrad_flag(parser) -> None:
+    parser.add_argument("--no-async-tp-dgrad", dest="async_tp_dgrad", action="store_false",
+                        help="make each column layer's weight gradient before the norm's backward all-reduce "
+                             "(reduce-scatter) over tp starts, instead of while it travels (async dgrad)")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Lesson 02: tensor parallelism (run with torchrun).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "tp"), fill_axis="dp", tp=2)
     parser.add_argument("--save-sequence-shard", action="store_true", help="with --sequence-parallel: column "
                         "layers keep their input's s/tp tokens, all-gather them again in backward (memory-optimal)")
+    add_async_dgrad_flag(parser)
     add_training_flags(parser, micro_batch_size=4, steps=20)
     return parser.parse_args(argv)
 
@@ -795,7 +957,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid)
     form = "saving the shard" if args.save_sequence_shard else "plain" if args.sequence_parallel else "off"
     module = apply_tensor_parallel(GPT(plan.cfg, seed=args.seed).to(device), grid.tp_group,
-                                   **SEQUENCE_PARALLEL_FORMS[form])
+                                   **SEQUENCE_PARALLEL_FORMS[form], async_dgrad=args.async_tp_dgrad)
     # The tp groups are data-parallel replicas of each other: lesson 01's bucketed all-reduce.
     model = data_parallel.wrap_data_parallel(module, grid.dp_group, "bucketed", bucket_bytes_from_flags(args, device))
     optimizer = build_optimizer(module, args.lr)
@@ -803,6 +965,7 @@ def main(argv=None):
                             norm_groups=(grid.tp_group,), counts_toward_norm=tp_counts_toward_norm(grid.tp_group),
                             tail=args.step_tail)
     log0(f"lesson 02: tensor parallel, tp={grid.tp_size} x dp={grid.dp_size}, sequence parallelism {form}, "
+         f"async dgrad {'on' if args.async_tp_dgrad else 'off'}, "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     log0(grid.shape.picture())
 

@@ -134,7 +134,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                   if grid.pp_size > 1 else [GPT(cfg, seed=args.seed)])
     for chunk in chunks:
         if grid.tp_size > 1:            # 02: attention heads, MLP width and vocabulary over tp
-            split_over_tensor_parallel(chunk, grid, cfg, args.sequence_parallel)
+            split_over_tensor_parallel(chunk, grid, cfg, args.sequence_parallel, args.async_tp_dgrad)
         if grid.cp_size > 1:            # 04: each attention core over the cp ranks' parts of the sequence
             context_parallel.apply_context_parallel(chunk, context_parallel_peers(grid, args), args.cp_mode)
         if cfg.n_experts:               # 05: the experts over ep, dispatched by all-to-all; balancing global
@@ -172,7 +172,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
 # with 02's f and g around the experts alone, since the router and the dispatch run whole on every tp rank.
 
 
-def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool) -> None:
+def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel: bool,
+                               async_dgrad: bool = True) -> None:
     """tp x experts, the dense half: lesson 02 splits the dense layers; an MoE block's router,
     dispatch and combine stay whole on every tp rank (split_moe_mlp), and its experts are split
     column/row once lesson 05 has cut them over ep (split_experts_over_tensor_parallel).
@@ -183,14 +184,15 @@ def split_over_tensor_parallel(chunk, grid: ProcessGrid, cfg, sequence_parallel:
     of the outputs (here of the rows the experts received) each way. Splitting the tokens instead
     would keep every expert whole on every tp rank, the largest weights of the model tp times over."""
     if cfg.n_experts:
-        apply_tensor_parallel_around_experts(chunk, grid.tp_group)
+        apply_tensor_parallel_around_experts(chunk, grid.tp_group, async_dgrad)
     else:
         # Sequence parallelism in lesson 02's memory-optimal form (its --save-sequence-shard): a trainer
         # wants the memory, and this lesson's recompute and plan formulas count that form.
-        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel, save_sequence_shard=True)
+        tensor_parallel.apply_tensor_parallel(chunk, grid.tp_group, sequence_parallel, save_sequence_shard=True,
+                                              async_dgrad=async_dgrad)
 
 
-def apply_tensor_parallel_around_experts(chunk, group) -> None:
+def apply_tensor_parallel_around_experts(chunk, group, async_dgrad: bool = True) -> None:
     """Lesson 02's conversion (without sequence parallelism) of everything but an MoE block's MLP
     half, which split_moe_mlp splits. Lesson 02 refuses experts; composition_problems checks the
     splits this needs instead."""
@@ -198,11 +200,11 @@ def apply_tensor_parallel_around_experts(chunk, group) -> None:
     if chunk.tok_embeddings is not None:
         chunk.tok_embeddings = tp.VocabParallelEmbedding(chunk.tok_embeddings, group)
     for block in chunk.layers:
-        block.attn_norm = tp.TensorParallelRMSNorm(block.attn_norm, group)
+        block.attn_norm = tp.TensorParallelRMSNorm(block.attn_norm, group, async_dgrad)
         tp.parallelize_attention(block.attn, group)
         split_moe_mlp(block, group)
     if chunk.norm is not None:
-        chunk.norm = tp.TensorParallelRMSNorm(chunk.norm, group)
+        chunk.norm = tp.TensorParallelRMSNorm(chunk.norm, group, async_dgrad)
     if chunk.lm_head is not None:
         chunk.lm_head = tp.VocabParallelHead(chunk.lm_head, group)
 
@@ -806,6 +808,7 @@ def parse_args(argv=None):
     expert_parallel.add_moe_flags(parser)
     zero_bubble.add_schedule_flags(parser)
     context_parallel.add_context_parallel_flags(parser)
+    tensor_parallel.add_async_dgrad_flag(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)
     parser.add_argument("--recompute", choices=measurement.RECOMPUTE_MODES, default="none",
                         help="selective: compute the norms' arithmetic and SwiGLU's silu again in backward (no "

@@ -488,6 +488,69 @@ def test_model_matches_single_device_and_formulas(world_size, reference):
                     if form == "saving the shard"}) == 1, rank
 
 
+# ----------------------------------------------------------------------------- async dgrad
+
+
+def train_steps(grid, cfg, seq, form, async_dgrad, dtype, steps):
+    """`steps` steps of the whole GPT at tp (dp = 1, two micro-batches a step, clipping on): what the
+    step sees (losses, norms, gradients before and after clipping), the parameters after, the traffic."""
+    module = tp_lesson.apply_tensor_parallel(GPT(cfg, seed=SEED), grid.tp_group, **FORMS[form],
+                                             async_dgrad=async_dgrad)
+    model = dp_lesson.wrap_data_parallel(module, grid.dp_group, "bucketed", 16 * 2**10)
+    optimizer = build_test_optimizer(module)
+    settings = StepSettings(torch.device("cpu"), dtype, MAX_GRAD_NORM, norm_groups=(grid.tp_group,),
+                            counts_toward_norm=tp_lesson.tp_counts_toward_norm(grid.tp_group))
+    grads, clipped_grads = {}, {}
+    capture_gradients(model, optimizer, grads, clipped_grads)
+    # When each column layer's weight gradient arrives, how many of the norms' backward collectives
+    # (all-reduces, or reduce-scatters under sequence parallelism) have been issued so far.
+    entry = ("all_reduce" if form == "off" else "reduce_scatter_single", "tp")
+    issued_before = {}
+
+    def arrived(name, param):
+        issued_before.setdefault(name, comm.meter.get(*entry).calls)
+    for name, param in module.named_parameters():
+        if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            param.register_post_accumulate_grad_hook(partial(arrived, name))
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq, 2, 1), seed=SEED, vocab_size=cfg.vocab_size)
+    comm.meter.reset()
+    results = [dp_lesson.train_step(model, optimizer, data.step_batch(step, 0), settings) for step in range(steps)]
+    return {"losses": [result.loss for result in results], "norms": [result.grad_norm for result in results],
+            "grads": grads, "clipped_grads": clipped_grads, "issued_before": issued_before,
+            "params": {name: p.detach().clone() for name, p in module.named_parameters()},
+            "traffic": {key: (entry.calls, entry.payload_bytes) for key, entry in comm.meter.traffic.items()}}
+
+
+def check_async_dgrad(cfg, seq):
+    """Each form of sequence parallelism with async dgrad on and off, float32 (3 steps) and bf16
+    autocast (1 step): whether the weight gradients are made before or while the collective
+    travels, they are the same products accumulated in the same order, so everything is equal
+    bit for bit."""
+    grid = ProcessGrid(GridShape(tp=dist.get_world_size()))
+    for form in FORMS:
+        for dtype, steps in ((torch.float32, 3), (torch.bfloat16, 1)):
+            on, off = (train_steps(grid, cfg, seq, form, async_dgrad, dtype, steps) for async_dgrad in (True, False))
+            what = f"tp={grid.tp_size} sp={form} {dtype}"
+            # On, the norm's collective has left before the weight gradients of its readers are made.
+            assert len(on["issued_before"]) == 5 * cfg.n_layers, what
+            assert on["issued_before"] == {name: n + 1 for name, n in off["issued_before"].items()}, what
+            assert on["traffic"] == off["traffic"], what
+            assert on["losses"] == off["losses"] and on["norms"] == off["norms"], what
+            for name in on["params"]:
+                for key in ("grads", "clipped_grads", "params"):
+                    assert torch.equal(on[key][name], off[key][name]), f"{what} {key} {name}"
+    return True
+
+
+# tp = 3 needs every split dimension divisible by 3, and a sequence too under sequence parallelism
+CFG_TP3 = get_config("tiny", n_layers=2, hidden=48, n_heads=6, n_kv_heads=3, ffn_hidden=96, vocab_size=258)
+
+
+@pytest.mark.parametrize("tp, cfg, seq", [(2, CFG, SEQ), (3, CFG_TP3, 12)])
+def test_async_dgrad_equals_the_order_it_replaces(tp, cfg, seq):
+    assert run_ranks(tp, check_async_dgrad, cfg, seq, timeout_s=240) == [True] * tp
+
+
 # ----------------------------------------------------------------------------- configuration errors
 
 
