@@ -333,6 +333,8 @@ class Pipeline:
     switched on only for a chunk's last backward of the step.
     activation_shape: the [b, s, h] tensor every boundary carries, known from the configuration, so a
     receiver allocates its buffer without being told the size; boundary_dtype: its dtype.
+    async_sends: an exchange waits for what it receives only, and its sends stay in flight until the
+    end of the step (exchange says why that is safe); off, it waits for its sends too.
     1F1B runs written out (one_f_one_b: receive, compute, send, as a reader should see it first);
     every other schedule runs its communication program (run_program), the same steps generated
     by communication_program. Both alternate exchange (one batch of transfers) with forward_step /
@@ -344,8 +346,9 @@ class Pipeline:
     boundary_dtype = torch.float32
 
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, activation_shape,
-                 device, compute_dtype=torch.float32):
+                 device, compute_dtype=torch.float32, async_sends: bool = True):
         self.chunks, self.schedule, self.virtual_stages = chunks, schedule, virtual_stages
+        self.async_sends, self.sends_in_flight, self.sent_in_flight = async_sends, [], []
         self.pp, self.pp_rank, self.pp_group = grid.pp_size, grid.pp_rank, grid.pp_group
         self.peer_ranks = dist.get_process_group_ranks(comm.process_group(grid.pp_group))  # pipeline index -> global rank
         self.n_stages = self.pp * virtual_stages
@@ -366,7 +369,9 @@ class Pipeline:
         losses over batch.n_targets, 0 elsewhere. Every rank reads the same micro-batches: the first
         stage uses the inputs, the last the targets. A micro-batch is (inputs, targets).
         """
-        return self.one_f_one_b(batch) if self.schedule == "1f1b" else self.run_program(batch)
+        loss = self.one_f_one_b(batch) if self.schedule == "1f1b" else self.run_program(batch)
+        self.wait_for_sends()
+        return loss
 
     def one_f_one_b(self, batch: StepBatch) -> torch.Tensor:
         """1F1B with one chunk per rank, written out: the warm-up's forwards, the steady state's
@@ -428,7 +433,9 @@ class Pipeline:
         """Forward of every micro-batch and nothing else (validation, under torch.no_grad): the
         schedule's forwards in its own order, with only their activation transfers. Returns this
         rank's share of the loss, as forward_backward does."""
-        return self.run_program(batch, self.forward_program)
+        loss = self.run_program(batch, self.forward_program)
+        self.wait_for_sends()
+        return loss
 
     def forward_step(self, action: Action, batch: StepBatch, inputs, outputs):
         stage = action.chunk * self.pp + self.pp_rank
@@ -457,12 +464,37 @@ class Pipeline:
         torch.autograd.backward(outputs.pop(key), grad_tensors=None if stage == self.n_stages - 1 else grads.pop(key))
 
     def exchange(self, transfers, inputs, outputs, grads) -> None:
-        """Post one batch of transfers and wait for all of them."""
-        for work in self.post(transfers, inputs, outputs, grads):
-            work.wait()
+        """Post one batch of transfers and wait for what it receives: the next computation reads it.
 
-    def post(self, transfers, inputs, outputs, grads) -> list:
-        """Post one batch of transfers in one batch_isend_irecv; returns its requests."""
+        What it sends is read by nobody here again (each send is a tensor of its own, never a
+        buffer this rank refills), so with async_sends its requests stay in flight while this rank
+        computes on, and are waited for at the end of the step (wait_for_sends). Safe: a send
+        completes once its receiver posts the matching receive (gloo's and NCCL's rule), and not
+        waiting only lets every rank post its later transfers sooner, never later, so the programs
+        that the configuration rules simulated with every send waited for cannot hang either. The
+        tensors sent are kept until then too: nothing may free or reuse them while they travel."""
+        works, sent = self.post(transfers, inputs, outputs, grads)
+        if not self.async_sends:
+            for work in works:
+                work.wait()
+            return
+        receiving = receiving_requests(transfers, works)
+        for work, receives in zip(works, receiving):
+            if receives:
+                work.wait()
+            else:
+                self.sends_in_flight.append(work)
+        if not all(receiving):
+            self.sent_in_flight += sent
+
+    def wait_for_sends(self) -> None:
+        """The end of the step: every send still in flight completes (its receiver has posted for it)."""
+        for work in self.sends_in_flight:
+            work.wait()
+        self.sends_in_flight, self.sent_in_flight = [], []
+
+    def post(self, transfers, inputs, outputs, grads) -> tuple[list, list]:
+        """Post one batch of transfers in one batch_isend_irecv; returns its requests and the tensors it sends."""
         operations = []
         for transfer in transfers:
             message, peer = transfer.message, self.peer_ranks[transfer.peer]
@@ -483,7 +515,18 @@ class Pipeline:
                                    f"{self.boundary_dtype}: "
                                    f"pass the boundary shape the chunks produce")
             operations.append(comm.P2POp(dist.isend, tensor.contiguous(), peer, self.pp_group))
-        return comm.call(dist.batch_isend_irecv, operations) if operations else []
+        works = comm.call(dist.batch_isend_irecv, operations) if operations else []
+        return works, [operation.tensor for operation in operations if operation.op is dist.isend]
+
+
+def receiving_requests(transfers, works) -> list[bool]:
+    """For each request of a batch posted by Pipeline.post, whether it receives something.
+
+    On gloo a batch's requests are its transfers', one each, in order. NCCL runs a batch as one
+    group and returns one request for all of it: a batch that receives waits for its sends too
+    (they finish together); a batch that only sends is left in flight whole."""
+    receives = [transfer.direction == "recv" for transfer in transfers]
+    return receives if len(works) == len(receives) else [any(receives)] * len(works)
 
 
 def train_step(pipeline: Pipeline, optimizer, batch: StepBatch, settings: StepSettings) -> StepResult:
@@ -732,6 +775,12 @@ def add_schedule_flags(parser) -> None:
     add_virtual_stages_flag(parser)
 
 
+def add_async_sends_flag(parser) -> None:
+    parser.add_argument("--no-async-pp-sends", dest="async_pp_sends", action="store_false",
+                        help="wait for each pipeline send at its own exchange, before computing on, instead of "
+                             "leaving it in flight until the end of the step")
+
+
 def add_virtual_stages_flag(parser) -> None:
     parser.add_argument("--virtual-stages", metavar="V", type=int, default=argparse.SUPPRESS,
                         help="model chunks per rank for --schedule interleaved (default: 2 there, else 1)")
@@ -755,6 +804,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
     add_schedule_flags(parser)
+    add_async_sends_flag(parser)
     add_micro_batch_flags(parser)
     return resolve_virtual_stages(parser.parse_args(argv))
 
@@ -777,7 +827,7 @@ def main(argv=None):
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = Pipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                        activation_shape(cfg, shape), device, compute_dtype)
+                        activation_shape(cfg, shape), device, compute_dtype, args.async_pp_sends)
     optimizer = build_optimizer(modules, args.lr)
     settings = StepSettings(device, compute_dtype, args.max_grad_norm, tail=args.step_tail)
     log_header(args, plan, grid)

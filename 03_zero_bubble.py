@@ -278,7 +278,6 @@ class ZeroBubblePipeline(pipeline_parallel.Pipeline):
         self.last_weight_gradients = {step.chunk: step for step in self.program
                                       if isinstance(step, Action) and step.kind == "W"}
         self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
-        self.sends_in_flight = []           # posted by a SendsInFlight batch, waited for by the next one
 
     def backward_step(self, action, is_chunks_last: bool, inputs, outputs, grads) -> None:
         pending = self.pending_weight_gradients[action.chunk]
@@ -290,7 +289,12 @@ class ZeroBubblePipeline(pipeline_parallel.Pipeline):
             super().backward_step(action, is_chunks_last, inputs, outputs, grads)
 
     def exchange(self, transfers, inputs, outputs, grads) -> None:
-        works = self.post(transfers, inputs, outputs, grads)
+        """With lesson 03's async_sends every send stays in flight until the end of the step, these
+        too; without, a SendsInFlight batch's sends stay in flight until the next batch, which
+        waits for them with its own."""
+        if self.async_sends:
+            return super().exchange(transfers, inputs, outputs, grads)
+        works, _ = self.post(transfers, inputs, outputs, grads)
         if isinstance(transfers, SendsInFlight):
             self.sends_in_flight += works
             return
@@ -410,6 +414,7 @@ def parse_args(argv=None):
                                                  "torchrun).", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp"), fill_axis="pp")
     add_schedule_flags(parser, ("zero-bubble",), "zero-bubble")
+    pipeline_parallel.add_async_sends_flag(parser)
     pipeline_parallel.add_micro_batch_flags(parser)
     return pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv))
 
@@ -438,7 +443,8 @@ def main(argv=None):
     modules = nn.ModuleList(chunk.module for chunk in chunks)      # what the rank holds, unwrapped
     compute_dtype = autocast_dtype(args.dtype, device)
     pipeline = ZeroBubblePipeline(chunks, grid, args.schedule, shape.grad_accum, args.virtual_stages,
-                                  pipeline_parallel.activation_shape(cfg, shape), device, compute_dtype)
+                                  pipeline_parallel.activation_shape(cfg, shape), device, compute_dtype,
+                                  args.async_pp_sends)
     optimizer = build_optimizer(modules, args.lr)
     settings = StepSettings(device, compute_dtype, args.max_grad_norm, tail=args.step_tail)
     pipeline_parallel.log_header(args, plan, grid)

@@ -157,7 +157,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
     pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel,
-                              args.zigzag)
+                              args.zigzag, args.async_pp_sends)
     if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
         for chunk in chunks:
             defer_block_weight_gradients(chunk)
@@ -402,7 +402,7 @@ class ComposedZeroBubblePipeline(WeightsDtypeBoundary, zero_bubble.ZeroBubblePip
 
 
 def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
-                   precision, sequence_parallel: bool = False, zigzag: bool = False):
+                   precision, sequence_parallel: bool = False, zigzag: bool = False, async_sends: bool = True):
     """Lesson 03's Pipeline over this rank's chunks, or None without pipeline parallelism. The
     boundary holds this rank's S/cp tokens (S/cp/tp under sequence parallelism) in the weights'
     dtype; each chunk rotates them by their true positions (lesson 04's cut)."""
@@ -415,7 +415,7 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
     chunks = [PipelineChunk(model, chunk, positions) for chunk in model.module.chunks]
     pipeline_class = ComposedZeroBubblePipeline if schedule == "zero-bubble" else ComposedPipeline
     return pipeline_class(chunks, grid, schedule, shape.grad_accum, len(chunks), (b, tokens, h),
-                          device, precision.param_dtype, boundary_dtype=precision.param_dtype)
+                          device, precision.param_dtype, async_sends, boundary_dtype=precision.param_dtype)
 
 
 # ============================================================================ the technique: zero-bubble's W through the composition
@@ -807,6 +807,7 @@ def parse_args(argv=None):
     sampling.add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
     zero_bubble.add_schedule_flags(parser)
+    pipeline_parallel.add_async_sends_flag(parser)
     context_parallel.add_context_parallel_flags(parser)
     tensor_parallel.add_async_dgrad_flag(parser)
     add_training_flags(parser, micro_batch_size=4, grad_accum=2, steps=20)

@@ -235,7 +235,7 @@ def keep_first_step_gradients(optimizer, chunks, store):
     optimizer.register_step_pre_hook(hook)
 
 
-def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0, masked=False):
+def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0, masked=False, async_sends=True):
     """Step-0 gradients (before and after clipping), per-step losses and gradient norms, final parameters,
     and the schedule's measurements, every one observed from outside the pipeline."""
     grid = ProcessGrid(grid_shape)
@@ -250,10 +250,11 @@ def pipeline_run(cfg, grid_shape, schedule, v, micro, n_micro, max_grad_norm=1.0
 
     boundary = lesson.activation_shape(cfg, data.shape)
     if schedule == "zero-bubble":     # 03_zero_bubble.py: its Pipeline, and its meter of what waits for W
-        pipeline = zero_bubble.ZeroBubblePipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
+        pipeline = zero_bubble.ZeroBubblePipeline(chunks, grid, schedule, n_micro, v, boundary, CPU,
+                                                  async_sends=async_sends)
         meter = zero_bubble.KeptActivationMeter(pipeline)
     else:
-        pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU)
+        pipeline = lesson.Pipeline(chunks, grid, schedule, n_micro, v, boundary, CPU, async_sends=async_sends)
         meter = ActivationMeter(*pipeline.chunks)
 
     with meter as activations, RecordedSteps(pipeline, grid.pp_group, CPU) as ran, CountedFlops() as flops:
@@ -322,10 +323,15 @@ FOUR_RANK_RUNS = {
     **{f"dp2pp2 {s} masked, clipped": spec(CFG_5, GridShape(dp=2, pp=2), s, v, micro=1, n_micro=4, masked=True,
                                            max_grad_norm=SMALL_MAX_NORM)
        for s, v in (("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1))},
+    # the path async sends replace: each send waited for at its own exchange
+    "pp4 interleaved, sends waited": spec(CFG_8, GridShape(pp=4), "interleaved", 2, micro=2, n_micro=8,
+                                          async_sends=False),
 }
 # An odd layout: 3 stages over 5 layers (2 + 2 + 1).
-THREE_RANK_RUNS = {f"pp3 {s}": spec(CFG_5, GridShape(pp=3), s, 1, micro=2, n_micro=4, measure_bytes=True)
-                   for s in ("afab", "1f1b", "zero-bubble")}
+THREE_RANK_RUNS = {**{f"pp3 {s}": spec(CFG_5, GridShape(pp=3), s, 1, micro=2, n_micro=4, measure_bytes=True)
+                      for s in ("afab", "1f1b", "zero-bubble")},
+                   **{f"pp3 {s}, sends waited": spec(CFG_5, GridShape(pp=3), s, 1, micro=2, n_micro=4, async_sends=False)
+                      for s in ("1f1b", "zero-bubble")}}
 def run_all(specs):
     return {label: pipeline_run(**{k: v for k, v in spec.items() if k != "measure_bytes"})
             for label, spec in specs.items()}
@@ -377,6 +383,9 @@ def check_runs(per_rank, specs, references):
             assert set(result["devices"]) == set(result["traffic"]), where
             assert set().union(*result["devices"].values()) == {"cpu"}, where
         assert names == set(reference["params"]), f"{label}: some parameter has no stage"
+        waited = per_rank[0].get(f"{label}, sends waited")
+        for runs in per_rank if waited is not None else ():
+            assert_equal_bit_for_bit(runs[label], runs[f"{label}, sends waited"], f"{label} rank {runs[label]['pp_rank']}")
         # p2p over the pipeline: 2*m*b*s*h*4 bytes per boundary, measured to the byte
         one_pipeline = [r for r in results if r["dp_rank"] == 0]
         assert sum(r["sent"] for r in one_pipeline) == (pp * v - 1) * 2 * m * results[0]["boundary_elements"] * 4
@@ -394,6 +403,26 @@ def check_runs(per_rank, specs, references):
             kept = {"afab": m, "1f1b": min(pp - r, m), "zero-bubble": min(pp - r, m)}.get(spec["schedule"])
             if kept is not None:
                 assert result["peak_bytes"] == kept * result["chunk_bytes"][0], where
+
+
+def assert_equal_bit_for_bit(async_sends, waited, where):
+    """Leaving sends in flight changes when a rank waits, not what it computes: the same losses,
+    gradients, parameters and traffic to the last bit."""
+    assert async_sends["losses"] == waited["losses"] and async_sends["norms"] == waited["norms"], where
+    assert async_sends["traffic"] == waited["traffic"] and async_sends["ran"] == waited["ran"], where
+    for key in ("grads", "clipped", "params"):
+        assert async_sends[key].keys() == waited[key].keys(), where
+        for name, tensor in async_sends[key].items():
+            assert torch.equal(tensor, waited[key][name]), f"{where} {key} {name}"
+
+
+def test_receiving_requests_wait_for_receives_and_leave_sends_in_flight():
+    """gloo returns a request per transfer: only the receives' are waited for. NCCL returns one
+    request for a batch: waited for if the batch receives anything, else left in flight."""
+    send, recv = (lesson.Transfer(direction, 1, lesson.Message("activation", 1, 0)) for direction in ("send", "recv"))
+    assert lesson.receiving_requests((send, recv, send), ["w1", "w2", "w3"]) == [False, True, False]
+    assert lesson.receiving_requests((send, recv), ["group"]) == [True]
+    assert lesson.receiving_requests((send, send), ["group"]) == [False]
 
 
 def test_pipeline_schedules_equal_one_device(references):
