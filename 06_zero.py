@@ -284,7 +284,8 @@ class ZeroDataParallel(nn.Module):
         # The step's first gradient is written straight into the buffer, cast to the reduce dtype on
         # the way (one pass: no zeroed buffer to add it to, no flat copy); later micro-batches add
         # theirs in place, parameter by parameter. Each element sees the same float additions as
-        # a zeroed buffer plus flat copies would give it, in the same order.
+        # a zeroed buffer plus flat copies would give it, in the same order: the same bits, but for
+        # a gradient of -0.0, which stays -0.0 where 0 + -0.0 made +0.0 (equal numbers).
         if unit.has_grad:
             torch._foreach_add_(unit.grad_views, grads)
         else:

@@ -481,6 +481,35 @@ def test_mixed_precision_and_against_pytorch(reference):
         torch.testing.assert_close(last_bf16, last_master.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 
+# ----------------------------------------------------------------------------- the accumulation, bit for bit
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16_FP32_GRADS, BF16])
+def test_accumulation_gives_the_bits_a_zeroed_buffer_and_flat_copies_gave(precision):
+    """The gradient buffer after three micro-batches, bit for bit as the path it replaced made it
+    (each micro-batch's gradients flattened into a zeroed copy in the reduce dtype, added to a
+    zeroed buffer): the first micro-batch written into the buffer, the later ones added in place,
+    zero_grad only a flag. One rank, ZeRO-0, nothing reduced; random gradients of every shape
+    (none is -0.0, the one value whose sign the old path's 0 + g changed)."""
+    zero = lesson()
+    model = zero.wrap_zero(GPT(CFG, seed=SEED), None, 0, zero.Precision(**precision))
+    model.require_backward_grad_sync = False
+    generator = torch.Generator().manual_seed(1)
+    for step in range(2):
+        expected = {id(unit): torch.zeros_like(unit.grad_buffer) for unit in model.units}
+        for micro_batch in range(3):
+            for unit in model.units:
+                grads = [torch.randn(p.shape, generator=generator).to(precision["param_dtype"]) for p in unit.params]
+                flat = torch.zeros(unit.padded_numel, dtype=precision["reduce_dtype"])
+                torch.cat([g.reshape(-1) for g in grads], out=flat[: unit.numel])
+                expected[id(unit)] += flat
+                model._reduce(unit, grads)
+        for unit in model.units:
+            bits = torch.int32 if unit.grad_buffer.dtype == torch.float32 else torch.int16
+            assert torch.equal(unit.grad_buffer.view(bits), expected[id(unit)].view(bits)), (step, unit.names[0])
+        model.zero_grad()
+
+
 # ----------------------------------------------------------------------------- the script
 
 
