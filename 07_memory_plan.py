@@ -426,6 +426,16 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
                                             if key[1] == "tp"})
         tp_seconds = sum(collective(names[kind], payload, ("tp",), calls.get(kind, 2 * layers))
                          for (kind, _), payload in traffic.items())
+        if args.async_tp_dgrad and args.schedule != "zero-bubble":
+            # lesson 02's async dgrad: each norm's backward collective (f: an all-reduce, a
+            # reduce-scatter under sequence parallelism) travels while its column layers make their
+            # weight gradients (attention's Q, K, V; the MLP's gate and up; experts leave none to overlap)
+            one_f = collective("reduce_scatter" if args.sequence_parallel else "all_reduce",
+                               tokens * cfg.hidden * e, ("tp",), 1)
+            gemms = block_gemms(cfg, tokens, tp, ep)
+            for columns in [gemms[0:3]] + ([gemms[4:6]] if not cfg.n_experts else []):
+                wgrad = sum(step_costs.gemm_seconds(device, k, n, m, block_dtype) for m, n, k in columns)
+                tp_seconds -= layers * (one_f - hidden_behind(one_f, wgrad, device.overlap))
     cp_seconds = 0.0
     if cp > 1:
         kv_block = 2 * tokens * cfg.n_kv_heads // tp * cfg.head_dim * e
@@ -448,11 +458,13 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
         ep_seconds = step_costs.collective_seconds(device, "all_to_all", layers * 4 * routed * cfg.hidden * e, ranks,
                                                    4 * layers)
     pp_seconds = 0.0
-    if grid.pp > 1:     # lesson 03's sends and receives, each waited for
+    if grid.pp > 1:     # lesson 03's transfers: a stage waits for what it receives, and for its sends
         boundary = tokens // (tp if args.sequence_parallel else 1) * cfg.hidden
         sent = pipeline_parallel.predicted_p2p_bytes(1, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
         messages = sent // (boundary * e)
-        pp_seconds = 2 * collective("p2p", sent, ("pp",), messages)    # as many received as sent
+        transfer = collective("p2p", sent, ("pp",), messages)      # as many received as sent
+        # sends left in flight (lesson 03's default) cost only the contention share of their time
+        pp_seconds = transfer * (1 + (1 - device.overlap if args.async_pp_sends else 1))
     return MicroBatchSeconds(forward, backward, elementwise, recompute, tp_seconds, cp_seconds, ep_seconds, pp_seconds)
 
 
@@ -591,9 +603,12 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
             f"the ring's factor over the bus bandwidth ({intra[1] / 1e9:.0f} GB/s in a node; across nodes "
             f"{inter[1] / 1e9:.0f} GB/s per rank of the group on each node, one NIC each; placement by the grid's "
             f"rank order)",
-            f"overlap as the code does it: tp's, Ulysses', ep's and pp's collectives on the critical path; ring "
-            f"attention's sends behind one block's attention; gradient reductions unit by unit behind the rest of the "
-            f"backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward too); ZeRO-3's "
+            f"overlap as the code does it: tp's, Ulysses', ep's collectives and pp's receives on the critical path, "
+            f"except tp's backward all-reduce (sequence parallel: reduce-scatter) behind its column layers' weight "
+            f"gradients (--no-async-tp-dgrad: on it) and pp's sends left in flight (--no-async-pp-sends: waited "
+            f"for); ring attention's sends behind one block's attention; gradient reductions unit by unit behind "
+            f"the rest of the backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward "
+            f"too); ZeRO-3's "
             f"gather of a unit behind the unit before it; ZeRO-1/2's weight all-gathers behind the next step's "
             f"first forward, each unit's waited for before it (--no-overlap-weight-gather: in the step); "
             f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
