@@ -52,7 +52,10 @@ The price. With m micro-batches on p stages, forward+backward time t per micro-b
              ends); activations: m micro-batches of one stage for AFAB, at most p for 1F1B.
     communication: per step 2*m*b*s*h elements across each of the p-1 boundaries (activations
              forward, gradients back), point to point between neighbours; interleaving has p*v-1
-             boundaries, so it moves about v times more for its smaller bubble.
+             boundaries, so it moves about v times more for its smaller bubble. A rank waits for
+             what it receives before computing on, not for what it sends, which stays in flight
+             until the end of the step (NCCL finishes a batch's sends and receives together, so
+             only a batch that only sends is left; --no-async-pp-sends waits for every send at once).
 
 Run it:
     torchrun --nproc_per_node=4 03_pipeline_parallel.py --pp 4 --schedule 1f1b          # CPU, ~20 s
