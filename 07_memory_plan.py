@@ -463,8 +463,11 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
         sent = pipeline_parallel.predicted_p2p_bytes(1, (boundary,), e, grid.pp, pp_rank, args.virtual_stages)
         messages = sent // (boundary * e)
         transfer = collective("p2p", sent, ("pp",), messages)      # as many received as sent
-        # sends left in flight (lesson 03's default) cost only the contention share of their time
-        pp_seconds = transfer * (1 + (1 - device.overlap if args.async_pp_sends else 1))
+        # Sends left in flight (lesson 03's default) cost only contention's share of their time. On
+        # NCCL one request covers a batch's sends and receives, and 1F1B's batches mostly receive
+        # too: there the sends are priced as waited for.
+        in_flight = args.async_pp_sends and device.device_type != "cuda"
+        pp_seconds = transfer * (1 + (1 - device.overlap if in_flight else 1))
     return MicroBatchSeconds(forward, backward, elementwise, recompute, tp_seconds, cp_seconds, ep_seconds, pp_seconds)
 
 
@@ -605,11 +608,11 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
             f"rank order)",
             f"overlap as the code does it: tp's, Ulysses', ep's collectives and pp's receives on the critical path, "
             f"except tp's backward all-reduce (sequence parallel: reduce-scatter) behind its column layers' weight "
-            f"gradients (--no-async-tp-dgrad: on it) and pp's sends left in flight (--no-async-pp-sends: waited "
-            f"for); ring attention's sends behind one block's attention; gradient reductions unit by unit behind "
-            f"the rest of the backward (ZeRO 0-1: the last micro-batch's; 2-3: every one's, behind the next forward "
-            f"too); ZeRO-3's "
-            f"gather of a unit behind the unit before it; ZeRO-1/2's weight all-gathers behind the next step's "
+            f"gradients (--no-async-tp-dgrad: on it) and, on a CPU's gloo, pp's sends left in flight (on NCCL a "
+            f"batch that receives waits for its sends too); ring attention's sends behind one block's attention; "
+            f"gradient reductions unit by unit behind the rest of the backward (ZeRO 0-1: the last micro-batch's; "
+            f"2-3: every one's, behind the next forward too); ZeRO-3's gather of a unit behind the unit before it; "
+            f"ZeRO-1/2's weight all-gathers behind the next step's "
             f"first forward, each unit's waited for before it (--no-overlap-weight-gather: in the step); "
             f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
             "experts: balanced routing (every expert receives k T / E of the tokens)"]
