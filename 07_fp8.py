@@ -63,6 +63,9 @@ softmax over the vocabulary, where FP8's 6% steps move the loss itself; torchao 
 Transformer Engine leave it too), the router (a tiny matmul whose argmax picks experts: a flipped
 choice costs more than FP8 saves), the routed experts (grouped matmuls of uneven groups: FP8
 grouped GEMMs are a kernel of their own, not taught here), the attention core (SDPA) and the norms.
+On a GPU also the blocks' linears whose shapes FP8 does not speed up (the shape rule, from torchao's
+H100 crossover shapes: rowwise keeps in bf16 any layer of at most 2048 in-features, which is every one
+of the 1b preset's but down, at 8,192 tokens; "where FP8 pays", below). The report says how many.
 
 With tensor parallelism (lesson 02) the scales must be one device's: a tensor split over the tp
 ranks takes its amax over all of them (an all-reduce MAX of one number, tensorwise), rowwise the
@@ -81,9 +84,10 @@ zero-bubble schedule a layer's backward splits where it divides: B quantises dY,
 runs every all-reduce; W multiplies the FP8 copies of dY and X that B left, later.
 
 The price, per linear layer of a block and micro-batch of T tokens:
-    compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300); the
-                quantisations are elementwise passes (amax, scale, cast) over X, W and dY: 2 in
-                the forward, 4 in the backward, memory-bound, which is why --compile matters
+    compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300), with
+                fast accumulation where torchao's recipes allow it (RECIPES); the quantisations are
+                elementwise passes (amax, scale, cast) over X, W and dY: 2 in the forward, 4 in the
+                backward, memory-bound: ten kernels each eager, one compiled under --compile
     memory      kept for the weight gradient: X in FP8 (1 byte per element, shared by the layers
                 that read one input: q, k, v; gate, up) instead of X in the compute dtype, plus
                 its scales: 4 bytes (tensorwise), 4 K (rowwise: one per in-feature), T K / 32
@@ -105,12 +109,19 @@ torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), a
 GPUs without MX tensor cores. On Blackwell (sm_100+) mxfp8 goes to
 torch._scaled_mm's block-scaled kernel (mx_kernel_runs, swizzled_block_scales); no GPU has run that
 path yet: benchmarks/fp8_mx_kernel_check.py compares it with the emulation where one has it.
+A recipe whose kernel this GPU lacks (mxfp8 before Blackwell, any recipe before sm_89) is refused
+before the run with one error naming the faster choice (rowwise, or bf16), unless --fp8-emulate.
+
+Each speed-up has a switch, so that a GPU run can measure it against what it replaces:
+--no-fp8-fast-accum, --no-fp8-fused-quantise (under --compile), --no-fp8-shape-rule; and
+benchmarks/gpu_fp8_linear.py times every linear of the 1b and 8b presets both ways beside bf16.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from functools import lru_cache, partial
 
 import torch
@@ -122,7 +133,8 @@ from picotron_like.lessons import load_lesson
 from picotron_like.metrics import (ActivationMeter, add_traffic, log0, model_flops_utilisation, peak_flops_of_name,
                                    predicted_activation_bytes)
 from picotron_like.model import GPT, SwiGLU, count_parameters, flops_per_token
-from picotron_like.topology import ConfigError, GridShape, ProcessGrid, init_distributed, shutdown
+from picotron_like.topology import (DEVICE_ENV, ConfigError, GridShape, ProcessGrid, init_distributed, rank_device,
+                                   shutdown)
 from picotron_like.train import (StepSettings, add_model_flags, build_optimizer, check_flag_ranges, config_from_flags,
                                  exit_with_error, model_name)
 
@@ -150,21 +162,38 @@ E5M2 = Fp8Format(torch.float8_e5m2, 2, -14)
 MX_BLOCK = 32
 
 
+GEMMS = ("output", "grad_input", "grad_weight")         # Y = X W^T, dX = dY W, dW = dY^T X
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """How the scales are grained, and in which format the gradients go. `scaled=False` is the
-    negative control: every scale 1, values clamped to the format (nobody trains that way)."""
+    """How the scales are grained, in which format the gradients go, which of the three GEMMs
+    accumulate fast (`fast_accum`, on CUDA: below) and whether the quantisation runs as compiled
+    functions (`compiled`: under --compile, below). `scaled=False` is the negative control: every
+    scale 1, values clamped to the format (nobody trains that way)."""
 
     name: str
     gradient_format: Fp8Format
     scaled: bool = True
+    fast_accum: frozenset = frozenset()
+    compiled: bool = False
 
     @property
     def block(self) -> int | None:
         return MX_BLOCK if self.name == "mxfp8" else None
 
 
-RECIPES = {"tensorwise": Recipe("tensorwise", E5M2), "rowwise": Recipe("rowwise", E4M3),
+# use_fast_accum, per GEMM, as torchao's recipes choose it. Hopper's FP8 tensor cores sum their products
+# in an accumulator of about 14 significant bits (DeepSeek-V3's report, section 3.3.2, measured ~2 % error
+# at K = 4096); without fast accumulation the kernel promotes the partial sums into float32 at intervals,
+# which costs time. Tensorwise: fast for the forward alone (torchao's default), whose error is one more
+# rounding of a new activation; the gradients keep float32 accumulation, since dW sums over every token of
+# the micro-batch (8,192 terms and more, where a 14-bit sum drops the small ones) and dX's error reaches
+# every layer below. Rowwise: all three fast, because the rowwise kernels behind torch._scaled_mm are only
+# fast with it (torchao's reason for its rowwise recipe). mxfp8: none (torchao's MX path sets none).
+# On the CPU torch._scaled_mm accepts and ignores the flag (tests/test_fp8.py: bit for bit the same).
+RECIPES = {"tensorwise": Recipe("tensorwise", E5M2, fast_accum=frozenset({"output"})),
+           "rowwise": Recipe("rowwise", E4M3, fast_accum=frozenset(GEMMS)),
            "mxfp8": Recipe("mxfp8", E4M3)}
 
 
@@ -204,24 +233,71 @@ def amax_over_shards(amax: torch.Tensor, group) -> torch.Tensor:
     return amax
 
 
+# The quantisation's arithmetic, in three pure functions (no collective inside): amax_along, then
+# cast_with_amax, or both at once (scaled_cast) where no amax crosses ranks, and block_cast for mxfp8.
+# `axis` None: one amax for the whole tensor (tensorwise).
+
+
+def amax_along(t: torch.Tensor, axis: int | None) -> torch.Tensor:
+    x = t.float().abs()
+    return x.amax() if axis is None else x.amax(dim=axis, keepdim=True)
+
+
+def cast_with_amax(t: torch.Tensor, amax: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = power_of_two_scale(amax, fmt)
+    return (t.float() / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale
+
+
+def scaled_cast(t: torch.Tensor, axis: int | None, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    return cast_with_amax(t, amax_along(t, axis), fmt)
+
+
+def block_cast(t: torch.Tensor, axis: int, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxfp8: an amax and a scale per block of 32 along `axis`, the scales as e8m0."""
+    blocks = t.float().unflatten(axis, (t.shape[axis] // MX_BLOCK, MX_BLOCK))
+    scale = power_of_two_scale(blocks.abs().amax(dim=axis + 1), fmt)
+    data = (blocks / scale.unsqueeze(axis + 1)).clamp(-fmt.max, fmt.max).flatten(axis, axis + 1)
+    return data.to(fmt.dtype), scale.to(torch.float8_e8m0fnu)
+
+
+# Eager, each quantisation is a chain of separate kernels (abs, amax, clamp, divide, log2, ceil, exp2,
+# divide, clamp, cast: 10 for a float32 input, counted in tests/test_fp8.py; 12 for a bf16 one, cast to
+# float32 twice), most of them a pass over the whole tensor. Compiled, TorchInductor fuses each function
+# above into one kernel on the CPU (the reduction and the cast as two loops of one kernel; on CUDA, Triton
+# needs a kernel more where the amax spans the whole tensor or a column). Under --compile, Dynamo traces a
+# block's FP8 layers into the block's graph where no collective splits it, and the compiled functions
+# inline there; where a collective (tp's and cp's amax all-reduces) makes Dynamo run the layer eagerly,
+# they are compiled on their own. dynamic=True: one compilation serves every layer's shape (one per shape
+# would pass Dynamo's recompile limit).
+EAGER = {"amax_along": amax_along, "cast_with_amax": cast_with_amax, "scaled_cast": scaled_cast,
+         "block_cast": block_cast}
+COMPILED = {}       # filled by compile_quantisation, once, when a recipe asks for it (compiling costs seconds)
+
+
+def compile_quantisation() -> dict:
+    """The compiled twins of EAGER, made on first use (torch.compile compiles on each one's first call)."""
+    if not COMPILED:
+        COMPILED.update({name: torch.compile(function, dynamic=True) for name, function in EAGER.items()})
+    return COMPILED
+
+
 def quantise(t: torch.Tensor, axis: int, fmt: Fp8Format, recipe: Recipe, shards_group=()) -> Quantised:
     """t (2-D) in `fmt` with `recipe`'s scales for a matmul that sums over `axis`. `shards_group`:
     the groups (tp, cp or both) whose ranks hold other elements that the scale's amax spans (the
     caller knows which: Fp8Layer.groups_for), else empty."""
-    x = t.float()
     if not recipe.scaled:
-        return Quantised(x.clamp(-fmt.max, fmt.max).to(fmt.dtype), torch.ones((), device=t.device), axis, None)
-    if recipe.block is not None:        # amax per block of 32 along the axis
-        blocks = x.unflatten(axis, (x.shape[axis] // recipe.block, recipe.block))
-        amax = blocks.abs().amax(dim=axis + 1)
-        scale = power_of_two_scale(amax, fmt)
-        data = (blocks / scale.unsqueeze(axis + 1)).clamp(-fmt.max, fmt.max).flatten(axis, axis + 1)
-        return Quantised(data.to(fmt.dtype), scale.to(torch.float8_e8m0fnu), axis, recipe.block)
-    amax = x.abs().amax() if recipe.name == "tensorwise" else x.abs().amax(dim=axis, keepdim=True)
+        return Quantised(t.float().clamp(-fmt.max, fmt.max).to(fmt.dtype), torch.ones((), device=t.device), axis,
+                         None)
+    run = compile_quantisation() if recipe.compiled else EAGER
+    if recipe.block is not None:
+        return Quantised(*run["block_cast"](t, axis, fmt), axis, recipe.block)
+    amax_axis = None if recipe.name == "tensorwise" else axis
+    if not shards_group:
+        return Quantised(*run["scaled_cast"](t, amax_axis, fmt), axis, None)
+    amax = run["amax_along"](t, amax_axis)
     for group in shards_group:          # a MAX over tp, then over cp: the MAX over both
         amax = amax_over_shards(amax, group)
-    scale = power_of_two_scale(amax, fmt)
-    return Quantised((x / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype), scale, axis, None)
+    return Quantised(*run["cast_with_amax"](t, amax, fmt), axis, None)
 
 
 # ============================================================================ the technique: the FP8 matmul
@@ -285,8 +361,9 @@ def mx_scaled_mm(a: Quantised, b: Quantised, out_dtype: torch.dtype) -> torch.Te
     return out.to(out_dtype)
 
 
-def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, K] @ b [K, N] times their scales, in out_dtype. With the kernel: a row-major, b
+def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.dtype, gemm: str) -> torch.Tensor:
+    """a [M, K] @ b [K, N] times their scales, in out_dtype; `gemm` (one of GEMMS) says which of the
+    layer's three it is, for the recipe's fast accumulation. With the kernel: a row-major, b
     column-major (cuBLASLt's layout; copies only where they are not). Emulated: the values each
     FP8 element and scale stand for, multiplied in float32, which is what the CPU kernel does too
     (test_fp8.py: equal bit for bit)."""
@@ -306,7 +383,8 @@ def scaled_matmul(a: Quantised, b: Quantised, recipe: Recipe, out_dtype: torch.d
         # the scales as dense tensors: a transposed [1, N] row is contiguous to torch but strided to the kernel
         out = torch._scaled_mm(a.data.contiguous(), b.data.t().contiguous().t(),
                                scale_a=scale_a.contiguous().flatten().view(scale_a.shape),
-                               scale_b=scale_b.contiguous().flatten().view(scale_b.shape), out_dtype=kernel_dtype)
+                               scale_b=scale_b.contiguous().flatten().view(scale_b.shape), out_dtype=kernel_dtype,
+                               use_fast_accum=gemm in recipe.fast_accum)
         return out.to(out_dtype)
 
 
@@ -372,7 +450,7 @@ def forward_matmul(x_forward: Quantised, weight: torch.Tensor, layer: Fp8Layer, 
     """Y = X W^T over K, the weight scaled along K (its in-features: split by a row-parallel layer)."""
     w_split = {layer.split_dim} if layer.split_dim is not None else set()
     w = quantise(weight, 1, E4M3, layer.recipe, layer.groups_for(w_split, 1, token_dim=None))
-    return scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype)
+    return scaled_matmul(x_forward, w.t(), layer.recipe, out_dtype, "output")
 
 
 def fp8_input_gradient(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype) -> tuple:
@@ -386,7 +464,7 @@ def fp8_input_gradient(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer
     w_split = {layer.split_dim} if layer.split_dim is not None else set()
     dy_rows = quantise(dy, 1, fmt, recipe, layer.groups_for(dy_split, 1))
     w_columns = quantise(weight, 0, E4M3, recipe, layer.groups_for(w_split, 0, token_dim=None))
-    grad_input = scaled_matmul(dy_rows, w_columns, recipe, x_dtype)
+    grad_input = scaled_matmul(dy_rows, w_columns, recipe, x_dtype, "grad_input")
     dy_tokens = dy_rows if recipe.name == "tensorwise" or not recipe.scaled else \
         quantise(dy, 0, fmt, recipe, layer.groups_for(dy_split, 0))
     return grad_input, dy_tokens
@@ -394,7 +472,7 @@ def fp8_input_gradient(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer
 
 def fp8_weight_gradient(dy_tokens: Quantised, x_tokens: Quantised, recipe: Recipe, dtype) -> torch.Tensor:
     """dW = dY^T X over T, from dY and X each quantised along the tokens."""
-    return scaled_matmul(dy_tokens.t(), x_tokens, recipe, dtype)
+    return scaled_matmul(dy_tokens.t(), x_tokens, recipe, dtype, "grad_weight")
 
 
 def fp8_gradients(grad: torch.Tensor, weight: torch.Tensor, layer: Fp8Layer, x_dtype, x_tokens) -> tuple:
@@ -472,9 +550,9 @@ def to_fp8(linears: list, recipe: Recipe, tp_group, cp_group=None) -> None:
 
 
 def fp8_linear_groups(block) -> list[list]:
-    """A block's linear layers that go to FP8, grouped by the input they read: attention's q, k, v
-    and o; a dense MLP's (or an MoE's shared expert's) gate, up and down. The router and the
-    routed experts stay (module docstring)."""
+    """A block's linear layers that go to FP8, grouped by the input they read (named in GROUPS):
+    attention's q, k, v and o; a dense MLP's (or an MoE's shared expert's) gate, up and down. The
+    router and the routed experts stay (module docstring)."""
     attn = block.attn
     groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]]
     mlp = block.mlp if isinstance(block.mlp, SwiGLU) else getattr(block.mlp, "shared_expert", None)
@@ -483,19 +561,105 @@ def fp8_linear_groups(block) -> list[list]:
     return groups
 
 
-def apply_fp8(model, recipe: str, tp_group=None, cp_group=None):
+GROUPS = {"qkv": 3, "o": 1, "gate_up": 2, "down": 1}       # fp8_linear_groups' groups: name -> linears
+
+
+def apply_fp8(model, recipe: str | Recipe, tp_group=None, cp_group=None, in_fp8: dict | None = None):
     """The blocks' linear layers of `model` (a GPT, a pipeline chunk, after lesson 02's split:
-    their weights' tp_split_dim says how) with FP8 matmuls by `recipe`, in place; "none" leaves
-    the model as it is. `cp_group`: with context parallelism (lesson 04), the ranks that hold the
-    other tokens of this rank's sequences, over which the scales along the tokens take their amax.
-    Call it before ZeRO (06), recomputation and compiling (07), which all wrap the layers from
-    outside. Returns the model."""
+    their weights' tp_split_dim says how) with FP8 matmuls by `recipe` (a name of RECIPES, or a
+    Recipe: recipe_from_flags), in place; "none" leaves the model as it is. `cp_group`: with context
+    parallelism (lesson 04), the ranks that hold the other tokens of this rank's sequences, over
+    which the scales along the tokens take their amax. `in_fp8`: which GROUPS go to FP8 (the shape
+    rule, groups_in_fp8); None: all. Call it before ZeRO (06), recomputation and compiling (07),
+    which all wrap the layers from outside. Returns the model."""
     if recipe == "none":
         return model
+    recipe = RECIPES[recipe] if isinstance(recipe, str) else recipe
+    if recipe.compiled:
+        compile_quantisation()
     for block in model.layers:
-        for linears in fp8_linear_groups(block):
-            to_fp8(linears, RECIPES[recipe], tp_group, cp_group)
+        for name, linears in zip(GROUPS, fp8_linear_groups(block)):
+            if in_fp8 is None or in_fp8[name]:
+                to_fp8(linears, recipe, tp_group, cp_group)
     return model
+
+
+# ============================================================================ the technique: where FP8 pays
+
+# FP8 halves a GEMM's time at best, and pays for it with the quantisations: elementwise passes over X, W
+# and dY (memory-bound), whose cost grows with M K + K N + M N while the GEMM's saving grows with M K N.
+# So small GEMMs lose. The rule (on CUDA; on the CPU every group stays FP8, so that the proofs prove every
+# layer): torchao's auto-filter for its recipes (torchao/float8: _auto_filter_for_recipe, thresholds
+# from its per-shape speedup tables of float8_roofline.py, measured on an H100), applied as torchao
+# applies it to an nn.Linear, whose weight is [out, in]:
+#     tensorwise  bf16 where out <= 4096 and in <= 1024
+#     rowwise     bf16 where in <= 2048, or out <= 1024, or in <= 4096 and out <= 2048
+#     mxfp8       no published table: every group FP8
+# and, ours, the tokens: a micro-batch of at most 1024 tokens on the rank stays bf16 (M is the weight
+# gradient's reduction dimension, the role in-features play in the forward; 1024 is the smallest
+# threshold torchao sets on a dimension). The shapes are a tp rank's. A group of layers that read one
+# input (q, k, v; gate, up) shares that input's quantisation, so it is judged as one GEMM of the
+# group's summed width, a fused QKV or gate-up projection. For the 1b preset at 8,192 tokens: rowwise
+# keeps q, k, v, o, gate and up in bf16 (its hidden of 2048 is torchao's in-features threshold) and down in
+# FP8; tensorwise all FP8; the 8b preset all FP8 either way. benchmarks/gpu_fp8_linear.py measures each
+# linear against bf16 and prints the rule's choice beside it. Switch: --no-fp8-shape-rule.
+
+
+def group_gemm_shapes(cfg, tokens: int, tp: int) -> dict[str, tuple[int, int, int]]:
+    """(tokens, in-features, out-features) of each group's forward GEMM on a tp rank (GROUPS)."""
+    h, d = cfg.hidden, cfg.head_dim
+    shapes = {"qkv": (tokens, h, (cfg.n_heads + 2 * cfg.n_kv_heads) * d // tp), "o": (tokens, cfg.n_heads * d // tp, h)}
+    if not cfg.n_experts or cfg.n_shared_experts:
+        f = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden // tp
+        shapes |= {"gate_up": (tokens, h, 2 * f), "down": (tokens, f, h)}
+    return shapes
+
+
+def fp8_pays(recipe: str, tokens: int, in_features: int, out_features: int) -> bool:
+    """The shape rule above: whether a GEMM of this shape runs faster in FP8 by `recipe` on a GPU."""
+    if tokens <= 1024:
+        return False
+    if recipe == "tensorwise":
+        return not (out_features <= 4096 and in_features <= 1024)
+    if recipe == "rowwise":
+        return not (in_features <= 2048 or out_features <= 1024 or (in_features <= 4096 and out_features <= 2048))
+    return True
+
+
+def groups_in_fp8(cfg, recipe: str, tokens: int, tp: int, on_cuda: bool, shape_rule: bool = True) -> dict[str, bool]:
+    """Which GROUPS of every block run in FP8: all on the CPU or without the rule, else those whose
+    shape (a tp rank's, `tokens` per micro-batch) pays."""
+    return {name: recipe != "none" and (not (on_cuda and shape_rule) or fp8_pays(recipe, *shape))
+            for name, shape in group_gemm_shapes(cfg, tokens, tp).items()}
+
+
+def fp8_groups_of_run(cfg, args, tokens: int, tp: int, on_cuda: bool) -> dict[str, bool]:
+    """groups_in_fp8 for lesson 07's flags (--fp8, --fp8-shape-rule)."""
+    return groups_in_fp8(cfg, args.fp8, tokens, tp, on_cuda, args.fp8_shape_rule)
+
+
+def recipe_from_flags(args) -> Recipe | str:
+    """--fp8's recipe with its switches: --no-fp8-fast-accum (no GEMM accumulates fast) and, under
+    --compile, --fp8-fused-quantise (the quantisation as compiled functions); "none" as it is."""
+    if args.fp8 == "none":
+        return "none"
+    recipe = RECIPES[args.fp8]
+    return replace(recipe, fast_accum=recipe.fast_accum if args.fp8_fast_accum else frozenset(),
+                   compiled=args.compile and args.fp8_fused_quantise)
+
+
+def bf16_linears_line(cfg, in_fp8: dict[str, bool], n_layers: int) -> str:
+    """How many of the blocks' FP8-capable linears the shape rule keeps in bf16, and which."""
+    kept = [name for name, fp8 in in_fp8.items() if not fp8]
+    total = sum(GROUPS[name] for name in in_fp8) * n_layers
+    if not kept:
+        return f"every one of the blocks' {total} FP8 linears in FP8"
+    names = ", ".join(NAMES_OF_GROUP[name] for name in kept)
+    return (f"the shape rule keeps {sum(GROUPS[name] for name in kept) * n_layers} of the blocks' {total} "
+            f"linears in bf16 ({names}: FP8 loses at their shapes)")
+
+
+NAMES_OF_GROUP = {"qkv": "q, k, v", "o": "o", "gate_up": "gate, up", "down": "down"}
 
 
 # ============================================================================ the technique: with sequence parallelism
@@ -658,13 +822,21 @@ def deferring_fp8_class(module_class: type) -> type:
 # ============================================================================ configuration rules
 
 
-def fp8_problems(cfg, grid, args) -> list[str]:
-    """mxfp8's block rule (every other recipe composes with every layout lesson 07 runs): every
-    dimension a matmul sums over, as one rank holds it, a multiple of 32, so that a block never
-    straddles two ranks' parts: tp's shards of the features; cp's pieces of a sequence (zigzag: two
-    per rank) and, under sequence parallelism, a tp rank's part of those tokens, each a run of one
-    sequence's tokens."""
-    if getattr(args, "fp8", "none") != "mxfp8":
+def fp8_problems(cfg, grid, args, gpu: GpuBuild | None = None) -> list[str]:
+    """The recipe's kernel on the GPU (emulation_problem; `gpu`: this_ranks_gpu() unless given;
+    --plan prices other machines' GPUs and checks none), then mxfp8's block rule (every other
+    recipe composes with every layout lesson 07 runs): every dimension a matmul sums over, as one
+    rank holds it, a multiple of 32, so that a block never straddles two ranks' parts: tp's shards
+    of the features; cp's pieces of a sequence (zigzag: two per rank) and, under sequence
+    parallelism, a tp rank's part of those tokens, each a run of one sequence's tokens."""
+    recipe = getattr(args, "fp8", "none")
+    if recipe == "none":
+        return []
+    if not getattr(args, "plan", False):
+        problem = emulation_problem(recipe, gpu or this_ranks_gpu(), getattr(args, "fp8_emulate", False))
+        if problem:
+            return [problem]
+    if recipe != "mxfp8":
         return []
     tp, d = grid.tp, cfg.head_dim
     widths = {"hidden": cfg.hidden, "n_heads * head_dim / tp": cfg.n_heads * d // tp,
@@ -683,10 +855,61 @@ def fp8_problems(cfg, grid, args) -> list[str]:
             for name, value in widths.items() if value % MX_BLOCK]
 
 
+@dataclass(frozen=True)
+class GpuBuild:
+    """What decides which FP8 kernels torch._scaled_mm has: the GPU's compute capability and torch's build."""
+
+    capability: tuple[int, int]
+    torch_version: str
+    cuda_version: str | None
+
+
+def this_ranks_gpu() -> GpuBuild | None:
+    """The GPU this rank will train on (topology.rank_device's choice: LOCAL_RANK's, unless
+    PICOTRON_LIKE_DEVICE=cpu), read before any process group; None where it trains on the CPU."""
+    requested = os.environ.get(DEVICE_ENV)
+    if requested == "cpu" or not torch.cuda.is_available():
+        return None
+    device = rank_device(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count(), requested)
+    if device.type != "cuda":
+        return None
+    return GpuBuild(torch.cuda.get_device_capability(device), str(torch.__version__), torch.version.cuda)
+
+
+def emulation_problem(recipe: str, gpu: GpuBuild | None, allow_emulation: bool) -> str | None:
+    """--fp8 `recipe` on a GPU whose torch._scaled_mm lacks its kernel runs scaled_matmul's float32
+    emulation, several times slower than bf16: refused before the run, naming the fastest choice
+    that runs there (rowwise on sm_89+, else bf16), unless --fp8-emulate asks for it. The CPU
+    emulates mxfp8 for the proofs: no GPU, no problem."""
+    if recipe == "none" or gpu is None or allow_emulation:
+        return None
+    runs = (mx_kernel_runs(gpu.capability, gpu.torch_version, gpu.cuda_version) if recipe == "mxfp8"
+            else runs_on_fp8_tensor_cores(recipe, gpu.capability))
+    if runs:
+        return None
+    faster = "--fp8 rowwise" if runs_on_fp8_tensor_cores("rowwise", gpu.capability) else "--fp8 none (bf16)"
+    return (f"--fp8 {recipe}: this GPU (sm_{gpu.capability[0]}{gpu.capability[1]}, torch {gpu.torch_version}, CUDA "
+            f"{gpu.cuda_version}) has no {recipe} kernel, and its float32 emulation runs slower than bf16; use "
+            f"{faster}, or add --fp8-emulate to run the emulation anyway")
+
+
 def add_fp8_flag(parser) -> None:
     parser.add_argument("--fp8", choices=FP8_CHOICES, default="none",
                         help="the blocks' linear layers with FP8 matmuls (07_fp8.py): tensorwise, rowwise or mxfp8 "
-                             "scales (mxfp8 emulated where the GPU has no MX kernel, and on the CPU)")
+                             "scales (mxfp8 emulated on the CPU; on a GPU without the recipe's kernel refused "
+                             "unless --fp8-emulate)")
+    parser.add_argument("--fp8-emulate", action="store_true",
+                        help="run --fp8's float32 emulation on a GPU that lacks the recipe's kernel (slower than "
+                             "bf16: for checking numerics, not for speed)")
+    parser.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA: torch._scaled_mm's fast accumulation in the GEMMs the recipe allows "
+                             "(tensorwise: the forward; rowwise: all three)")
+    parser.add_argument("--fp8-fused-quantise", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --compile: each quantisation as one compiled function (one fused kernel) "
+                             "instead of a chain of eager elementwise kernels")
+    parser.add_argument("--fp8-shape-rule", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA: keep in bf16 the blocks' linears whose shapes FP8 does not speed up "
+                             "(torchao's H100 crossover shapes; the CPU keeps every one in FP8)")
 
 
 # ============================================================================ measuring the three challenges
@@ -707,37 +930,47 @@ def kept_scale_bytes(recipe: str, tokens: int, width: int) -> int:
 
 
 def kept_bytes_difference(cfg, recipe: str, tokens: int, tp: int, compute_dtype: torch.dtype,
-                          n_layers: int, recompute: str = "none", sequence_parallel: bool = False) -> int:
+                          n_layers: int, recompute: str = "none", sequence_parallel: bool = False,
+                          in_fp8: dict | None = None) -> int:
     """What --fp8 changes in one micro-batch's kept activations (lesson 07's formula plus this):
     per block, each input read only by FP8 layers is kept as an FP8 copy (1 byte) and its scales
     instead of in the compute dtype (e bytes): attention's input (h, read by q, k, v), o_proj's (n_heads
     d / tp), a dense MLP's input (h) and down_proj's (f / tp); with sequence parallelism the column
     layers' inputs (h) are this rank's tokens / tp, as lesson 02 keeps them. An MoE's shared expert
     adds an FP8 copy of its input (the router and the experts keep the input itself) and swaps
-    down_proj's. Full recomputation keeps each block's input alone: no change."""
+    down_proj's. A group the shape rule keeps in bf16 (`in_fp8`: groups_in_fp8; None: all FP8)
+    changes nothing. Full recomputation keeps each block's input alone: no change."""
     if recipe == "none" or recompute == "full":
         return 0
     e, h, d = compute_dtype.itemsize, cfg.hidden, cfg.head_dim
     column_tokens = tokens // tp if sequence_parallel else tokens
-    attention = [(h, True, column_tokens), (cfg.n_heads * d // tp, True, tokens)]
+    inputs = {"qkv": (h, True, column_tokens), "o": (cfg.n_heads * d // tp, True, tokens)}
     if not cfg.n_experts:
-        mlp = [(h, True, column_tokens), (cfg.ffn_hidden // tp, True, tokens)]
-    else:
-        shared = cfg.n_shared_experts * cfg.ffn_hidden // tp
-        mlp = [(h, False, tokens), (shared, True, tokens)] if cfg.n_shared_experts else []
+        inputs |= {"gate_up": (h, True, column_tokens), "down": (cfg.ffn_hidden // tp, True, tokens)}
+    elif cfg.n_shared_experts:
+        inputs |= {"gate_up": (h, False, tokens), "down": (cfg.n_shared_experts * cfg.ffn_hidden // tp, True, tokens)}
     per_block = sum(kept * width * (1 - e * replaced) + kept_scale_bytes(recipe, kept, width)
-                    for width, replaced, kept in attention + mlp)
+                    for name, (width, replaced, kept) in inputs.items() if in_fp8 is None or in_fp8[name])
     return n_layers * per_block
 
 
-def fp8_matmul_flops_per_token(cfg) -> int:
-    """Training FLOPs per token of the matmuls --fp8 runs in FP8 (6 per weight per token): every
-    block's attention projections and dense (or shared-expert) MLP; the rest (embedding, head,
-    router, routed experts, attention's core) stays at the bf16 rate."""
+def group_flops_per_token(cfg) -> dict[str, int]:
+    """Training FLOPs per token of each of a block's GROUPS (6 per weight per token)."""
     h, d = cfg.hidden, cfg.head_dim
-    attention = 2 * h * cfg.n_heads * d + 2 * h * cfg.n_kv_heads * d
-    mlp = 3 * h * cfg.ffn_hidden * ((cfg.n_shared_experts if cfg.n_experts else 1))
-    return 6 * cfg.n_layers * (attention + mlp)
+    flops = {"qkv": 6 * h * (cfg.n_heads + 2 * cfg.n_kv_heads) * d, "o": 6 * cfg.n_heads * d * h}
+    if not cfg.n_experts or cfg.n_shared_experts:
+        f = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden
+        flops |= {"gate_up": 6 * 2 * h * f, "down": 6 * f * h}
+    return flops
+
+
+def fp8_matmul_flops_per_token(cfg, in_fp8: dict | None = None) -> int:
+    """Training FLOPs per token of the matmuls --fp8 runs in FP8: every block's attention
+    projections and dense (or shared-expert) MLP, less the groups the shape rule keeps in bf16
+    (`in_fp8`); the rest (embedding, head, router, routed experts, attention's core) stays at the
+    bf16 rate."""
+    return cfg.n_layers * sum(flops for name, flops in group_flops_per_token(cfg).items()
+                              if in_fp8 is None or in_fp8[name])
 
 
 def attainable_peak_flops(bf16_peak: float, fp8_peak: float, fp8_share: float) -> float:
@@ -748,18 +981,22 @@ def attainable_peak_flops(bf16_peak: float, fp8_peak: float, fp8_share: float) -
 
 
 def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks: int, device: torch.device,
-                    bf16_peak: float | None) -> None:
+                    bf16_peak: float | None, in_fp8: dict | None = None) -> None:
     """Below lesson 07's MFU line, which divides by the bf16 peak so that runs with and without
-    --fp8 compare: the share of the model's FLOPs that `recipe` runs as FP8 matmuls, and on a GPU
-    whose FP8 peak metrics knows, the MFU against the peak that mix attains (attainable_peak_flops)."""
-    share = fp8_matmul_flops_per_token(cfg) / flops_per_token(cfg, seq_len)
+    --fp8 compare: which linears the shape rule kept in bf16 (`in_fp8`: groups_in_fp8), the share
+    of the model's FLOPs that `recipe` runs as FP8 matmuls, and on a GPU whose FP8 peak metrics
+    knows, the MFU against the peak that mix attains (attainable_peak_flops)."""
+    in_fp8 = in_fp8 or dict.fromkeys(group_flops_per_token(cfg), True)
+    log0(f"--fp8 {recipe}: {bf16_linears_line(cfg, in_fp8, cfg.n_layers)}")
+    share = fp8_matmul_flops_per_token(cfg, in_fp8) / flops_per_token(cfg, seq_len)
     line = f"--fp8 {recipe}: its FP8 matmuls are {share:.0%} of the model's FLOPs"
     fp8_peak = peak_flops_of_name(torch.cuda.get_device_name(device), fp8=True) if device.type == "cuda" else None
     if not (bf16_peak and fp8_peak):
         log0(line + ("" if device.type == "cuda" else " (a CPU has no FP8 peak: no MFU)"))
         return
     if not has_scaled_mm(RECIPES[recipe], device):
-        log0(line + ", emulated on this GPU (float32 matmuls of the dequantised values): no FP8 peak applies")
+        log0(line + ", emulated on this GPU (float32 matmuls of the dequantised values, --fp8-emulate): no FP8 "
+                    "peak applies")
         return
     attainable = attainable_peak_flops(bf16_peak, fp8_peak, share)
     mfu = model_flops_utilisation(tokens_per_s, n_ranks, flops_per_token(cfg, seq_len), attainable)
@@ -768,7 +1005,8 @@ def log_fp8_compute(cfg, recipe: str, seq_len: int, tokens_per_s: float, n_ranks
 
 
 def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
-                           recompute: str = "none", sequence_parallel: bool = False, cp: int = 1) -> dict:
+                           recompute: str = "none", sequence_parallel: bool = False, cp: int = 1,
+                           in_fp8: dict | None = None) -> dict:
     """The all-reduce MAX bytes per step that keep the scales one device's under tp and cp (float32
     amaxes; `tokens`: one micro-batch's tokens on this rank, seq / cp per sequence). Over tp,
     tensorwise: a column layer's (q, k, v, gate, up) W forward, dY and W backward; a row layer's
@@ -778,15 +1016,17 @@ def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int,
     the forward. Over cp, whose ranks split the tokens: each input's scales along T in the forward
     (rowwise: its K as the rank holds it; tensorwise: one float, and one more for the kept tokens
     under sequence parallelism), each layer's dY along T in the backward (rowwise: its N; tensorwise:
-    one). Full recomputation sends the forward's again."""
+    one). Full recomputation sends the forward's again. Groups kept in bf16 (`in_fp8`) send none."""
     if recipe not in ("tensorwise", "rowwise"):
         return {}
     h, d = cfg.hidden, cfg.head_dim
-    mlp = not cfg.n_experts or bool(cfg.n_shared_experts)
+    fp8 = {name: in_fp8 is None or in_fp8[name] for name in group_flops_per_token(cfg)}
+    mlp = fp8.get("gate_up", False), fp8.get("down", False)
     f = (cfg.n_shared_experts if cfg.n_experts else 1) * cfg.ffn_hidden
-    # (N, K) of the whole layer, for each column and each row layer of a block
-    column = [(cfg.n_heads * d, h), (cfg.n_kv_heads * d, h), (cfg.n_kv_heads * d, h)] + [(f, h)] * 2 * mlp
-    row = [(h, cfg.n_heads * d)] + [(h, f)] * mlp
+    # (N, K) of the whole layer, for each column and each row layer of a block that runs in FP8
+    column = ([(cfg.n_heads * d, h), (cfg.n_kv_heads * d, h), (cfg.n_kv_heads * d, h)] * fp8["qkv"]
+              + [(f, h)] * 2 * mlp[0])
+    row = [(h, cfg.n_heads * d)] * fp8["o"] + [(h, f)] * mlp[1]
     forwards, traffic = (2 if recompute == "full" else 1), {}
     if tp > 1:
         if recipe == "tensorwise":
@@ -794,33 +1034,40 @@ def predicted_amax_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int,
         else:
             forward, backward = sum(tokens + n for n, _ in row), sum(tokens + k for _, k in column)
         if sequence_parallel:       # attention's norm and the MLP's: the kept tokens' amax spans the tp ranks
-            forward += (1 + mlp) * (1 if recipe == "tensorwise" else h)
-        traffic[("all_reduce", "tp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
+            forward += (fp8["qkv"] + mlp[0]) * (1 if recipe == "tensorwise" else h)
+        if forward or backward:
+            traffic[("all_reduce", "tp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
     if cp > 1:
         # the in-features of each input (attention's, o_proj's, the MLP's, down_proj's), the out-features
         # of each layer, as a tp rank holds them: a column layer splits N, a row layer K
-        inputs = [h, cfg.n_heads * d // tp] + [h, f // tp] * mlp
+        inputs = [h] * fp8["qkv"] + [cfg.n_heads * d // tp] * fp8["o"] + [h] * mlp[0] + [f // tp] * mlp[1]
         outputs = [n // tp for n, _ in column] + [n for n, _ in row]
         if recipe == "tensorwise":
-            forward, backward = len(inputs) + (1 + mlp) * sequence_parallel, len(outputs)
+            forward, backward = len(inputs) + (fp8["qkv"] + mlp[0]) * sequence_parallel, len(outputs)
         else:
             forward, backward = sum(inputs), sum(outputs)
-        traffic[("all_reduce", "cp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
+        if forward or backward:
+            traffic[("all_reduce", "cp")] = 4 * (forwards * forward + backward) * n_layers * n_micro
     return traffic
 
 
 def predicted_fp8_traffic(cfg, recipe: str, tokens: int, tp: int, n_micro: int, n_layers: int,
-                          recompute: str = "none", sequence_parallel: bool = False, cp: int = 1) -> dict:
+                          recompute: str = "none", sequence_parallel: bool = False, cp: int = 1,
+                          in_fp8: dict | None = None) -> dict:
     """What --fp8 changes in tp's and cp's traffic per step: the amaxes' all-reduces
     (predicted_amax_traffic) and, with sequence parallelism, the all-gather of each block norm's
     output in backward, which moves the kept FP8 copy (1 byte per element, and mxfp8's scales: one
-    per 32) where lesson 02 counts 4 bytes per element."""
-    traffic = predicted_amax_traffic(cfg, recipe, tokens, tp, n_micro, n_layers, recompute, sequence_parallel, cp)
+    per 32) where lesson 02 counts 4 bytes per element; for the groups in FP8 (`in_fp8`)."""
+    traffic = predicted_amax_traffic(cfg, recipe, tokens, tp, n_micro, n_layers, recompute, sequence_parallel, cp,
+                                     in_fp8)
     if recipe == "none" or tp == 1 or not sequence_parallel:
         return traffic
+    norms = sum(in_fp8 is None or in_fp8.get(name, False) for name in ("qkv", "gate_up"))
     gathered = tokens * cfg.hidden
     fp8_bytes = gathered + (gathered // MX_BLOCK if recipe == "mxfp8" else 0)
-    return add_traffic(traffic, {("all_gather_single", "tp"): 2 * n_layers * n_micro * (fp8_bytes - 4 * gathered)})
+    if not norms:
+        return traffic
+    return add_traffic(traffic, {("all_gather_single", "tp"): norms * n_layers * n_micro * (fp8_bytes - 4 * gathered)})
 
 
 def quantisation_errors(model, batch_tokens) -> dict:
@@ -904,7 +1151,9 @@ def main(argv=None):
     try:
         check_flag_ranges(args)
         cfg = config_from_flags(args)
-        problems = fp8_problems(cfg, GridShape(), argparse.Namespace(**{**vars(args), "fp8": "mxfp8"}))
+        # every recipe, mxfp8 emulated where the GPU lacks its kernel: this lesson compares their numerics
+        problems = fp8_problems(cfg, GridShape(), argparse.Namespace(**{**vars(args), "fp8": "mxfp8",
+                                                                         "fp8_emulate": True}))
         if problems:
             raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     except (ConfigError, ValueError) as error:

@@ -21,7 +21,7 @@ import torch
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.metrics import ActivationMeter
+from picotron_like.metrics import ActivationMeter, predicted_activation_bytes
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, group_rank
@@ -147,6 +147,152 @@ def test_fp8_linear_equals_a_float32_emulation_bit_for_bit(recipe):
     assert torch.equal(x.grad.reshape(-1, 96), expected_dx)
     assert torch.equal(linear.weight.grad, expected_dw)
     assert not torch.equal(expected_y, x2 @ w.t()), "FP8 rounds: the test would prove nothing otherwise"
+
+
+# ----------------------------------------------------------------------------- fast accumulation, fused quantisation
+
+
+def test_fast_accumulation_per_gemm_as_torchao_and_the_cpu_kernel_ignores_it():
+    """The GEMMs that accumulate fast: tensorwise the forward's alone, rowwise all three, mxfp8 none
+    (torchao's recipes); --no-fp8-fast-accum none. torch._scaled_mm on the CPU gives the same bits
+    with and without it, so the bit-for-bit proof above holds with the recipes as they run on CUDA."""
+    lesson, full_5d = fp8(), load_lesson("07_full_5d")
+    assert {name: set(recipe.fast_accum) for name, recipe in lesson.RECIPES.items()} == \
+        {"tensorwise": {"output"}, "rowwise": set(lesson.GEMMS), "mxfp8": set()}
+    assert lesson.recipe_from_flags(full_5d.parse_args(["--fp8", "rowwise", "--no-fp8-fast-accum"])).fast_accum == set()
+    generator = torch.Generator().manual_seed(5)
+    a = (torch.randn(64, 512, generator=generator) * 8).to(torch.float8_e4m3fn)
+    b = (torch.randn(48, 512, generator=generator) * 8).to(torch.float8_e4m3fn).t()
+    scales = {"scale_a": torch.rand(64, 1, generator=generator) + 0.5,
+              "scale_b": torch.rand(1, 48, generator=generator) + 0.5}
+    fast, accurate = (torch._scaled_mm(a, b, **scales, out_dtype=torch.float32, use_fast_accum=on)
+                      for on in (True, False))
+    assert torch.equal(fast, accurate)
+
+
+class EagerKernels(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the operators eager PyTorch runs, each its own kernel (views launch none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_compiled_quantisation_is_one_kernel_and_equals_the_eager_one_bit_for_bit():
+    """--compile's quantisation (07_fp8.compile_quantisation, as the FP8 layers call it): TorchInductor
+    generates one kernel for a rowwise quantisation along K and one for a tensorwise one (counted in
+    the generated code: torch._inductor.metrics.generated_kernel_count counts a CPU kernel's loop nests,
+    6 for this one), where eager PyTorch runs 10 operators on this float32 input, a kernel each; codes
+    and scales equal the eager ones bit for bit on rows that span 2^-24..2^8, a row of zeros, and
+    amaxes at the format's max times a power of two and one float32 step either side (where the
+    scale changes)."""
+    from torch._inductor.utils import run_and_get_code
+    lesson = fp8()
+    at_max = 448.0 * torch.exp2(torch.arange(-4.0, 4.0))
+    edges = torch.cat([at_max, torch.nextafter(at_max, torch.tensor(math.inf)),
+                       torch.nextafter(at_max, torch.tensor(0.0))])
+    rows = 1e-3 * torch.randn(len(edges), 96, generator=torch.Generator().manual_seed(6))
+    rows[:, 0] = edges                  # each row's amax
+    x = torch.cat([wide_tensor(), rows])
+    compiled = lesson.compile_quantisation()
+    for axis, fmt in ((1, lesson.E4M3), (None, lesson.E5M2)):
+        with EagerKernels() as eager:
+            codes, scale = lesson.EAGER["scaled_cast"](x, axis, fmt)
+        assert eager.count == 10, eager.count
+        (fused_codes, fused_scale), code = run_and_get_code(compiled["scaled_cast"], x, axis, fmt)
+        kernels = sum(source.count("async_compile.cpp_pybinding(") for source in code)
+        assert kernels == 1, (axis, kernels)
+        assert torch.equal(fused_codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(fused_scale, scale)
+
+
+# ----------------------------------------------------------------------------- the shape rule, on CUDA only
+
+
+def test_the_shape_rule_keeps_small_gemms_in_bf16_on_cuda_and_every_gemm_fp8_on_the_cpu():
+    """07_fp8.groups_in_fp8 (torchao's H100 crossover shapes, a tp rank's): the 1b preset at 8,192
+    tokens keeps all but down in bf16 with rowwise (in-features 2048) and none with tensorwise; the 8b
+    preset none; 1,024 tokens keep everything in bf16; on the CPU, or with --no-fp8-shape-rule,
+    every group is FP8. The line the report prints counts the linears."""
+    lesson, full_5d = fp8(), load_lesson("07_full_5d")
+    one_b, eight_b = get_config("1b"), get_config("8b")
+    assert lesson.groups_in_fp8(one_b, "rowwise", 8192, 1, on_cuda=True) == \
+        {"qkv": False, "o": False, "gate_up": False, "down": True}
+    assert all(lesson.groups_in_fp8(one_b, "tensorwise", 8192, 1, on_cuda=True).values())
+    assert all(lesson.groups_in_fp8(eight_b, recipe, 8192, 1, on_cuda=True).values() for recipe in RECIPES)
+    assert not any(lesson.groups_in_fp8(eight_b, "rowwise", 1024, 1, on_cuda=True).values())
+    assert all(lesson.groups_in_fp8(one_b, "rowwise", 8192, 1, on_cuda=False).values())
+    args = full_5d.parse_args(["--preset", "1b", "--fp8", "rowwise", "--no-fp8-shape-rule"])
+    assert all(lesson.fp8_groups_of_run(one_b, args, 8192, 1, True).values())
+    line = lesson.bf16_linears_line(one_b, lesson.groups_in_fp8(one_b, "rowwise", 8192, 1, True), one_b.n_layers)
+    assert line.startswith("the shape rule keeps 96 of the blocks' 112 linears in bf16 (q, k, v, o, gate, up")
+
+
+def test_groups_kept_in_bf16_keep_their_input_and_the_formula_says_so():
+    """A model with some groups in FP8 and the others left alone (the choice the shape rule makes on
+    CUDA, forced here on the CPU): its FP8 layers and the kept activations of one micro-batch,
+    measured, equal the reference's formula plus FP8's difference for those groups; their FP8
+    matmul FLOPs are those groups'; the amax traffic of the groups left out is none."""
+    lesson = fp8()
+    in_fp8 = {"qkv": False, "o": True, "gate_up": True, "down": False}
+    model = lesson.apply_fp8(GPT(CFG, seed=SEED), "rowwise", in_fp8=in_fp8)
+    converted = [type(linear).__name__.startswith("Fp8") for block in model.layers
+                 for group in lesson.fp8_linear_groups(block) for linear in group]
+    assert sum(converted) == 3 * CFG.n_layers and len(converted) == 7 * CFG.n_layers
+    inputs, targets = data(1).step_batch(0, 0).micro_batches[0]
+    meter = ActivationMeter(model)
+    with meter:
+        model(inputs, targets).backward()
+    tokens = inputs.numel()
+    predicted = predicted_activation_bytes(CFG, *inputs.shape) + lesson.kept_bytes_difference(
+        CFG, "rowwise", tokens, 1, torch.float32, CFG.n_layers, in_fp8=in_fp8)
+    assert meter.peak_bytes == predicted
+    assert predicted != predicted_activation_bytes(CFG, *inputs.shape) + lesson.kept_bytes_difference(
+        CFG, "rowwise", tokens, 1, torch.float32, CFG.n_layers)
+    flops = lesson.group_flops_per_token(CFG)
+    assert lesson.fp8_matmul_flops_per_token(CFG, in_fp8) == CFG.n_layers * (flops["o"] + flops["gate_up"])
+    none = dict.fromkeys(in_fp8, False)
+    assert lesson.predicted_fp8_traffic(CFG, "rowwise", tokens, 2, 1, 2, "none", True, 2, none) == {}
+
+
+# ----------------------------------------------------------------------------- a recipe without its kernel: refused
+
+
+def test_a_recipe_without_its_gpu_kernel_is_one_error_naming_the_faster_recipe_unless_asked_for():
+    """--fp8 mxfp8 on an H100 (sm_90: no MX tensor cores) or with a torch that lacks the kernel,
+    --fp8 rowwise on an A100 (sm_80): one problem each, before any process group, naming the faster
+    choice there (rowwise; bf16), unless --fp8-emulate; mxfp8 on a B200 and every recipe on the CPU
+    (no GPU: the proofs emulate mxfp8) pass."""
+    lesson, full_5d = fp8(), load_lesson("07_full_5d")
+    h100, a100 = lesson.GpuBuild((9, 0), "2.11.0+cu130", "13.0"), lesson.GpuBuild((8, 0), "2.11.0+cu130", "13.0")
+    b200, old_torch = lesson.GpuBuild((10, 0), "2.11.0+cu130", "13.0"), lesson.GpuBuild((10, 0), "2.6.0+cu126", "12.6")
+
+    def problems(flags, gpu):
+        args = full_5d.parse_args(["--seq-len", "64", *flags])
+        return lesson.fp8_problems(get_config("tiny"), GridShape(), args, gpu)
+
+    for gpu in (h100, old_torch):
+        (problem,) = problems(["--fp8", "mxfp8"], gpu)
+        assert "has no mxfp8 kernel" in problem and "use --fp8 rowwise" in problem and "\n" not in problem
+    (problem,) = problems(["--fp8", "rowwise"], a100)
+    assert "use --fp8 none (bf16)" in problem
+    assert problems(["--fp8", "mxfp8", "--fp8-emulate"], h100) == []
+    assert problems(["--fp8", "mxfp8"], b200) == [] and problems(["--fp8", "rowwise"], h100) == []
+    assert all(lesson.emulation_problem(recipe, None, False) is None for recipe in RECIPES)
+
+
+def test_the_gpu_fp8_linear_script_runs_on_the_cpu_in_its_tiny_mode(capsys):
+    """benchmarks/gpu_fp8_linear.py --tiny: a header, then one line per linear of the tiny preset
+    with bf16's time, each recipe's with and without fast accumulation, and the shape rule's choice."""
+    load_check("gpu_fp8_linear").main(["--tiny"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("FP8 linear vs bf16 on CPU") and len(lines) == 7, lines
+    for line, name in zip(lines[1:], ("q", "k, v", "o", "gate, up", "down", "head")):
+        assert line.startswith(f"tiny {name} (256 x ") and line.count("without fast accumulation") == 2, line
+        assert line.count("shape rule: bf16") == 2 or name == "head", line      # 256 tokens: below the rule's 1024
 
 
 # ----------------------------------------------------------------------------- training against bf16
