@@ -145,8 +145,11 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                 split_experts_over_tensor_parallel(chunk, grid.tp_group)
             if grid.cp_size > 1:        # cp x balancing: the aux loss counts whole sequences
                 count_choices_over_context_parallel(chunk, grid.cp_group)
-        # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens)
-        fp8.apply_fp8(chunk, args.fp8, grid.tp_group, grid.cp_group if grid.cp_size > 1 else None)
+        # 07_fp8: the blocks' matmuls in FP8, scales as one device's (amaxes over tp, and cp's tokens); on a GPU
+        # only the layers whose shapes FP8 speeds up
+        fp8.apply_fp8(chunk, fp8.recipe_from_flags(args), grid.tp_group, grid.cp_group if grid.cp_size > 1 else None,
+                      fp8.fp8_groups_of_run(cfg, args, shape.micro_batch_size * shape.seq_len // grid.cp_size,
+                                            grid.tp_size, device.type == "cuda"))
     # picotron_like.materialise: each parameter the reference's values of what this rank holds of it, on the device
     materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
