@@ -156,8 +156,10 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
                                                            precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         # --fp8: FP8 copies of the blocks' matmul inputs instead of bf16 ones (07_fp8.py)
-        kept += fp8.kept_bytes_difference(cfg, args.fp8, micro * shape.seq_len // grid.cp, tp, precision.param_dtype,
-                                          layers, args.recompute, args.sequence_parallel)
+        tokens = micro * shape.seq_len // grid.cp
+        kept += fp8.kept_bytes_difference(cfg, args.fp8, tokens, tp, precision.param_dtype, layers, args.recompute,
+                                          args.sequence_parallel,
+                                          fp8.fp8_groups_of_run(cfg, args, tokens, tp, device.capability is not None))
         if cfg.n_experts and args.recompute != "full":
             tokens = micro * shape.seq_len // grid.cp
             routed = cfg.experts_per_token * tokens
@@ -311,6 +313,16 @@ def block_gemms(cfg, tokens: int, tp: int, ep: int) -> list[tuple[int, int, int]
         shared > 0)
 
 
+def block_gemm_groups(cfg, n_gemms: int) -> list[str | None]:
+    """07_fp8's group (07_fp8.GROUPS) of each of block_gemms' matmuls; None for those --fp8 never
+    converts (the router, the routed experts)."""
+    attention, mlp = ["qkv"] * 3 + ["o"], ["gate_up", "gate_up", "down"]
+    if not cfg.n_experts:
+        return attention + mlp
+    shared = mlp if cfg.n_shared_experts else []
+    return attention + [None] * (n_gemms - len(attention) - len(shared)) + shared
+
+
 def gemm_pass_seconds(device, gemms, dtype: str) -> tuple[float, float]:
     """(forward, backward) of these matmuls: the backward's input gradient (M x N) @ (N x K) and
     weight gradient (K x M) @ (M x N), each priced by its own shape."""
@@ -375,10 +387,16 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
     layers = sum(len(chunk.layer_ids) for chunk in chunks)
     with_embedding, with_head = any(chunk.tok_embeddings is not None for chunk in chunks), \
         any(chunk.lm_head is not None for chunk in chunks)
-    block_dtype = ("float8" if args.fp8 != "none" and device.capability is not None
-                   and fp8.runs_on_fp8_tensor_cores(args.fp8, device.capability) and "float8" in device.gemm
-                   else dtype)
-    gemm_f, gemm_b = gemm_pass_seconds(device, block_gemms(cfg, tokens, tp, ep), block_dtype)
+    fp8_rate = (args.fp8 != "none" and device.capability is not None
+                and fp8.runs_on_fp8_tensor_cores(args.fp8, device.capability) and "float8" in device.gemm)
+    # --fp8: the groups of linears it converts (on a GPU those the shape rule keeps: 07_fp8.groups_in_fp8) at
+    # the float8 rate; the router, the routed experts and the groups kept in bf16 at the compute dtype's
+    in_fp8 = fp8.fp8_groups_of_run(cfg, args, tokens, tp, device.capability is not None)
+    gemms = block_gemms(cfg, tokens, tp, ep)
+    at_fp8 = [fp8_rate and group is not None and in_fp8[group] for group in block_gemm_groups(cfg, len(gemms))]
+    gemm_f, gemm_b = (a + b for a, b in zip(
+        gemm_pass_seconds(device, [g for g, fast in zip(gemms, at_fp8) if fast], "float8"),
+        gemm_pass_seconds(device, [g for g, fast in zip(gemms, at_fp8) if not fast], dtype)))
     attn_f, attn_b = attention_pass_seconds(cfg, device, micro, seq, tp, cp, args.cp_mode, dtype)
     elem_bytes, elem_kernels = block_elementwise(cfg, tokens, tp, args.sequence_parallel, e, args.compile)
     elem_f = step_costs.memory_seconds(device, elem_bytes, elem_kernels)
@@ -413,7 +431,7 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
         traffic = add_traffic({key: value * residual_share for key, value in add_traffic(*(
             tensor_parallel.predicted_tp_traffic(cfg, micro, seq // cp, 1, tp, args.sequence_parallel, torch.float32,
                                                  save_sequence_shard=True, stage=chunk) for chunk in chunks)).items()},
-                              fp8_traffic_on(cfg, args, shape, grid, layers, "tp"))
+                              fp8_traffic_on(cfg, args, shape, grid, layers, "tp", device.capability is not None))
         messages = 4 * layers + with_embedding + with_head
         calls = ({"all_gather_single": messages + 2 * layers + with_head, "reduce_scatter_single": messages,
                   "all_reduce": 3 * with_head + 1} if args.sequence_parallel
@@ -449,7 +467,7 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
                                                             seq, cp, "ulysses", 1, e)
             cp_seconds = sum(collective(names[kind], payload, ("cp",), 8 * layers)
                              for (kind, _), payload in traffic.items() if kind in names)
-        amaxes = fp8_traffic_on(cfg, args, shape, grid, layers, "cp")
+        amaxes = fp8_traffic_on(cfg, args, shape, grid, layers, "cp", device.capability is not None)
         cp_seconds += sum(collective("all_reduce", payload, ("cp",), layers) for payload in amaxes.values())
     ep_seconds = 0.0
     if cfg.n_experts and ep > 1:        # lesson 05's 2 (m + r) h e per MoE forward, m = r = k T (balanced)
@@ -471,10 +489,13 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
     return MicroBatchSeconds(forward, backward, elementwise, recompute, tp_seconds, cp_seconds, ep_seconds, pp_seconds)
 
 
-def fp8_traffic_on(cfg, args, shape, grid: GridShape, layers: int, axis: str) -> dict:
-    """--fp8's amax all-reduces (and sequence parallelism's FP8 gathers) of one micro-batch on `axis` (07_fp8.py)."""
-    traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp, grid.tp, 1,
-                                        layers, args.recompute, args.sequence_parallel, grid.cp)
+def fp8_traffic_on(cfg, args, shape, grid: GridShape, layers: int, axis: str, on_gpu: bool) -> dict:
+    """--fp8's amax all-reduces (and sequence parallelism's FP8 gathers) of one micro-batch on `axis`
+    (07_fp8.py), for the groups it converts on a GPU (`on_gpu`: its shape rule) or a CPU."""
+    tokens = shape.micro_batch_size * shape.seq_len // grid.cp
+    traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, tokens, grid.tp, 1, layers, args.recompute,
+                                        args.sequence_parallel, grid.cp,
+                                        fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp, on_gpu))
     return {key: value for key, value in traffic.items() if key[1] == axis}
 
 
@@ -808,7 +829,10 @@ def print_memory_plan(args, validate, expert_degree) -> None:
           f"{usable / GIB:.1f} GiB)")
     schedule = (f"{args.schedule}" + (f" over {args.virtual_stages} virtual stages" if args.virtual_stages > 1 else "")
                 + ", " if grid.pp > 1 else "")
-    fp8_part = f"FP8 {args.fp8} matmuls, " if args.fp8 != "none" else ""
+    in_fp8 = fp8.fp8_groups_of_run(cfg, args, shape.micro_batch_size * shape.seq_len // grid.cp, grid.tp,
+                                   device.capability is not None)
+    fp8_part = (f"FP8 {args.fp8} matmuls ({fp8.bf16_linears_line(cfg, in_fp8, cfg.n_layers)}), "
+                if args.fp8 != "none" else "")
     print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, {schedule}ZeRO-{args.zero_stage}, "
           f"recompute {args.recompute}, {fp8_part}weights {str(precision.param_dtype).removeprefix('torch.')}, "
           f"gradients {str(precision.reduce_dtype).removeprefix('torch.')}, "

@@ -153,6 +153,11 @@ def routing_at(routing, pipeline, n_micro: int, kind: str):
     return kept
 
 
+def on_cuda(model) -> bool:
+    """Whether this rank's model lives on a GPU, where 07_fp8's shape rule keeps small GEMMs in bf16."""
+    return next(model.module.parameters()).device.type == "cuda"
+
+
 def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
     """This rank's kept activations at their peak in the metered step under `recompute`: each
     micro-batch's bytes (with experts, lesson 05's on the step's routing counts, for the experts
@@ -164,9 +169,10 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
                                                args.sequence_parallel, grid.cp_size, stage,
                                                model.precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
-        return kept + fp8.kept_bytes_difference(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
-                                                grid.tp_size, model.precision.param_dtype, layers, recompute,
-                                                args.sequence_parallel)
+        tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
+        return kept + fp8.kept_bytes_difference(cfg, args.fp8, tokens, grid.tp_size, model.precision.param_dtype,
+                                                layers, recompute, args.sequence_parallel,
+                                                fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size, on_cuda(model)))
 
     parts = model_parts(model, pipeline)
     sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
@@ -384,9 +390,11 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                                     routing, steps)
     if inner is None:
         return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
-    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, shape.micro_batch_size * shape.seq_len // grid.cp_size,
-                                            grid.tp_size, shape.grad_accum, len(model.module.layers), args.recompute,
-                                            args.sequence_parallel, grid.cp_size)
+    tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
+    fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, tokens, grid.tp_size, shape.grad_accum,
+                                            len(model.module.layers), args.recompute, args.sequence_parallel,
+                                            grid.cp_size, fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size,
+                                                                                on_cuda(model)))
     return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic)
 
 
@@ -471,7 +479,9 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
                                   shape.seq_len, grid.shape.world_size, device, throughput.steps))
     if args.fp8 != "none":
         fp8.log_fp8_compute(run.cfg, args.fp8, shape.seq_len, throughput.tokens_per_second, grid.shape.world_size,
-                            device, throughput.peak_flops)
+                            device, throughput.peak_flops,
+                            fp8.fp8_groups_of_run(run.cfg, args, shape.micro_batch_size * shape.seq_len // grid.cp_size,
+                                                  grid.tp_size, device.type == "cuda"))
 
 
 class FirstStepsMemory:

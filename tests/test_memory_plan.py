@@ -228,15 +228,21 @@ def test_the_plan_counts_fp8_copies_fp8_gemms_and_the_amax_all_reduces(capsys):
     blocks' GEMMs at the profile's float8 rate (and nothing else differently: the difference is
     exactly theirs) and adds tp's amax all-reduces to tp's time. Where the matmuls are emulated
     (an A100; mxfp8 before Blackwell) they count at the bf16 rate; mxfp8 on a B300 (the
-    block-scaled kernel, 07_fp8.mx_kernel_runs) at the FP8 rate, as rowwise."""
+    block-scaled kernel, 07_fp8.mx_kernel_runs) at the FP8 rate, as rowwise. All with
+    --no-fp8-shape-rule: with the rule, this layer's shapes keep every group in bf16 on a GPU, and
+    the plan is bf16's."""
     full_5d, plan = lesson(), memory_plan()
     fp8, cfg = plan.fp8, get_config("1b")
     shape, grid, precision = BatchShape(1, 2048, 4, 1), GridShape(tp=2), full_5d.zero.Precision(torch.bfloat16)
 
-    def planned(recipe: str, gpu: str = "H200"):
+    def planned(recipe: str, gpu: str = "H200", rule: str = "--no-fp8-shape-rule"):
         args = full_5d.parse_args(["--tp", "2", "--seq-len", "2048", "--micro-batch-size", "1", "--grad-accum", "4",
-                                   "--fp8", recipe, "--gpu", gpu])
+                                   "--fp8", recipe, "--gpu", gpu, rule])
         return plan.plan_layout(cfg, args, grid, 1, shape, precision, plan.published_profile(gpu))
+
+    assert not any(fp8.groups_in_fp8(cfg, "rowwise", 2048, 2, on_cuda=True).values())
+    with_rule = planned("rowwise", rule="--fp8-shape-rule")
+    assert (with_rule.memory, with_rule.seconds) == (planned("none").memory, planned("none").seconds)
 
     bf16, rowwise = planned("none"), planned("rowwise")
     saved = fp8.kept_bytes_difference(cfg, "rowwise", 2048, 2, torch.bfloat16, cfg.n_layers)
@@ -253,7 +259,8 @@ def test_the_plan_counts_fp8_copies_fp8_gemms_and_the_amax_all_reduces(capsys):
     assert planned("mxfp8", "B300").seconds["compute"] == planned("rowwise", "B300").seconds["compute"] \
         < planned("none", "B300").seconds["compute"]
     full_5d.main(["--plan", "--preset", "1b", "--gpus", "2", "--tp", "2", "--gpu", "H200", "--seq-len", "2048",
-                  "--micro-batch-size", "1", "--grad-accum", "4", "--fp8", "rowwise", "--plan-top", "2"])
+                  "--micro-batch-size", "1", "--grad-accum", "4", "--fp8", "rowwise", "--plan-top", "2",
+                  "--no-fp8-shape-rule"])
     out = capsys.readouterr().out
     assert f"  {'activations':<40}{rowwise.memory['activations'] / 2**30:>8.2f}" in out
     assert "FP8 rowwise matmuls" in out and "float8 GEMM rate" in out, out
