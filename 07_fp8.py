@@ -265,10 +265,10 @@ def block_cast(t: torch.Tensor, axis: int, fmt: Fp8Format) -> tuple[torch.Tensor
 # float32 twice), most of them a pass over the whole tensor. Compiled, TorchInductor fuses each function
 # above into one kernel on the CPU (the reduction and the cast as two loops of one kernel; on CUDA, Triton
 # needs a kernel more where the amax spans the whole tensor or a column). Under --compile, Dynamo traces a
-# block's FP8 layers into the block's graph where no collective splits it, and the compiled functions
-# inline there; where a collective (tp's and cp's amax all-reduces) makes Dynamo run the layer eagerly,
-# they are compiled on their own. dynamic=True: one compilation serves every layer's shape (one per shape
-# would pass Dynamo's recompile limit).
+# block's FP8 layers into the block's graph (at tp = cp = 1: one graph per block, no break), and the compiled
+# functions inline there; wherever a layer runs outside a compiled graph (a graph break around a
+# collective, tp's and cp's amax all-reduces), they run compiled on their own. dynamic=True: one compilation
+# per function, axis and format serves every layer's shape.
 EAGER = {"amax_along": amax_along, "cast_with_amax": cast_with_amax, "scaled_cast": scaled_cast,
          "block_cast": block_cast}
 COMPILED = {}       # filled by compile_quantisation, once, when a recipe asks for it (compiling costs seconds)
