@@ -653,7 +653,7 @@ def bf16_linears_line(cfg, in_fp8: dict[str, bool], n_layers: int) -> str:
     kept = [name for name, fp8 in in_fp8.items() if not fp8]
     total = sum(GROUPS[name] for name in in_fp8) * n_layers
     if not kept:
-        return f"every one of the blocks' {total} FP8 linears in FP8"
+        return f"all {total} of the blocks' linears in FP8"
     names = ", ".join(NAMES_OF_GROUP[name] for name in kept)
     return (f"the shape rule keeps {sum(GROUPS[name] for name in kept) * n_layers} of the blocks' {total} "
             f"linears in bf16 ({names}: FP8 loses at their shapes)")
