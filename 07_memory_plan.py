@@ -31,7 +31,8 @@ assumptions are printed with it. The profile is --gpu's published one
 (picotron_like/published_profiles.py), its kernels' and links' shares fitted on the Ultra-Scale
 Playbook's measured runs (benchmarks/step_time_vs_published.py checks it against all of them).
 With --fp8 the blocks' matmuls count at the profile's FP8 rate (where they run on FP8 tensor
-cores) and tp's all-reduces of the amaxes join tp's traffic.
+cores; on a GPU only those 07_fp8's shape rule keeps in FP8, the others and the router and routed
+experts at bf16's) and tp's all-reduces of the amaxes join tp's traffic.
 
 Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
@@ -610,7 +611,8 @@ def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision,
 def plan_assumptions(device, recipe: str = "none") -> list[str]:
     intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
     fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
-                f"tensor cores, else at the bf16 rate (emulated); tp's all-reduces of the amaxes counted"] \
+                f"tensor cores and the shape rule keeps them in FP8 (07_fp8; the layout line says which stay bf16), "
+                f"else at the bf16 rate (emulated); tp's all-reduces of the amaxes counted"] \
         if recipe != "none" else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
