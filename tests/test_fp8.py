@@ -10,6 +10,7 @@ the tensor one call multiplies, so a micro-batch of other sequences is another t
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import math
 from contextlib import nullcontext
@@ -430,10 +431,12 @@ def layout_run(layout: Fp8Layout) -> dict:
                       + full_5d.fp8.kept_bytes_difference(CFG, layout.recipe, layout.micro * layout.seq // layout.cp,
                                                           2, torch.float32, CFG.n_layers, layout.recompute,
                                                           args.sequence_parallel))
-    # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone
+    # the memory plan's activations for this layout (07_memory_plan, --plan --fp8), from the flags alone; the plan
+    # prices a GPU (--gpu), where the shape rule would keep this tiny model's layers in bf16: the run here is the
+    # CPU's, every layer FP8, as the plan's with --no-fp8-shape-rule
     plan = load_lesson("07_memory_plan")
-    planned_kept = plan.planned_memory(CFG, args, grid.shape, 1, batches.shape, model.precision, 0,
-                                       plan.plan_device(args))[0]["activations"]
+    planned_kept = plan.planned_memory(CFG, argparse.Namespace(**{**vars(args), "fp8_shape_rule": False}), grid.shape,
+                                       1, batches.shape, model.precision, 0, plan.plan_device(args))[0]["activations"]
     return {"losses": losses, "grads": seen["before"], "params": gathered(model, lambda unit: unit.master),
             "tp_rank": grid.tp_rank, "kept": (meter.peak_bytes, predicted_kept, planned_kept),
             "split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in model.module.named_parameters()}}
