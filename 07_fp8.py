@@ -905,8 +905,9 @@ def add_fp8_flag(parser) -> None:
                         help="CUDA: torch._scaled_mm's fast accumulation in the GEMMs the recipe allows "
                              "(tensorwise: the forward; rowwise: all three)")
     parser.add_argument("--fp8-fused-quantise", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --compile: each quantisation as one compiled function (one fused kernel) "
-                             "instead of a chain of eager elementwise kernels")
+                        help="with --compile: each quantisation as a compiled function (fused kernels) where "
+                             "an FP8 layer runs outside its block's compiled graph; off: a chain of eager kernels "
+                             "there")
     parser.add_argument("--fp8-shape-rule", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: keep in bf16 the blocks' linears whose shapes FP8 does not speed up "
                              "(torchao's H100 crossover shapes; the CPU keeps every one in FP8)")
