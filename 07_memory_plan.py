@@ -451,9 +451,11 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
             # weight gradients (attention's Q, K, V; the MLP's gate and up; experts leave none to overlap)
             one_f = collective("reduce_scatter" if args.sequence_parallel else "all_reduce",
                                tokens * cfg.hidden * e, ("tp",), 1)
-            gemms = block_gemms(cfg, tokens, tp, ep)
-            for columns in [gemms[0:3]] + ([gemms[4:6]] if not cfg.n_experts else []):
-                wgrad = sum(step_costs.gemm_seconds(device, k, n, m, block_dtype) for m, n, k in columns)
+            # (07_fp8's layers make their weight gradients in their own backward and leave none: no overlap there)
+            for group, columns in [("qkv", gemms[0:3])] + ([("gate_up", gemms[4:6])] if not cfg.n_experts else []):
+                if in_fp8[group]:
+                    continue
+                wgrad = sum(step_costs.gemm_seconds(device, k, n, m, dtype) for m, n, k in columns)
                 tp_seconds -= layers * (one_f - hidden_behind(one_f, wgrad, device.overlap))
     cp_seconds = 0.0
     if cp > 1:
