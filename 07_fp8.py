@@ -104,7 +104,9 @@ check; dp x tp (with and without sequence parallelism) and cp x tp equal to one 
 row-parallel layer with outlier features, or a sequence-parallel column layer with outlier tokens,
 equal to it only with the tp all-reduce of the amaxes (cp x tp: one device's codes only with the
 all-reduce over cp); the kept activation bytes equal the formula; zero-bubble equal to 1F1B bit
-for bit (tests/test_full_5d_zero_bubble.py). On CPU the tensorwise and rowwise matmuls run through
+for bit (tests/test_full_5d_zero_bubble.py); the compiled quantisation one kernel where eager runs
+ten, equal to it bit for bit; the shape rule's choice forced on the CPU (some groups bf16) equal to
+one device with the same groups, its traffic and kept bytes the formulas'. On CPU the tensorwise and rowwise matmuls run through
 torch._scaled_mm's CPU kernel; mxfp8 is emulated (dequantise, float32 matmul), as it is on CUDA
 GPUs without MX tensor cores. On Blackwell (sm_100+) mxfp8 goes to
 torch._scaled_mm's block-scaled kernel (mx_kernel_runs, swizzled_block_scales); no GPU has run that
