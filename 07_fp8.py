@@ -658,7 +658,7 @@ def bf16_linears_line(cfg, in_fp8: dict[str, bool], n_layers: int) -> str:
         return f"all {total} of the blocks' linears in FP8"
     names = ", ".join(NAMES_OF_GROUP[name] for name in kept)
     return (f"the shape rule keeps {sum(GROUPS[name] for name in kept) * n_layers} of the blocks' {total} "
-            f"linears in bf16 ({names}: FP8 loses at their shapes)")
+            f"linears in bf16 ({names})")
 
 
 NAMES_OF_GROUP = {"qkv": "q, k, v", "o": "o", "gate_up": "gate, up", "down": "down"}

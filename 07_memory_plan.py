@@ -835,7 +835,7 @@ def print_memory_plan(args, validate, expert_degree) -> None:
                 + ", " if grid.pp > 1 else "")
     in_fp8 = fp8.fp8_groups_of_run(cfg, args, shape.micro_batch_size * shape.seq_len // grid.cp, grid.tp,
                                    device.capability is not None)
-    fp8_part = (f"FP8 {args.fp8} matmuls ({fp8.bf16_linears_line(cfg, in_fp8, cfg.n_layers)}), "
+    fp8_part = (f"FP8 {args.fp8} matmuls, {fp8.bf16_linears_line(cfg, in_fp8, cfg.n_layers)}, "
                 if args.fp8 != "none" else "")
     print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, {schedule}ZeRO-{args.zero_stage}, "
           f"recompute {args.recompute}, {fp8_part}weights {str(precision.param_dtype).removeprefix('torch.')}, "
