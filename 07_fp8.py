@@ -87,7 +87,7 @@ The price, per linear layer of a block and micro-batch of T tokens:
     compute     the matmuls' 6 T N K FLOPs at the FP8 rate (2x bf16 on H100/H200/B200/B300), with
                 fast accumulation where torchao's recipes allow it (RECIPES); the quantisations are
                 elementwise passes (amax, scale, cast) over X, W and dY: 2 in the forward, 4 in the
-                backward, memory-bound: ten kernels each eager, one compiled under --compile
+                backward, memory-bound: ten kernels each eager, one or two compiled (--compile)
     memory      kept for the weight gradient: X in FP8 (1 byte per element, shared by the layers
                 that read one input: q, k, v; gate, up) instead of X in the compute dtype, plus
                 its scales: 4 bytes (tensorwise), 4 K (rowwise: one per in-feature), T K / 32
