@@ -1,17 +1,20 @@
-#!/usr/bin/env bash
-# The device check, for a session that is lent one GPU for about 10 minutes: one prepared command
-# that exercises the CUDA / NCCL paths of every lesson and measures lesson 07 in bf16 and FP8, the
-# most valuable runs first. It installs nothing.
+# The device check, for a session that is lent one GPU for about 15 minutes of device time (the
+# machine's start included): one prepared command, a ranked list of rows, the most valuable first,
+# that measures what a CPU cannot (kernels, NCCL, lesson 07's step) and proves the CUDA paths run.
+# It installs nothing.
 #
-#   bash benchmarks/gpu_check.sh                 # ~5 minutes on one H200; GPU_CHECK_BUDGET_S=300
+#   bash benchmarks/gpu_check.sh                 # ~6 minutes on one H100 or H200; GPU_CHECK_BUDGET_S=330
 #   GPU_CHECK_OUT=/tmp/gc bash benchmarks/gpu_check.sh
 #
-# Each run has its own timeout; a failed run is recorded and the script goes on, and it exits
-# non-zero if any failed. After GPU_CHECK_BUDGET_S seconds no new run starts (those left are listed
-# as skipped). Everything lands in GPU_CHECK_OUT (default $OUT/gpu_check, or /tmp/gpu_check): the
-# whole log gpu_check.log, each run's output NAME.txt and --metrics file NAME.metrics.jsonl, and
-# for lesson 07's runs the memory plan for the same flags NAME.plan.txt; the log ends with a
-# table of tokens/s, MFU and peak memory next to the plan (benchmarks/gpu_check_table.py).
+# Each row has its own timeout; a failed row is recorded and the script goes on, and it exits
+# non-zero if any failed. After GPU_CHECK_BUDGET_S seconds no new row starts (those left are listed
+# as skipped), and no row outlasts the budget by more than 60 s, so that one device call leaves time
+# for a second. Everything lands in GPU_CHECK_OUT (default $OUT/gpu_check, or /tmp/gpu_check), as each
+# row finishes (a device call cut short keeps the rows before): the whole log gpu_check.log, one line
+# per finished row in rows.tsv (name, exit code, seconds), each row's output NAME.txt, and for lesson
+# 07's runs their --metrics file NAME.metrics.jsonl and the memory and step-time plan for the same
+# flags NAME.plan.txt; the log ends with a table of tokens/s, MFU and peak memory next to the plan
+# (benchmarks/gpu_check_table.py). Rows that a CPU already proves (the gloo tests) are not here.
 # On a node of 8 GPUs it goes on: every lesson and some lesson 07 layouts in float32 against lesson 07
 # on one GPU (a pass/fail table: NCCL equal to one device), then lesson 07 with the 8b preset.
 # Copy its figures into benchmarks/RESULTS.md with the date and the GPU.
@@ -20,29 +23,33 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=8
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${GPU_CHECK_OUT:-${OUT:-/tmp}/gpu_check}
-budget=${GPU_CHECK_BUDGET_S:-300}
+budget=${GPU_CHECK_BUDGET_S:-330}
 mkdir -p "$out"
 log="$out/gpu_check.log"
 failed=() skipped=()
 
 say() { echo "$*" | tee -a "$log"; }
 
-# run NAME TIMEOUT_S COMMAND...: the command's whole output to NAME.txt, its end to the log.
+# run NAME TIMEOUT_S COMMAND...: the command's whole output to NAME.txt, its end to the log, and one
+# line to rows.tsv when it finishes.
 run() {
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
-  if [ "$SECONDS" -ge "$budget" ]; then skipped+=("$name"); say "== $name: skipped (budget of $budget s spent)"; return; fi
-  # No run outlasts the budget by more than 90 s, whatever its own timeout.
-  [ "$limit" -le $((budget + 90 - SECONDS)) ] || limit=$((budget + 90 - SECONDS))
+  if [ "$SECONDS" -ge "$budget" ]; then
+    skipped+=("$name"); say "== $name: skipped (budget of $budget s spent)"
+    printf '%s\tskipped\t0\n' "$name" >>"$out/rows.tsv"; return
+  fi
+  [ "$limit" -le $((budget + 60 - SECONDS)) ] || limit=$((budget + 60 - SECONDS))
   say "== $name: $*"
   timeout "$limit" "$@" >"$out/$name.txt" 2>&1
   rc=$?
   grep -v '^W[0-9]\|^\[W' "$out/$name.txt" | tail -n 14 | tee -a "$log"
   say "-- $name: exit $rc after $((SECONDS - start)) s"
+  printf '%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - start))" >>"$out/rows.tsv"
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 
-# torchrun NAME TIMEOUT_S SCRIPT FLAGS...: one rank, with a --metrics file.
+# one_gpu NAME TIMEOUT_S SCRIPT FLAGS...: torchrun with one rank and a --metrics file.
 one_gpu() {
   local name=$1 limit=$2
   shift 2
@@ -54,15 +61,18 @@ plan_gpu=H100
 for known in B300 B200 H200 H100 A100; do case "$gpu" in *"$known"*) plan_gpu=$known; break;; esac; done
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" | tee -a "$log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$log"
+sm=$(python3 -c 'import torch; print(torch.cuda.get_device_capability(0)[0])')
 
 # Lesson 07's runs: 1b in bf16 at sequence 2048 (8,192 tokens per step), then a 2-layer Mixtral.
 b1="--preset 1b --seq-len 2048 --micro-batch-size 4 --grad-accum 1 --steps 10 --warmup-steps 2 --lr 3e-4 --dtype bfloat16"
 moe="--preset mixtral-8x7b --n-layers 2 --seq-len 2048 --micro-batch-size 2 --grad-accum 1 --steps 8 --warmup-steps 2 --lr 3e-4 --dtype bfloat16 --zero-stage 1"
 declare -A flags=(
-  [07-1b-eager]="$b1 --zero-stage 0 --recompute none"
   [07-1b-compile]="$b1 --zero-stage 0 --recompute none --compile"
+  [07-1b-compile-mb8]="$b1 --micro-batch-size 8 --zero-stage 0 --recompute none --compile"   # the later flag wins
   [07-1b-fp8-rowwise-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 rowwise"
+  [07-1b-fp8-rowwise-all-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 rowwise --no-fp8-shape-rule"
   [07-1b-fp8-mxfp8-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 mxfp8"
+  [07-1b-eager]="$b1 --zero-stage 0 --recompute none"
   [07-1b-zero3]="$b1 --zero-stage 3 --recompute none"
   [07-moe-grouped]="$moe --grouped-mm"
   [07-moe-looped]="$moe --no-grouped-mm"
@@ -71,42 +81,62 @@ declare -A flags=(
   [07-125m-float32]="--preset 125m --seq-len 1024 --micro-batch-size 8 --grad-accum 1 --steps 8 --warmup-steps 2 --dtype float32 --zero-stage 1"
   [07-1b-compile-selective]="$b1 --zero-stage 0 --recompute selective --compile"
 )
-# The plans need no GPU: they run on the host beside the first runs.
+# The plans need no GPU: they run on the host beside the first rows.
 (for name in "${!flags[@]}"; do
    # shellcheck disable=SC2086
    python3 07_full_5d.py --plan --gpus 1 --gpu "$plan_gpu" ${flags[$name]} >"$out/$name.plan.txt" 2>&1
  done) &
 plans=$!
 
-# The CUDA-only tests, and one multi-rank file: the gloo proofs must run on the CPU on a GPU machine.
-run tests-cuda 120 python3 -m pytest -q -k cuda tests/test_fast_paths.py
-run tests-gloo-on-gpu-machine 120 python3 -m pytest -q tests/test_topology.py
-# mxfp8 through the GPU's block-scaled kernel (torch._scaled_mm, e8m0 scales, swizzled) against lesson
-# 07's exact emulation, each matmul of an FP8 layer: one pass/FAIL line, or "not available" before
-# Blackwell (or with a torch that lacks the kernel), where lesson 07 emulates mxfp8.
-run fp8-mx-kernel 60 python3 benchmarks/fp8_mx_kernel_check.py
-
-# FP8 (07_fp8.py) next to bf16 with --compile: rowwise on sm_89+ (Hopper: the issue's 1.1x goal), and
-# where the GPU has MX tensor cores (sm_100+) mxfp8, on the block-scaled kernel where fp8-mx-kernel
-# above found it (else emulated: float32 matmuls of the dequantised values, and the row prices that).
-# The table's "vs bf16" column divides each FP8 row's tokens/s by its bf16 twin's (07-1b-compile).
-fp8_runs=07-1b-fp8-rowwise-compile
-[ "$(python3 -c 'import torch; print(torch.cuda.get_device_capability(0)[0])')" -ge 10 ] && fp8_runs+=" 07-1b-fp8-mxfp8-compile"
-# 07-1b-zero3 moved to the second group: measured on the first H200 run, the FP8 row keeps the budget.
-# shellcheck disable=SC2086
-for name in 07-1b-eager 07-1b-compile $fp8_runs 07-moe-grouped 07-moe-looped; do
-  one_gpu "$name" 240 07_full_5d.py ${flags[$name]}
-done
-# Host reads per step in the MoE hot path and the step tail (sync debug mode).
+# ---- the ranked list (one GPU) ----
+# 1. Lesson 07's step as users run it (the 1b preset with --compile): the MFU goal, against the
+#    first H200 run's 43.1 %, and the step-time model's estimate beside it (the table).
+one_gpu 07-1b-compile 240 07_full_5d.py ${flags[07-1b-compile]}
+# 2-5. Where issue 37 says the step's time goes, each new path against the one it replaces:
+#    the head and loss (full logits, chunked eager, chunked compiled; ms and peak), the step's tail
+#    (CUDA events per part), each SDPA backend, and FP8 per linear (bf16, tensorwise, rowwise, fast
+#    accumulation on and off, 1b and 8b shapes, and which GEMMs the shape rule keeps in bf16).
+run loss 120 python3 benchmarks/gpu_loss.py
+run tail 90 python3 benchmarks/gpu_tail.py
+run attention 90 python3 benchmarks/gpu_attention.py
+run fp8-linear 150 python3 benchmarks/gpu_fp8_linear.py
+# 6. FP8 on the whole step next to its bf16 twin (the table's "vs bf16": the 1.1x goal on Hopper),
+#    with the shape rule (at 1b most GEMMs stay bf16) and without it (every linear in FP8: "-all");
+#    on sm_100+ first the block-scaled mxfp8 kernel against lesson 07's emulation, then mxfp8.
+one_gpu 07-1b-fp8-rowwise-compile 240 07_full_5d.py ${flags[07-1b-fp8-rowwise-compile]}
+one_gpu 07-1b-fp8-rowwise-all-compile 240 07_full_5d.py ${flags[07-1b-fp8-rowwise-all-compile]}
+if [ "$sm" -ge 10 ]; then
+  run fp8-mx-kernel 60 python3 benchmarks/fp8_mx_kernel_check.py
+  one_gpu 07-1b-fp8-mxfp8-compile 240 07_full_5d.py ${flags[07-1b-fp8-mxfp8-compile]}
+fi
+# 7. This GPU's own device profile (issue 36's model, calibrated): GEMMs, attention, bandwidth and
+#    per-op time measured (one rank: the links are the published ones); the plans again from it, so the
+#    table sets each run's tokens/s beside both estimates.
+run calibrate 150 torchrun --standalone --nproc_per_node=1 07_full_5d.py --calibrate "$out/device_profile.json"
+if [ -s "$out/device_profile.json" ]; then
+  (for name in "${!flags[@]}"; do
+     # shellcheck disable=SC2086
+     python3 07_full_5d.py --plan --gpus 1 --device-profile "$out/device_profile.json" ${flags[$name]} \
+       >"$out/$name.calibrated.plan.txt" 2>&1
+   done) &
+  calibrated_plans=$!
+fi
+# 8. A larger micro-batch: the GEMMs' M doubles (the step-time model prices that; here it is measured).
+one_gpu 07-1b-compile-mb8 240 07_full_5d.py ${flags[07-1b-compile-mb8]}
+# 9. The CUDA-only tests (the fused paths' equality to the exact ones on the GPU).
+run tests-cuda 120 python3 -m pytest -q -k cuda tests/test_fast_paths.py tests/test_train.py tests/test_loss_memory.py
+# 10. The MoE step: grouped experts against the loop, and the host reads per step.
+one_gpu 07-moe-grouped 240 07_full_5d.py ${flags[07-moe-grouped]}
+one_gpu 07-moe-looped 240 07_full_5d.py ${flags[07-moe-looped]}
 run syncs-07-moe 90 torchrun --standalone --nproc_per_node=1 benchmarks/count_host_syncs.py 07_full_5d.py \
   --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 2 --steps 6 --dtype bfloat16 --zero-stage 1
+# 11. The modes the first H200 run measured, again: eager, ZeRO-3, the recompute modes, float32.
 # shellcheck disable=SC2086
-for name in 07-1b-zero3 07-1b-selective 07-1b-full 07-125m-float32; do
+for name in 07-1b-eager 07-1b-zero3 07-1b-selective 07-1b-full 07-125m-float32; do
   one_gpu "$name" 180 07_full_5d.py ${flags[$name]}
 done
-
-# Every lesson at degree 1: its CUDA code paths (vocab-parallel loss, pipeline executor, ring
-# attention's block kernels, the MoE step with grouped bf16 experts, ZeRO's flat buffers).
+# 12. Every lesson at degree 1: its CUDA code paths (vocab-parallel loss, pipeline executor, ring
+#    attention's block kernels, the MoE step with grouped bf16 experts, ZeRO's flat buffers).
 small="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 6 --warmup-steps 2 --lr 6e-4 --dtype bfloat16"
 one_gpu 01-dp 120 01_data_parallel.py $small --grad-accum 2
 one_gpu 02-tp 120 02_tensor_parallel.py --tp 1 $small --grad-accum 1
@@ -115,13 +145,14 @@ one_gpu 04-cp 120 04_context_parallel.py --cp 1 $small --grad-accum 1
 one_gpu 05-ep 120 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 \
   --steps 6 --warmup-steps 2 --dtype bfloat16 --aux-loss-coef 1e-2
 one_gpu 06-zero 120 06_zero.py --zero-stage 3 $small --grad-accum 1
-# --compile with selective recomputation: compiled once for all blocks, or recompiled per block
-# (issue 20, item 4)? TORCH_LOGS shows every recompilation and its reason.
+# 13. --compile with selective recomputation: compiled once for all blocks (TORCH_LOGS shows every
+#    recompilation and its reason; the first H200 run recompiled per block, fixed since).
 TORCH_LOGS=recompiles one_gpu 07-1b-compile-selective 300 07_full_5d.py ${flags[07-1b-compile-selective]}
 
-wait "$plans"
+wait "$plans" ${calibrated_plans:-}
 say ""
-say "lesson 07 at world size 1 (medians after the first two steps; plan: --plan --gpus 1 --gpu $plan_gpu, same flags):"
+say "lesson 07 at world size 1 (medians after the first two steps; plan: --plan --gpus 1 --gpu $plan_gpu, same flags;"
+say "calibrated: the same plan from this GPU's --calibrate profile):"
 python3 benchmarks/gpu_check_table.py "$out" | tee -a "$log"
 
 # ---- one 8-GPU node (B300, H100 or H200) ----
@@ -174,6 +205,11 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
   eight 8gpu-dp2-pp4-interleaved 07_full_5d.py --dp 2 --pp 4 --schedule interleaved --virtual-stages 2 --zero-stage 1 --recompute selective --grad-accum 8 $big
   # dp 8, ZeRO-3, full recompute: 16 GB of model states per rank, weights gathered per block.
   eight 8gpu-dp8-zero3 07_full_5d.py --dp 8 --zero-stage 3 --recompute full --grad-accum 1 $big
+  # Each overlap against the order it replaces (issue 37): ZeRO-1's weight all-gather behind the
+  # next forward, tp's async dgrad, pipeline sends left in flight; the "-waited" twin turns it off.
+  eight 8gpu-dp8-zero1 07_full_5d.py --dp 8 --zero-stage 1 --recompute full --grad-accum 1 $big
+  eight 8gpu-dp8-zero1-waited 07_full_5d.py --dp 8 --zero-stage 1 --recompute full --grad-accum 1 $big --no-overlap-weight-gather
+  eight 8gpu-dp2-pp2-tp2-waited 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big --no-async-tp-dgrad --no-async-pp-sends
 fi
 
 say ""

@@ -84,8 +84,18 @@ def test_the_comparison_passes_a_run_equal_to_one_device_and_fails_others(tmp_pa
     assert re.search(r"^short +2 .* FAIL$", unequal.stdout, re.M), unequal.stdout
 
 
-def test_the_device_check_is_valid_bash():
+def test_the_device_check_is_valid_bash_and_ranks_lesson_07s_step_first():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    rows = re.findall(r"^\s*(?:run|one_gpu) ([\w-]+) \d+ ", SCRIPT.read_text(), re.M)
+    assert rows[0] == "07-1b-compile", rows
+    assert "tests-gloo-on-gpu-machine" not in rows       # a CPU proves the gloo tests
+
+
+def test_every_script_the_device_check_runs_exists():
+    scripts = set(re.findall(r"python3 (?:-m pytest -q -k cuda )?((?:benchmarks|tests)/\w+\.py)", SCRIPT.read_text()))
+    assert "benchmarks/gpu_loss.py" in scripts
+    missing = [script for script in scripts if not (REPO_ROOT / script).exists()]
+    assert not missing, missing
 
 
 def fp8_rows() -> dict[str, tuple[list[str], list[str]]]:
@@ -94,19 +104,21 @@ def fp8_rows() -> dict[str, tuple[list[str], list[str]]]:
     b1 = re.search(r'^b1="([^"]*)"', text, re.M).group(1)
     flags = {name: shlex.split(value.replace("$b1", b1))
              for name, value in re.findall(r'^\s*\[(07-[\w-]+)\]="([^"]*)"', text, re.M)}
-    return {name: (words, flags[re.sub(r"-fp8-[a-z0-9]+", "", name)]) for name, words in flags.items()
+    return {name: (words, flags[re.sub(r"-fp8-[a-z0-9]+(-all)?", "", name)]) for name, words in flags.items()
             if "-fp8-" in name}
 
 
 def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_path):
-    """The FP8 rows (rowwise, and mxfp8 on MX GPUs) differ from their bf16 twin by --fp8 alone and
+    """The FP8 rows (rowwise, and mxfp8 on MX GPUs) differ from their bf16 twin by --fp8 alone (and
+    --no-fp8-shape-rule for a row named "-all", every linear in FP8) and
     lesson 07 accepts them on one GPU; the table divides an FP8 run's tokens/s by its twin's
     (here two short CPU runs of the tiny preset, named as the script names them)."""
     full_5d, rows = load_lesson("07_full_5d"), fp8_rows()
     assert {words[words.index("--fp8") + 1] for words, _ in rows.values()} == {"rowwise", "mxfp8"}
     for name, (words, twin) in rows.items():
         at = words.index("--fp8")
-        assert words[:at] + words[at + 2:] == twin, name
+        every_linear = ["--no-fp8-shape-rule"] if name.endswith("-all-compile") else []
+        assert words[:at] + words[at + 2:] == twin + every_linear, name
         checked_plan(full_5d.parse_args(words), full_5d.validate, None, 1)     # raises on a refused layout
     runs = {"07-t": [], "07-t-fp8-rowwise": ["--fp8", "rowwise"]}
     for name, flags in runs.items():
@@ -116,6 +128,11 @@ def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_
         run = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert run.returncode == 0, run.stdout + run.stderr
+    plan = subprocess.run([sys.executable, str(REPO_ROOT / "07_full_5d.py"), "--plan", "--gpus", "1", "--gpu", "H100",
+                           "--steps", "4", "--seq-len", "64", "--micro-batch-size", "2", "--global-batch-tokens", "256"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=True).stdout
+    (tmp_path / "07-t.plan.txt").write_text(plan)
+    (tmp_path / "07-t-fp8-rowwise.calibrated.plan.txt").write_text(plan)       # as if from a calibrated profile
     table = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check_table.py"), str(tmp_path)],
                            capture_output=True, text=True, timeout=60, check=True).stdout
     tokens = {line.split()[0]: float(line.split()[1].replace(",", "")) for line in table.splitlines()[1:]}
@@ -123,3 +140,11 @@ def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_
     expected = tokens["07-t-fp8-rowwise"] / tokens["07-t"]        # of the printed, rounded tokens/s
     assert ratio and float(ratio.group(1)) == pytest.approx(expected, abs=0.006), table
     assert re.search(r"^07-t +[\d,]+ +- ", table, re.M), table
+    # the step-time model's estimate for the run's own layout, and measured over it
+    planned = float(re.search(r"estimated: [\d.]+ s, ([\d,]+) tokens/s per GPU", plan).group(1).replace(",", ""))
+    row = re.search(r"^07-t +.* ([\d,]+) +([\d.]+) +-$", table, re.M)
+    assert row and float(row.group(1).replace(",", "")) == planned, table
+    assert float(row.group(2)) == pytest.approx(tokens["07-t"] / planned, abs=0.006), table
+    calibrated = re.search(r"^07-t-fp8-rowwise +.* - +- +([\d.]+)$", table, re.M)
+    assert calibrated and float(calibrated.group(1)) == pytest.approx(tokens["07-t-fp8-rowwise"] / planned,
+                                                                      abs=0.006), table
