@@ -352,7 +352,8 @@ class CollectiveLog:
     torch's name for it: one communicator), and each point-to-point transfer per (group, sender,
     receiver). Filled by comm's call path; `check()` gathers every rank's log and compares."""
 
-    def __init__(self):
+    def __init__(self, run_device: str = "cpu"):
+        self.run_device = run_device        # "cuda": the step's collectives must move no CPU tensor
         self.sequences: dict[tuple, list[Collective]] = {}
         self.transfers: dict[tuple, list[Collective]] = {}     # ("send" | "recv", group key, src, dst)
         self.names: dict[tuple, str] = {}
@@ -415,7 +416,7 @@ class CollectiveLog:
         self.transfers.setdefault(("send" if sending else "recv", key, *((me, peer) if sending else (peer, me))),
                                   []).append(transfer)
 
-    def check(self, run_device: str = "cpu") -> None:
+    def check(self) -> None:
         """Gather every rank's log (a collective over the world: every rank calls it) and raise
         CollectiveMismatch on every rank if any group's members disagree; rank 0's message says
         where."""
@@ -423,7 +424,7 @@ class CollectiveLog:
         self.gathered = [None] * dist.get_world_size()
         dist.all_gather_object(self.gathered, {"sequences": self.sequences, "transfers": self.transfers,
                                                "names": self.names, "bypassed": bypassed})
-        problems = sequence_mismatches(self.gathered, run_device)
+        problems = sequence_mismatches(self.gathered, self.run_device)
         if problems:
             raise CollectiveMismatch("\n".join(problems) if dist.get_rank() == 0 else
                                      "the ranks' collective sequences differ: rank 0's error says where")
@@ -574,14 +575,17 @@ def collective_sequences_checked(run_device: str = "cpu"):
     mismatch, before the collective runs: it catches a wrong count, dtype or an extra barrier
     where it happens, with a traceback, and works under NCCL too, where the mismatch would
     otherwise hang. It does not compare the reduce op, all-to-all splits (uneven shapes are
-    legal) or point-to-point transfers, and it costs a gloo all-gather and a host wait per
-    collective (a 4 KB all-reduce on two CPU ranks: 4.2x the time, measured), so it serves a
-    debugging run, not a GPU run that is timed. This check costs a Python record per call and
-    one gather at the end."""
-    log, previous = CollectiveLog(), comm.meter.log
+    legal) or point-to-point transfers. It compares each group's call numbers too, and gloo
+    numbers transfers: on a pipeline of 3 or more stages, where a middle stage posts more
+    transfers than the ends, it fails a correct run at its next collective on the pipeline group
+    (measured; tools/fuzz_layouts.py --detail leaves those draws out). And it costs a gloo
+    all-gather and a host wait per collective (a 4 KB all-reduce on two CPU ranks: 4.2x the
+    time, measured), so it serves a debugging run, not a GPU run that is timed. This check costs
+    a Python record per call and one gather at the end."""
+    log, previous = CollectiveLog(run_device), comm.meter.log
     comm.meter.log = log
     try:
         yield log
     finally:
         comm.meter.log = previous
-    log.check(run_device)
+    log.check()

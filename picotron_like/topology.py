@@ -158,6 +158,12 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+# Set to "1" to check, at the end of a torchrun script (shutdown), that every member of every group
+# issued the same collectives and, on CUDA, that none of the step's ran on a CPU tensor
+# (picotron_like.testing.collective_sequences_checked says what is compared). Off by default: it
+# records every call in Python and gathers the records at the end.
+CHECK_COLLECTIVES_ENV = "PICOTRON_LIKE_CHECK_COLLECTIVES"
+
 # Set to "cpu" to run on the CPU over gloo on a machine that has GPUs: the test suite does, since
 # its multi-rank proofs start more ranks than a machine has GPUs (and NCCL refuses two ranks on one).
 DEVICE_ENV = "PICOTRON_LIKE_DEVICE"
@@ -206,6 +212,9 @@ def init_distributed(init_method: str | None = None, rank: int | None = None,
                             world_size=-1 if world_size is None else world_size,
                             timeout=timedelta(seconds=timeout_s),
                             device_id=device if device.type == "cuda" else None)
+    if os.environ.get(CHECK_COLLECTIVES_ENV) == "1":
+        from picotron_like.testing import CollectiveLog     # the test harness, loaded only when asked
+        comm.meter.log = CollectiveLog(device.type)
     return device
 
 
@@ -363,8 +372,18 @@ def shutdown(exit_code: int = 0) -> None:
     A gloo background thread can abort the process while Python tears down ("terminate called
     without an active exception", SIGABRT), even after destroy_process_group: a known PyTorch
     problem that would turn a good run into a failed one at random. So: wait for every rank,
-    destroy the group, flush what we printed, and exit at once with os._exit.
+    destroy the group, flush what we printed, and exit at once with os._exit. A run that records its
+    collectives (PICOTRON_LIKE_CHECK_COLLECTIVES=1) checks them first: a mismatch is one error
+    (rank 0 says where) and exit code 1.
     """
+    log, comm.meter.log = comm.meter.log, None
+    if dist.is_initialized() and log is not None and exit_code == 0:
+        try:
+            log.check()
+        except AssertionError as mismatch:
+            if dist.get_rank() == 0:
+                print(f"error: {mismatch}", file=sys.stderr, flush=True)
+            exit_code = 1
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -23,7 +23,10 @@ what plan_run runs before any process group) sort it:
   one-device reference (picotron_like.testing.train_reference) on the same data. With experts
   the reference is teacher-forced to the distributed run's routing, and every place where its own
   choice differs must be a float32 tie (lesson 05's tests explain why). Tolerances are lesson
-  06's: gradients 1e-6, losses and norms 1e-5, parameters 1e-2 lr with AdamW eps 1e-4.
+  06's: gradients 1e-6, losses and norms 1e-5, parameters 1e-2 lr with AdamW eps 1e-4. And every
+  member of every group issued the same collectives in the same order, all-to-all splits and
+  point-to-point transfers matching (picotron_like.testing.collective_sequences_checked): what
+  NCCL needs and, unlike gloo, does not check.
 - refused: `python 07_full_5d.py <flags>` with the world size in WORLD_SIZE, and no other rank
   anywhere, must print exactly one `error:` line (the one checked_plan raised), nothing else,
   and exit with code 2. A refusal that came after the process group would wait for ranks that
@@ -50,7 +53,8 @@ import picotron_like.moe as moe_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import get_config
-from picotron_like.testing import ignore_targets, masked_step_batch, run_ranks, train_reference
+from picotron_like.testing import (CollectiveMismatch, RankChecks, collective_sequences_checked, ignore_targets,
+                                   masked_step_batch, run_ranks, train_reference)
 from picotron_like.topology import ConfigError, ProcessGrid
 from picotron_like.train import checked_plan
 from test_zero import gathered
@@ -312,7 +316,16 @@ def _reference_name(name: str) -> str:
 
 
 def train_draws(layouts: list[Draw]) -> list[dict]:
-    return [train_draw(layout) for layout in layouts]
+    """Each draw's run, its collectives checked: every member of every group issued the same
+    sequence (what NCCL would need and not check), from the grid's start-up to the last step."""
+    runs = []
+    for layout in layouts:
+        try:
+            with collective_sequences_checked():
+                runs.append(train_draw(layout))
+        except CollectiveMismatch as error:
+            raise CollectiveMismatch(f"{layout}\n{error}") from None
+    return runs
 
 
 # ----------------------------------------------------------------------------- the one-device side
@@ -394,7 +407,8 @@ def assert_equals_reference(layout: Draw, per_rank: list[dict], reference: dict)
     assert held == set(reference["params"]), f"{layout}: every reference parameter is held by some rank"
 
 
-def run_accepted(layouts: list[Draw], timeout_s: float = 600.0) -> list[tuple[Draw, list[dict], dict]]:
+def run_accepted(layouts: list[Draw], timeout_s: float = 600.0,
+                 checks: RankChecks = RankChecks()) -> list[tuple[Draw, list[dict], dict]]:
     """Train the draws, one spawn per world size: (draw, what each rank saw, the reference)."""
     by_world: dict[int, list[Draw]] = {}
     for layout in layouts:
@@ -402,7 +416,7 @@ def run_accepted(layouts: list[Draw], timeout_s: float = 600.0) -> list[tuple[Dr
     outcomes = []
     for world, group in sorted(by_world.items()):
         try:
-            per_rank = run_ranks(world, train_draws, group, timeout_s=timeout_s)
+            per_rank = run_ranks(world, train_draws, group, timeout_s=timeout_s, checks=checks)
         except AssertionError as failure:
             raise AssertionError(f"a draw of world size {world} failed on its ranks; the draws:\n  "
                                  + "\n  ".join(map(str, group)) + f"\n{failure}") from None
@@ -412,8 +426,8 @@ def run_accepted(layouts: list[Draw], timeout_s: float = 600.0) -> list[tuple[Dr
     return outcomes
 
 
-def check_accepted(layouts: list[Draw], timeout_s: float = 600.0) -> None:
-    for layout, runs, reference in run_accepted(layouts, timeout_s):
+def check_accepted(layouts: list[Draw], timeout_s: float = 600.0, checks: RankChecks = RankChecks()) -> None:
+    for layout, runs, reference in run_accepted(layouts, timeout_s, checks):
         assert_equals_reference(layout, runs, reference)
 
 

@@ -14,7 +14,7 @@ import time
 
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.testing import torchrun_workers_by_rank
-from picotron_like.topology import torchrun_workers
+from picotron_like.topology import CHECK_COLLECTIVES_ENV, torchrun_workers
 
 RUN = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--global-batch-tokens", "256", "--seed", "3",
        "--lr", "3e-3", "--warmup-steps", "2", "--dp", "2", "--zero-stage", "1", "--steps", "14"]
@@ -34,8 +34,10 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_one_step_with_a_checkp
     """SIGTERM reaches rank 1 alone, mid-run (a scheduler's signals reach ranks at different
     moments). Every rank stops after the same step, one after the signal was agreed on, writes the
     checkpoint of that step, says so and exits 0; --resume then trains exactly the losses of a run
-    that was never stopped. SIGUSR1 (SLURM's --signal=USR1@120) takes the same path."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    that was never stopped. SIGUSR1 (SLURM's --signal=USR1@120) takes the same path. Every run
+    checks its collectives at its end (the agreed stop's, the checkpoint's and the resume's included):
+    the same on every member of every group."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{CHECK_COLLECTIVES_ENV: "1"})
     save_dir, log = tmp_path / "checkpoints", tmp_path / "stopped.txt"
     with open(log, "w") as stdout:
         stopped = subprocess.Popen(torchrun_07("--save-dir", str(save_dir), "--metrics", str(tmp_path / "a.jsonl")),

@@ -20,7 +20,7 @@ import torch
 
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.testing import run_ranks, train_reference
+from picotron_like.testing import SEQUENCES_CHECKED, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
 from test_expert_parallel import (BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, PARAM_TOLERANCE, SEED, SEQ, STEPS,
                                   TOLERANCE, Variant, batches, forced_reference, record_choices)
@@ -79,7 +79,7 @@ def test_every_axis_at_once_equals_one_device():
     after clipping, its parameters after 3 AdamW steps (its stage's, its tp shard, its experts)
     equal the one-device reference's slices; losses and norms equal on every rank."""
     expert_parallel = load_lesson("05_expert_parallel")
-    per_rank = run_ranks(16, every_axis_run, ALL_AXES, timeout_s=540)
+    per_rank = run_ranks(16, every_axis_run, ALL_AXES, timeout_s=540, checks=SEQUENCES_CHECKED)
     reference = forced_reference(ALL_AXES, per_rank)
     names_seen = set()
     for rank, result in enumerate(per_rank):
@@ -169,7 +169,7 @@ def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device(
     AdamW steps (its stage's, its tp shard) and every loss and norm equal one device's."""
     reference = train_reference(CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
     assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
-    for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400)):
+    for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400, checks=SEQUENCES_CHECKED)):
         for name, (grid_shape, *_) in ODD_LAYOUTS.items():
             result = runs[name]
             assert_equal_to_one_device(result, reference, tp_shard(result, grid_shape.tp), f"rank={rank} {name}")

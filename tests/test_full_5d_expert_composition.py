@@ -24,7 +24,7 @@ import pytest
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
-from picotron_like.testing import HostReads, masked_step_batch, run_ranks
+from picotron_like.testing import SEQUENCES_CHECKED, HostReads, masked_step_batch, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like import train as train_module
 from picotron_like.train import checked_plan
@@ -120,7 +120,7 @@ def every_variant() -> dict:
 
 @pytest.fixture(scope="module")
 def composed_training():
-    return run_ranks(4, every_variant, timeout_s=500)
+    return run_ranks(4, every_variant, timeout_s=500, checks=SEQUENCES_CHECKED)
 
 
 def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_training):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from picotron_like.testing import run_ranks
+from picotron_like.testing import SEQUENCES_CHECKED, run_ranks
 from picotron_like.topology import GridShape
 from test_context_parallel import CFG, SEQ
 from test_full_5d_context_composition import check, every_layout
@@ -29,4 +29,4 @@ LAYOUTS = {
 
 
 def test_tensor_parallel_pipeline_stages_equal_one_device():
-    check(run_ranks(8, every_layout, LAYOUTS, timeout_s=300), LAYOUTS)
+    check(run_ranks(8, every_layout, LAYOUTS, timeout_s=300, checks=SEQUENCES_CHECKED), LAYOUTS)

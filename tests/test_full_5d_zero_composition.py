@@ -18,7 +18,7 @@ import torch
 
 from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT
-from picotron_like.testing import run_ranks
+from picotron_like.testing import SEQUENCES_CHECKED, run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like.train import StepSettings, build_optimizer
 from test_zero import (ADAM_EPS, BF16, BF16_ROUNDING, CFG, CPU, LR, MAX_GRAD_NORM, MOE_CFG, PARAM_TOLERANCE, SEED,
@@ -109,7 +109,7 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     ZeRO-3, tp with ZeRO-2, pp with ZeRO-1) are tests/test_full_5d_expert_composition.py's."""
     bf16 = bf16_reference(torch.bfloat16)
     covered = {stage: set() for stage in (0, 1)}     # parameter names over both pipeline stages
-    for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300)):
+    for rank, runs in enumerate(run_ranks(4, composed, timeout_s=300, checks=SEQUENCES_CHECKED)):
         for stage in (0, 1):
             run, where = runs[f"pp stage {stage}"], f"rank={rank} pp stage {stage}"
             assert ("isend", "pp") in run["traffic"], "the stages must run lesson 03's schedule"
