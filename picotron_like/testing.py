@@ -429,7 +429,6 @@ class CollectiveLog:
             raise CollectiveMismatch("\n".join(problems) if dist.get_rank() == 0 else
                                      "the ranks' collective sequences differ: rank 0's error says where")
 
-
     def _bypassed(self) -> list[str]:
         """The groups on which torch numbered more (or fewer) calls than this log holds."""
         seen = {}
@@ -512,7 +511,7 @@ def sequence_mismatches(logs: list[dict], run_device: str = "cpu") -> list[str]:
                     problems.append(f"all-to-all splits are not transposes on {where} at call {position}: {wrong}\n"
                                     + "".join(_issued_line(rank, issued[rank], []) for rank in members))
                     break
-    for (direction, key, src, dst), sent in sorted(((k, v) for log in logs for k, v in log["transfers"].items()
+    for (_, key, src, dst), sent in sorted(((k, v) for log in logs for k, v in log["transfers"].items()
                                                     if k[0] == "send"), key=lambda item: item[0][1:]):
         received = logs[dst]["transfers"].get(("recv", key, src, dst), [])
         for position in range(max(len(sent), len(received))):
