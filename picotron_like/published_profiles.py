@@ -64,12 +64,12 @@ PUBLISHED_GPUS = {
 # Fitted on the Playbook's cells of up to 8 nodes (benchmarks/step_time_vs_published.py --fit,
 # from the first guesses 0.75, 5 us, 0.4, 0.5, 0.8, 10 us, 0.8).
 GEMM_PEAK_SHARE = 0.75
-GEMM_HALF_RATE_S = 1.86e-6
+GEMM_HALF_RATE_S = 2.79e-6
 ATTENTION_PEAK_SHARE = 0.318
 NETWORK_BUS_SHARE = 0.308
 OVERLAP = 0.533
 NETWORK_STEP_LATENCY_S = 3.09e-6
-HBM_SHARE = 0.933
+HBM_SHARE = 0.622
 # From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
 # H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latency on NVLink.
 NVLINK_BUS_SHARE = 0.8
