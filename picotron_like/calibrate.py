@@ -121,7 +121,7 @@ def seconds_per_call(fn, device: torch.device, sweep: Sweep) -> float:
     window = max(sweep.window_s, 5 * (time.perf_counter() - start))
     seconds = []
     for _ in range(sweep.trials):
-        dist.barrier()
+        comm.bookkeeping(dist.barrier)
         if device.type == "cuda":
             start, calls = time.perf_counter(), 0
             while time.perf_counter() - start < window:
@@ -145,7 +145,7 @@ def over_ranks(values: list[float], how: str) -> list[float]:
     """Each of this rank's `values` reduced over every rank: "median" or "max"."""
     local = torch.tensor(values, dtype=torch.float64)
     gathered = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64)
-    comm.all_gather_single(gathered, local)
+    comm.bookkeeping(comm.all_gather_single, gathered, local)
     rows = gathered.view(dist.get_world_size(), len(values)).numpy()
     return (np.median(rows, axis=0) if how == "median" else rows.max(axis=0)).tolist()
 
@@ -261,26 +261,28 @@ def bus_factor(kind: str, n: int) -> float:
 def collective_call(kind: str, payload_bytes: int, members: list[int], group, device: torch.device):
     """(fn, payload bytes): one `kind` call on a float32 payload of about `payload_bytes`, divisible
     over the group: all_gather's output, reduce_scatter's and all_to_all's input; p2p: a rank
-    exchanges it with its neighbour in pairs (0 with 1, 2 with 3, ...); an odd group's last rank rests."""
+    exchanges it with its neighbour in pairs (0 with 1, 2 with 3, ...); an odd group's last rank rests.
+    Through comm.bookkeeping, as every collective here: a measurement, not metered as training is,
+    and still seen by the collective sequence check (PICOTRON_LIKE_CHECK_COLLECTIVES)."""
     n = len(members)
     numel = max(n, payload_bytes // 4 // n * n)
     full, part = torch.randn(numel, device=device), torch.randn(numel // n, device=device)
     if kind == "all_reduce":
-        return partial(dist.all_reduce, full, group=group), 4 * numel
+        return partial(comm.bookkeeping, dist.all_reduce, full, group=group), 4 * numel
     if kind == "all_gather":
-        return partial(comm.all_gather_single, full, part, group=group), 4 * numel
+        return partial(comm.bookkeeping, comm.all_gather_single, full, part, group=group), 4 * numel
     if kind == "reduce_scatter":
-        return partial(comm.reduce_scatter_single, part, full, group=group), 4 * numel
+        return partial(comm.bookkeeping, comm.reduce_scatter_single, part, full, group=group), 4 * numel
     if kind == "all_to_all":
-        return partial(dist.all_to_all_single, torch.empty_like(full), full, group=group), 4 * numel
+        return partial(comm.bookkeeping, dist.all_to_all_single, torch.empty_like(full), full, group=group), 4 * numel
     position = members.index(dist.get_rank())
     if position ^ 1 >= n:
         return (lambda: None), 4 * numel
     peer, received = members[position ^ 1], torch.empty_like(full)
 
     def exchange():
-        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, full, peer, group),
-                                               dist.P2POp(dist.irecv, received, peer, group)]):
+        for request in comm.bookkeeping(dist.batch_isend_irecv, [dist.P2POp(dist.isend, full, peer, group),
+                                                                 dist.P2POp(dist.irecv, received, peer, group)]):
             request.wait()
 
     return exchange, 4 * numel
@@ -333,7 +335,7 @@ def link_figures(members: list[int], group, device: torch.device, sweep: Sweep,
     n, measured = len(members), {}
     for kind in COLLECTIVES:
         calls = [collective_call(kind, size, members, group, device) for size in sweep.collective_bytes]
-        dist.barrier()
+        comm.bookkeeping(dist.barrier)
         times = over_ranks([collective_seconds(fn, device, sweep) for fn, _ in calls], "max")
         measured[kind] = [[payload, seconds] for (_, payload), seconds in zip(calls, times)]
     fitted = {}
@@ -352,7 +354,7 @@ def overlap_share(members: list[int], group, device: torch.device, dtype: torch.
     size = sweep.gemm_sizes[-1] // 2
     gemm = partial(torch.matmul, torch.randn(size, size, device=device).to(dtype),
                    torch.randn(size, size, device=device).to(dtype))
-    dist.barrier()
+    comm.bookkeeping(dist.barrier)
     apart = collective_seconds(reduce, device, sweep)
     calls = max(1, round(apart / seconds_per_call(gemm, device, sweep)))
 
@@ -365,9 +367,9 @@ def overlap_share(members: list[int], group, device: torch.device, dtype: torch.
         gemms()
         handle.wait()
 
-    dist.barrier()
+    comm.bookkeeping(dist.barrier)
     alone = collective_seconds(gemms, device, sweep)
-    dist.barrier()
+    comm.bookkeeping(dist.barrier)
     both = collective_seconds(together, device, sweep)
     return over_ranks([min(1.0, max(0.0, (alone + apart - both) / apart))], "median")[0]
 
