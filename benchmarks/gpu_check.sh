@@ -123,19 +123,23 @@ if [ -s "$out/device_profile.json" ]; then
 fi
 # 8. A larger micro-batch: the GEMMs' M doubles (the step-time model prices that; here it is measured).
 one_gpu 07-1b-compile-mb8 240 07_full_5d.py ${flags[07-1b-compile-mb8]}
-# 9. The CUDA-only tests (the fused paths' equality to the exact ones on the GPU).
+# 9. NCCL's silent failures: a short run whose every collective is recorded and checked at the end
+#    (the same sequence on every member, and no step collective on a CPU tensor of this CUDA run).
+PICOTRON_LIKE_CHECK_COLLECTIVES=1 one_gpu 07-collectives-checked 120 07_full_5d.py --preset 125m --seq-len 1024 \
+  --micro-batch-size 4 --grad-accum 2 --steps 4 --warmup-steps 1 --dtype bfloat16 --zero-stage 1 --val-every 2
+# 10. The CUDA-only tests (the fused paths' equality to the exact ones on the GPU).
 run tests-cuda 120 python3 -m pytest -q -k cuda tests/test_fast_paths.py tests/test_train.py tests/test_loss_memory.py
-# 10. The MoE step: grouped experts against the loop, and the host reads per step.
+# 11. The MoE step: grouped experts against the loop, and the host reads per step.
 one_gpu 07-moe-grouped 240 07_full_5d.py ${flags[07-moe-grouped]}
 one_gpu 07-moe-looped 240 07_full_5d.py ${flags[07-moe-looped]}
 run syncs-07-moe 90 torchrun --standalone --nproc_per_node=1 benchmarks/count_host_syncs.py 07_full_5d.py \
   --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 2 --steps 6 --dtype bfloat16 --zero-stage 1
-# 11. The modes the first H200 run measured, again: eager, ZeRO-3, the recompute modes, float32.
+# 12. The modes the first H200 run measured, again: eager, ZeRO-3, the recompute modes, float32.
 # shellcheck disable=SC2086
 for name in 07-1b-eager 07-1b-zero3 07-1b-selective 07-1b-full 07-125m-float32; do
   one_gpu "$name" 180 07_full_5d.py ${flags[$name]}
 done
-# 12. Every lesson at degree 1: its CUDA code paths (vocab-parallel loss, pipeline executor, ring
+# 13. Every lesson at degree 1: its CUDA code paths (vocab-parallel loss, pipeline executor, ring
 #    attention's block kernels, the MoE step with grouped bf16 experts, ZeRO's flat buffers).
 small="--preset 125m --seq-len 1024 --micro-batch-size 8 --steps 6 --warmup-steps 2 --lr 6e-4 --dtype bfloat16"
 one_gpu 01-dp 120 01_data_parallel.py $small --grad-accum 2
@@ -145,7 +149,7 @@ one_gpu 04-cp 120 04_context_parallel.py --cp 1 $small --grad-accum 1
 one_gpu 05-ep 120 05_expert_parallel.py --ep 1 --preset tiny-moe --seq-len 1024 --micro-batch-size 8 --grad-accum 1 \
   --steps 6 --warmup-steps 2 --dtype bfloat16 --aux-loss-coef 1e-2
 one_gpu 06-zero 120 06_zero.py --zero-stage 3 $small --grad-accum 1
-# 13. --compile with selective recomputation: compiled once for all blocks (TORCH_LOGS shows every
+# 14. --compile with selective recomputation: compiled once for all blocks (TORCH_LOGS shows every
 #    recompilation and its reason; the first H200 run recompiled per block, fixed since).
 TORCH_LOGS=recompiles one_gpu 07-1b-compile-selective 300 07_full_5d.py ${flags[07-1b-compile-selective]}
 
