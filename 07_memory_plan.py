@@ -16,7 +16,8 @@ group, no GPU:
                                   with experts lesson 05's per-layer bytes for balanced routing;
                                   with --fp8 the blocks' matmul inputs as FP8 copies (07_fp8.py)
     gathered weights (ZeRO-3)     lesson 06's prefetch window
-    communication buffers         estimated here: ZeRO's flattened gradients in flight, a pipeline
+    communication buffers         estimated here: a unit's gradients on their way into ZeRO's
+                                  buffers (flat copies in flight at stages 2-3), a pipeline
                                   boundary's tensors, ring attention's K/V blocks
 
 It prints them for the fullest rank (the pipeline stage that holds most), the verdict against 90%
@@ -177,14 +178,15 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
 
 def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_units: list[int]) -> int:
     """Communication buffers at the backward's peak, an estimate (the CPU cannot measure them):
-    ZeRO flattens each unit's gradients (g bytes) from autograd's per-parameter ones (p bytes) to
-    reduce them, one unit at a time at stages 0-1; at stages 2-3 the previous unit's buffer and its
-    reduced shard are still in flight meanwhile. A pipeline stage receives one activation and one
-    gradient at the boundary; ring attention holds the K/V block it computes on and the one arriving."""
+    autograd's per-parameter gradients of one unit (p bytes) until ZeRO takes them: at stages 0-1
+    straight into the unit's gradient buffer (counted with the model states), at stages 2-3 into a
+    flat copy to reduce-scatter (g bytes), while the previous unit's copy and its reduced shard are
+    still in flight. A pipeline stage receives one activation and one gradient at the boundary;
+    ring attention holds the K/V block it computes on and the one arriving."""
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     largest = max(flat_units)
-    n = 1 if args.zero_stage == 0 else grid.dp * grid.cp
-    buffers = largest * (p + g) + (largest * g + largest // n * g if args.zero_stage >= 2 else 0)
+    n = grid.dp * grid.cp
+    buffers = largest * p + (2 * largest * g + largest // n * g if args.zero_stage >= 2 else 0)
     tokens = shape.micro_batch_size * shape.seq_len // grid.cp
     if grid.pp > 1:
         buffers += 2 * p * tokens * cfg.hidden // (grid.tp if args.sequence_parallel else 1)

@@ -22,8 +22,11 @@ each cell:
               stage (0 or 1, as the measured cells use) among those whose fullest stage fits 90% of
               80 GB; 1 = the plan's own first choice;
   (c) memory  the plan's bytes on the fullest rank of the measured layout over the measured peak,
-              in GiB (nanotron's unit). This trainer's head is never tied to the embedding: for the
-              1.34 and 3.57 B models, which nanotron ties, the plan holds one matrix more.
+              in GiB (nanotron's unit), plus what nanotron holds that this trainer does not: at
+              ZeRO-0/1 it flattens a bucket's gradients into a copy to reduce them (one unit's, in
+              the reduce dtype, nanotron_flat_gradients), where this trainer writes them straight
+              into its buffers. This trainer's head is never tied to the embedding: for the 1.34
+              and 3.57 B models, which nanotron ties, the plan holds one matrix more.
 
 The published H100 profile's free constants (picotron_like/published_profiles.Constants) are
 fitted on the cells of up to 8 nodes only (--fit: the smallest sum of absolute log MFU ratios, by
@@ -155,14 +158,25 @@ def missing_term(layout, measured_mfu: float) -> str:
             f"{'missing' if gap > 0 else 'too many'}; closing it alone takes {factors}")
 
 
+def nanotron_flat_gradients(cfg, layout) -> int:
+    """Bytes nanotron holds beside the plan's at ZeRO-0/1: the largest unit's gradients flattened
+    into a copy in the reduce dtype for their reduction (its buckets), alive at the backward's peak.
+    This trainer held the same until its gradients went straight into ZeRO's buffers (lesson 06)."""
+    if layout.args.zero_stage > 1:
+        return 0
+    units = plan.zero_units(cfg, layout.args, layout.grid, 1, layout.pp_rank)
+    return max(units.dense + units.experts) * PRECISION.reduce_dtype.itemsize
+
+
 def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
     rows = []
     for cell in cells:
         cfg = model_config(cell)
         grid = GridShape(dp=cell["dp"], tp=cell["tp"], pp=cell["pp"])
         layout = planned(cfg, grid, cell["micro_batch"], cell["zero_stage"], device)
+        memory = (layout.peak_bytes + nanotron_flat_gradients(cfg, layout)) / GIB
         row = {**cell, "estimate": layout.mfu * 100, "mfu_ratio": layout.mfu * 100 / cell["mfu_percent"],
-               "memory": layout.peak_bytes / GIB, "memory_ratio": layout.peak_bytes / GIB / cell["memory_gb"],
+               "memory": memory, "memory_ratio": memory / cell["memory_gb"],
                "layout": layout, "held_out": cell["nodes"] > FITTED_NODES}
         if with_ranks:
             row["rank"], row["grids"], row["first"] = rank_of_measured(cfg, cell, device)
