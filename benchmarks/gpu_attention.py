@@ -18,35 +18,14 @@ Time: CUDA events around forward and backward, the median of 10 after 3 untimed.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import warnings
 
 import torch
 from torch.nn.attention import sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from picotron_like.metrics import median_milliseconds
 from picotron_like.model import CUDA_ATTENTION_PRIORITY, attention_backends, causal_attention, get_config
-
-
-def timed_ms(step, device: torch.device, warmup: int, timed: int) -> float:
-    """The median time of step() over `timed` calls after `warmup`: CUDA events on a GPU."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(timed):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - began))
-    return statistics.median(times)
 
 
 def kernel_names(step, device: torch.device) -> frozenset[str]:
@@ -96,7 +75,7 @@ def main(argv=None) -> None:
         try:
             with warnings.catch_warnings(record=True) as refusals:     # torch warns why, then raises
                 warnings.simplefilter("always")
-                ms = timed_ms(step, device, warmup, timed)
+                ms = median_milliseconds(step, device, warmup, timed)
         except RuntimeError as error:
             reasons = [str(refusal.message) for refusal in refusals] + [str(error)]
             print(f"  {backend.name:<22} not available ({reasons[0].strip().splitlines()[0][:200]})", flush=True)
@@ -105,7 +84,7 @@ def main(argv=None) -> None:
         print(f"  {backend.name:<22} {ms:9.3f} ms", flush=True)
     for priority, label in (("cudnn", "priority cudnn"), ("torch", "priority torch")):
         step = step_in(lambda priority=priority: attention_backends(device.type, priority))
-        ms = timed_ms(step, device, warmup, timed)
+        ms = median_milliseconds(step, device, warmup, timed)
         ran = kernel_names(step, device)
         same = [name for name, names in kernels.items() if names and names == ran]
         print(f"  {label:<22} {ms:9.3f} ms  "

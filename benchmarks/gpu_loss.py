@@ -23,13 +23,11 @@ before it (the inputs, the weight). Each row's loss is printed beside, as a chec
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from picotron_like.loss import LOSS_CHUNK_BYTES, LossSettings, cross_entropy_loss, linear_cross_entropy
-
+from picotron_like.metrics import median_milliseconds
 
 
 def rows(tiny: bool) -> dict[str, LossSettings | None]:
@@ -39,26 +37,6 @@ def rows(tiny: bool) -> dict[str, LossSettings | None]:
                 LossSettings(backward="tokens", chunk_bytes=LOSS_CHUNK_BYTES),
             "chunked eager": LossSettings(),
             "chunked compiled": LossSettings(compile_backend="eager" if tiny else "inductor")}
-
-
-def milliseconds(step, device: torch.device, warmup: int, timed: int) -> float:
-    """The median time of step() over `timed` calls after `warmup`: CUDA events on a GPU."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(timed):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - began))
-    return statistics.median(times)
 
 
 def peak_gib(step, device: torch.device) -> str:
@@ -96,7 +74,7 @@ def main(argv=None) -> None:
             loss.backward()
             return loss
 
-        ms = milliseconds(step, device, warmup, timed)
+        ms = median_milliseconds(step, device, warmup, timed)
         peak = peak_gib(step, device)
         print(f"  {name:<55} {ms:9.2f} ms  {peak}  loss {step().item():.6f}", flush=True)
 

@@ -31,9 +31,8 @@ with StepSettings.tail "exact"'s choices, the new with "fused"'s.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from anywhere, as the other benchmarks
 
 from picotron_like.lessons import load_lesson  # noqa: E402
+from picotron_like.metrics import median_milliseconds  # noqa: E402
 from picotron_like.model import GPT, count_parameters, get_config  # noqa: E402
 from picotron_like.train import clip_factor, global_grad_norm, optimizer_step  # noqa: E402
 
@@ -88,25 +88,6 @@ def accumulate_as_before(unit, grads: list[torch.Tensor]) -> None:
     unit.grad_buffer += flat
 
 
-def median_ms(fn, repeats: int, device: torch.device) -> float:
-    """fn's median time in milliseconds over `repeats` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(model, optimizer, grads, repeats: int, device: torch.device) -> dict[str, tuple[float, float]]:
     """{part: (old ms, new ms)}."""
     units = model.units
@@ -122,29 +103,27 @@ def measure(model, optimizer, grads, repeats: int, device: torch.device) -> dict
         for unit, unit_grads in zip(units, grads):
             accumulate_as_before(unit, unit_grads)
 
-    times = {"accumulate, first micro-batch": (median_ms(accumulate_old, repeats, device),
-                                               median_ms(accumulate_new(True), repeats, device))}
-    times["accumulate, later micro-batch"] = (times["accumulate, first micro-batch"][0],
-                                              median_ms(accumulate_new(False), repeats, device))
+    ms = partial(median_milliseconds, device=device, warmup=1, timed=repeats)
+    times = {"accumulate, first micro-batch": (ms(accumulate_old), ms(accumulate_new(True)))}
+    times["accumulate, later micro-batch"] = (times["accumulate, first micro-batch"][0], ms(accumulate_new(False)))
     model.gradients_to_master()
     master_grads = [piece.master.grad for unit in units for piece in unit.pieces]
     norm = global_grad_norm(master_grads, device)
-    times["norm"] = (median_ms(lambda: global_grad_norm(master_grads, device), repeats, device),
-                     median_ms(lambda: global_grad_norm(master_grads, device, foreach=True), repeats, device))
-    times["clip"] = (
-        median_ms(lambda: torch._foreach_mul_(master_grads, clip_factor(norm, MAX_GRAD_NORM)), repeats, device),
-        median_ms(lambda: clip_factor(norm, MAX_GRAD_NORM).reciprocal(), repeats, device))
+    times["norm"] = (ms(lambda: global_grad_norm(master_grads, device)),
+                     ms(lambda: global_grad_norm(master_grads, device, foreach=True)))
+    times["clip"] = (ms(lambda: torch._foreach_mul_(master_grads, clip_factor(norm, MAX_GRAD_NORM))),
+                     ms(lambda: clip_factor(norm, MAX_GRAD_NORM).reciprocal()))
     grad_scale = clip_factor(norm, MAX_GRAD_NORM).reciprocal()
-    times["optimizer"] = (median_ms(lambda: optimizer_step(optimizer, norm), repeats, device),
-                          median_ms(lambda: optimizer_step(optimizer, norm, grad_scale), repeats, device))
-    publish = median_ms(model.publish_master, repeats, device)
+    times["optimizer"] = (ms(lambda: optimizer_step(optimizer, norm)),
+                          ms(lambda: optimizer_step(optimizer, norm, grad_scale)))
+    publish = ms(model.publish_master)
     times["publish cast"] = (publish, publish)
 
     def zero_as_before():
         for unit in units:
             unit.grad_buffer.zero_()
 
-    times["zero"] = (median_ms(zero_as_before, repeats, device), median_ms(model.zero_grad, repeats, device))
+    times["zero"] = (ms(zero_as_before), ms(model.zero_grad))
     return times
 
 

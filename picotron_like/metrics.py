@@ -30,7 +30,9 @@ goes through ``comm.call``); the rest is here:
 from __future__ import annotations
 
 import re
+import statistics
 import sys
+import time
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass, fields, replace
@@ -502,6 +504,28 @@ def peak_flops_of_name(name: str, fp8: bool = False) -> float | None:
     as whole words; None if none is."""
     table = PEAK_FP8_FLOPS if fp8 else PEAK_BF16_FLOPS
     return next((peak for key, peak in table.items() if re.search(rf"\b{re.escape(key)}\b", name)), None)
+
+
+def median_milliseconds(step, device: torch.device, warmup: int = 1, timed: int = 10) -> float:
+    """The median time of step() in milliseconds over `timed` calls after `warmup` untimed ones:
+    each call between two CUDA events on a GPU (the host may run ahead), by the host's clock
+    elsewhere. For the GPU benchmarks' rows (benchmarks/gpu_*.py)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(timed):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - began))
+    return statistics.median(times)
 
 
 def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
