@@ -213,7 +213,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 8 ]; then
   # next forward, tp's async dgrad, pipeline sends left in flight; the "-waited" twin turns it off.
   eight 8gpu-dp8-zero1 07_full_5d.py --dp 8 --zero-stage 1 --recompute full --grad-accum 1 $big
   eight 8gpu-dp8-zero1-waited 07_full_5d.py --dp 8 --zero-stage 1 --recompute full --grad-accum 1 $big --no-overlap-weight-gather
-  eight 8gpu-dp2-pp2-tp2-waited 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel --zero-stage 1 --recompute selective --grad-accum 4 $big --no-async-tp-dgrad --no-async-pp-sends
+  # the twin also opens one communicator per axis (time to the first step: what sharing saves)
+  PICOTRON_LIKE_GROUP_PER_AXIS=1 eight 8gpu-dp2-pp2-tp2-waited 07_full_5d.py --dp 2 --pp 2 --tp 2 --sequence-parallel \
+    --zero-stage 1 --recompute selective --grad-accum 4 $big --no-async-tp-dgrad --no-async-pp-sends
 fi
 
 say ""

@@ -164,6 +164,11 @@ def backend_for(device: torch.device) -> str:
 # records every call in Python and gathers the records at the end.
 CHECK_COLLECTIVES_ENV = "PICOTRON_LIKE_CHECK_COLLECTIVES"
 
+# Set to "1" to give every axis a process group of its own, even where another axis has the same
+# members (as before they were shared): one NCCL communicator per axis, so that a GPU run can time
+# what sharing saves at start-up and in memory. The meters name traffic by axis either way.
+GROUP_PER_AXIS_ENV = "PICOTRON_LIKE_GROUP_PER_AXIS"
+
 # Set to "cpu" to run on the CPU over gloo on a machine that has GPUs: the test suite does, since
 # its multi-rank proofs start more ranks than a machine has GPUs (and NCCL refuses two ranks on one).
 DEVICE_ENV = "PICOTRON_LIKE_DEVICE"
@@ -310,7 +315,8 @@ class ProcessGrid:
         neighbours of `rank` in the layout."""
         ep_ranks = shape.ep_group_ranks(ep)     # raises ConfigError, before any group, if ep does not fit
         self.shape, self.rank = shape, rank
-        self.process_groups: dict[tuple[int, ...], object] = {}     # members -> the one group they share
+        self.process_groups: dict[tuple, object] = {}     # members (with GROUP_PER_AXIS_ENV: axis, members) -> group
+        self.shared_groups = os.environ.get(GROUP_PER_AXIS_ENV) != "1"
         coords = shape.coords_of(self.rank)
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
         self.dp_size, self.pp_size, self.cp_size, self.tp_size = shape.dp, shape.pp, shape.cp, shape.tp
@@ -344,16 +350,21 @@ class ProcessGrid:
             # an earlier axis's (dp x cp when cp = 1 is dp) reuses them, and a group of every rank
             # is the default group. Every rank calls new_group for every new set, in the same order
             # (it is collective): all_ranks and the sets made so far are the same on every rank.
-            if tuple(ranks) not in self.process_groups:
-                whole_world = len(ranks) == self.shape.world_size
-                self.process_groups[tuple(ranks)] = dist.group.WORLD if whole_world else dist.new_group(ranks)
-        mine = comm.AxisGroup(self.process_groups[tuple(next(r for r in all_ranks if self.rank in r))], name)
+            if self._group_key(ranks, name) not in self.process_groups:
+                whole_world = self.shared_groups and len(ranks) == self.shape.world_size
+                self.process_groups[self._group_key(ranks, name)] = (dist.group.WORLD if whole_world
+                                                                     else dist.new_group(ranks))
+        mine = comm.AxisGroup(self.process_groups[self._group_key(next(r for r in all_ranks if self.rank in r), name)],
+                              name)
         # A group's first operation must include all of its ranks (NCCL sets up its communicator
         # then, among whoever takes part). Without this barrier the first operation on a pipeline
         # group of 3 or more stages is a send between two neighbours, and the stage left out
         # would later join a communicator the others built without it.
         comm.call(dist.barrier, group=mine)
         return mine
+
+    def _group_key(self, ranks: list[int], name: str) -> tuple:
+        return tuple(ranks) if self.shared_groups else (name, *ranks)
 
     def communicators(self) -> int:
         """How many process groups this rank belongs to, the default group included: one per

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from picotron_like import comm
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.testing import run_ranks, torchrun_workers_by_rank
-from picotron_like.topology import (DEFAULT_TIMEOUT_S, TIMEOUT_ENV, ConfigError, GridShape, ProcessGrid, backend_for,
-                                    collective_timeout_s, rank_device, torchrun_workers,
+from picotron_like.topology import (DEFAULT_TIMEOUT_S, GROUP_PER_AXIS_ENV, TIMEOUT_ENV, ConfigError, GridShape,
+                                    ProcessGrid, backend_for, collective_timeout_s, rank_device, torchrun_workers,
                                     validate_parallel_config)
 
 LAYOUTS = [GridShape(dp=2, pp=2, cp=2, tp=1), GridShape(dp=1, pp=2, cp=1, tp=4), GridShape(dp=2, pp=1, cp=2, tp=2),
@@ -97,6 +97,12 @@ def check_process_groups():
         report["communicators", str(shape)] = grid.communicators()
     # Every call above went through the meter under its axis name.
     report["groups"] = sorted({group for (_, group) in comm.meter.traffic})
+    os.environ[GROUP_PER_AXIS_ENV] = "1"        # the switch: one group per axis, as before sharing
+    grid = ProcessGrid(LAYOUTS[3], ep=8)
+    del os.environ[GROUP_PER_AXIS_ENV]
+    report["communicators per axis"] = grid.communicators()
+    report["distinct per axis"] = len({id(comm.process_group(group)) for group in (
+        grid.tp_group, grid.cp_group, grid.pp_group, grid.dp_group, grid.dp_cp_group, grid.ep_group, grid.edp_group)})
     return report
 
 
@@ -115,6 +121,8 @@ def test_process_groups_on_real_ranks():
     # dp8 ep8: dp, dp x cp and ep are every rank, so the default group itself: singleton, world.
     for result in results:
         assert [result["communicators", str(shape)] for shape in LAYOUTS] == [6, 4, 6, 2]
+        # PICOTRON_LIKE_GROUP_PER_AXIS=1: every axis its own group (7), and the default group
+        assert (result["communicators per axis"], result["distinct per axis"]) == (8, 7)
 
 
 def first_operations_of_a_pipeline_grid():
