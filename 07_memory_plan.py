@@ -33,7 +33,8 @@ assumptions are printed with it. The profile is --gpu's published one
 Playbook's measured runs (benchmarks/step_time_vs_published.py checks it against all of them).
 With --fp8 the blocks' matmuls count at the profile's FP8 rate (where they run on FP8 tensor
 cores; on a GPU only those 07_fp8's shape rule keeps in FP8, the others and the router and routed
-experts at bf16's) and tp's all-reduces of the amaxes join tp's traffic.
+experts at bf16's), their quantisations are elementwise passes (fp8_quantisation_seconds) and
+tp's all-reduces of the amaxes join tp's traffic.
 
 Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
@@ -404,6 +405,8 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
     elem_bytes, elem_kernels = block_elementwise(cfg, tokens, tp, args.sequence_parallel, e, args.compile)
     elem_f = step_costs.memory_seconds(device, elem_bytes, elem_kernels)
     forward, backward, elementwise = layers * (gemm_f + attn_f), layers * (gemm_b + attn_b), 3 * layers * elem_f
+    if fp8_rate:
+        elementwise += layers * fp8_quantisation_seconds(cfg, args, tokens, tp, e, in_fp8, device)
     recompute = {"none": 0.0, "selective": layers * elem_f * 2 / 3,     # the norms' and silu's share, again
                  "full": layers * (gemm_f + attn_f + elem_f)}[args.recompute]
     if with_head:       # the chunked loss: each chunk's logits in forward, again in backward, then dx and dW
@@ -492,6 +495,25 @@ def micro_batch_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, d
         in_flight = args.async_pp_sends and device.device_type != "cuda"
         pp_seconds = transfer * (1 + (1 - device.overlap if in_flight else 1))
     return MicroBatchSeconds(forward, backward, elementwise, recompute, tp_seconds, cp_seconds, ep_seconds, pp_seconds)
+
+
+def fp8_quantisation_seconds(cfg, args, tokens: int, tp: int, e: int, in_fp8: dict, device) -> float:
+    """One block's FP8 quantisations, forward and backward, for the groups in FP8 (07_fp8: a group's
+    input quantised once for its layers): X and W forward; dY twice (both layouts), W and X again
+    backward. Eager, a chain of kernels whose full passes move about abs 2e + amax e + divide e + 4
+    + clamp 8 + cast 5 bytes per element (and 12 more for a bf16 input's two float32 casts), 10
+    kernels (12); compiled (--compile, --fp8-fused-quantise), the amax and the cast: 2e + 1 bytes
+    in 2 kernels."""
+    compiled = args.compile and args.fp8_fused_quantise
+    per_element = 2 * e + 1 if compiled else 4 * e + 17 + (12 if e == 2 else 0)
+    kernels = 2 if compiled else (12 if e == 2 else 10)
+    seconds = 0.0
+    for group, (rows, inputs, outputs) in fp8.group_gemm_shapes(cfg, tokens, tp).items():
+        if in_fp8.get(group):
+            for elements in (rows * inputs, outputs * inputs, rows * outputs, rows * outputs, outputs * inputs,
+                             rows * inputs):
+                seconds += step_costs.memory_seconds(device, elements * per_element, kernels)
+    return seconds
 
 
 def fp8_traffic_on(cfg, args, shape, grid: GridShape, layers: int, axis: str, on_gpu: bool) -> dict:
@@ -616,7 +638,9 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
     intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
     fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
                 f"tensor cores and the shape rule keeps them in FP8 (07_fp8; the layout line says which stay bf16), "
-                f"else at the bf16 rate (emulated); tp's all-reduces of the amaxes counted"] \
+                f"else at the bf16 rate (emulated); each quantisation (X and W forward, dY twice, W and X "
+                f"backward) an elementwise pass, one fused kernel pair under --compile; tp's all-reduces of the "
+                f"amaxes counted"] \
         if recipe != "none" else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
