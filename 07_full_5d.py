@@ -46,7 +46,7 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
 Beside it: 07_report.py measures the run against each lesson's formulas (the tables below),
 07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
 measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
-07_fp8.py makes the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
+07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py makes the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
 on the meta device (materialise), checkpoints that resume in any layout (checkpoint: --save-dir,
 --resume), Hub weights in (hf: --init-from), samples during training (sample: --sample-every).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
@@ -113,6 +113,7 @@ fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
 memory_plan = load_lesson("07_memory_plan")
 autotune = load_lesson("07_autotune")
+sizing = load_lesson("07_sizing")
 
 # ============================================================================ the technique: the plan
 
@@ -827,6 +828,7 @@ def parse_args(argv=None):
     checkpoints.add_checkpoint_flags(parser)
     hub.add_init_flag(parser)
     memory_plan.add_plan_flags(parser)
+    sizing.add_sizing_flags(parser)
     autotune.add_autotune_flags(parser)
     calibration.add_calibrate_flags(parser)
     parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
@@ -844,6 +846,8 @@ def layout_defaults(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.plan and args.max_minutes is not None:      # 07_sizing: which model and tokens the minutes allow
+        return sizing.print_sizing(args, sys.argv[1:] if argv is None else argv, validate, expert_degree)
     if args.plan:           # 07_memory_plan: no training, no torchrun
         return memory_plan.print_memory_plan(args, validate, expert_degree)
     if args.autotune:       # 07_autotune: the plan's best layouts, each trained by a child torchrun of this file
