@@ -96,7 +96,7 @@ from picotron_like import comm
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, GPTConfig
 from picotron_like.moe import is_expert_parameter
-from picotron_like.run_control import AfterStep, follow_time_budget
+from picotron_like.run_control import AfterStep, follow_time_budget, time_budget_settings
 from picotron_like.topology import ConfigError, group_rank, group_size
 from picotron_like.train import exit_with_error
 
@@ -674,10 +674,11 @@ def run_identity(args, shape) -> dict:
 
 def run_settings(args, precision) -> dict:
     """What a resuming run may change, but is told about when it does (resume's notes): the
-    learning-rate schedule (with a time budget's planned steps: follow_time_budget), clipping, the
-    dtypes the weights and gradients are held in, the data."""
+    learning-rate schedule (with a time budget's planned steps and wsd's decay: follow_time_budget),
+    clipping, the dtypes the weights and gradients are held in, the data."""
     return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
-            "max_minutes": args.max_minutes, "planned_steps": getattr(args, "planned_steps", None),
+            "lr_schedule": args.lr_schedule, "decay_share": args.decay_share,
+            "max_minutes": args.max_minutes, **time_budget_settings(args),
             "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,
             "data": args.data or "the built-in corpus",
             "dtype": str(precision.param_dtype).removeprefix("torch."),

@@ -8,8 +8,9 @@ named place, so that the loop itself reads as nanoGPT's and picotron's.
   the throughput; log_step is the line itself;
 - StepMeters: the lesson's meters, entered around one step;
 - RunControl: whether the run ends after this step: an agreed stop on a scheduler's signal
-  (AgreedStop), a lost peer (PeerLost), the --max-minutes budget (TimeBudget, follow_time_budget
-  for a resumed run, step_to_meter for a lesson that meters a late step);
+  (AgreedStop), a lost peer (PeerLost), the --max-minutes budget (TimeBudget, which also places
+  wsd's decay: lr_schedule.place_decay; follow_time_budget for a resumed run, step_to_meter for a
+  lesson that meters a late step);
 - AfterStep: work after some steps (checkpoints, samples); step_profiler: --profile's trace;
   seconds_since_process_start: the clock a time budget and the first step's line count by.
 """
@@ -32,6 +33,7 @@ from torch.profiler import ProfilerActivity
 
 from picotron_like import comm
 from picotron_like.data import TokenBatches
+from picotron_like.lr_schedule import first_decaying_step, place_decay
 from picotron_like.metrics import StepMemory, Throughput, is_rank0, log0, model_flops_utilisation, peak_flops
 from picotron_like.model import GPTConfig, flops_per_token
 
@@ -272,14 +274,19 @@ class RunControl:
     """Whether the run ends after this step, asked once after each: every rank agrees on a
     scheduler's signal (AgreedStop), leaves at once when a peer is lost (PeerLost), and, with
     --max-minutes, keeps to the time budget (TimeBudget: it sets args.steps once, early, then asks
-    for a stop if the end no longer fits). `timing(work)` times a validation or a checkpoint, the
-    work the budget must keep room for at the end."""
+    for a stop if the end no longer fits). Under --lr-schedule wsd the budget also forecasts, each
+    step, how many steps still fit; when the ranks agree that fewer do than planned, the run ends
+    sooner and its decay moves with the end (place_decay): a wsd run never ends undecayed. (Cosine
+    keeps its plan and may stop early: 94 % of the way through, its rate has fallen 99 % of the
+    way to the minimum, WSD's with a 0.2 share only 84 %.) `timing(work)` times a validation or a checkpoint, the work the budget
+    must keep room for at the end."""
 
     def __init__(self, args, clock: Callable[[], float], val_batches: int):
         self.args, self.stop = args, AgreedStop()
         self.budget = (TimeBudget(args.max_minutes, clock, val_batches,
                                   planned=getattr(args, "planned_steps", None) is not None)
                        if getattr(args, "max_minutes", None) is not None else None)
+        self.decays_early = getattr(args, "lr_schedule", "cosine") == "wsd"
         self.checkpoint_s = 0.0
 
     def __enter__(self):
@@ -297,19 +304,39 @@ class RunControl:
         if budget is not None:
             budget.note_step()
             if budget.estimate_due():
-                args.steps = args.planned_steps = budget.planned_steps(step + 1, args.steps)
+                place_decay(args, step + 1, budget.planned_steps(step + 1, args.steps))
                 log.say(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
                         f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
-                        f"the learning rate decays to step {args.steps - 1}")
+                        f"the learning rate decays {self._decay_in_words()}")
             elif budget.spent():
                 self.stop.request_stop()
+            elif self.decays_early and budget.forecasts():
+                self.stop.propose_steps(budget.steps_that_fit(step + 1))
         try:
-            return self.stop.after_step()
+            stopping = self.stop.after_step()
         except PeerLost as error:
             # This step's line is not printed: under NCCL its work may wait for the lost rank forever.
             print(f"error: rank {dist.get_rank()}: {error}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)     # no shutdown(): its barrier would wait for the lost rank
+        if self.stop.agreed_steps < args.steps and not stopping:
+            self._end_sooner(step, log)
+        return stopping
+
+    def _end_sooner(self, step: int, log: "LaggedStepLog") -> None:
+        """Every rank's forecast, agreed one step late (AgreedStop), says fewer steps fit than
+        planned: the run ends sooner, at least one step after this one (the end's margin of two
+        steps covers the step the agreement lagged), its decay reaching the minimum there."""
+        steps = max(int(self.stop.agreed_steps), step + 2)
+        if steps < self.args.steps:
+            planned = self.args.steps
+            place_decay(self.args, step + 1, steps)
+            log.say(f"time budget: the steps slowed down: {steps} steps fit, not {planned}; the learning rate "
+                    f"decays {self._decay_in_words()}")
+
+    def _decay_in_words(self) -> str:
+        last = self.args.steps - 1
+        return f"from step {first_decaying_step(self.args)} to step {last}" if self.decays_early else f"to step {last}"
 
     @property
     def signalled(self) -> bool:
@@ -369,6 +396,8 @@ class AgreedStop:
     def __init__(self):
         self.note = 0.0                         # a signal's number, TIME_BUDGET, or 0: nothing noted
         self.agreed_signal = ""                 # once agreed: the signal's name, or "the time budget"
+        self.steps_that_fit = math.inf          # this rank's time budget's forecast (propose_steps)
+        self.agreed_steps = math.inf            # the fewest steps any rank's forecast allowed, agreed
         self._agreeing = None                   # (flag tensor, work) started after the previous step
 
     def __enter__(self):
@@ -389,6 +418,11 @@ class AgreedStop:
         """This rank's time budget is spent: stop every rank after the same step (a signal outranks it)."""
         self.note = max(self.note, self.TIME_BUDGET)
 
+    def propose_steps(self, steps: int) -> None:
+        """This rank's time budget foresees that the run fits in `steps` steps: every rank reads
+        the fewest any rank proposed (agreed_steps) at the same step, one step later."""
+        self.steps_that_fit = steps
+
     def _wait(self) -> bool:
         flag, work = self._agreeing
         self._agreeing = None
@@ -398,7 +432,8 @@ class AgreedStop:
             except RuntimeError as error:
                 raise PeerLost(f"a peer is gone ({str(error).splitlines()[0]}): stopping without a checkpoint; "
                                f"resume from the last one") from None
-        agreed = flag.item()
+        agreed, fewest_negated = flag.tolist()
+        self.agreed_steps = -fewest_negated
         if agreed:
             self.agreed_signal = "the time budget" if agreed == self.TIME_BUDGET else signal.Signals(int(agreed)).name
         return bool(agreed)
@@ -407,7 +442,9 @@ class AgreedStop:
         """Whether every rank stops after this step: some rank was signalled before the previous
         step ended. Starts the agreement that the next step's call reads."""
         stop = self._wait() if self._agreeing is not None else False
-        flag = torch.tensor([self.note], dtype=torch.float32)
+        # One all-reduce agrees on both: the MAX of the notes, and the MAX of the negated forecasts,
+        # which is the fewest steps (float64: a step count above 2**24 stays exact).
+        flag = torch.tensor([self.note, -self.steps_that_fit], dtype=torch.float64)
         work = comm.bookkeeping(dist.all_reduce, flag, op=dist.ReduceOp.MAX, async_op=True) \
             if dist.is_initialized() else None
         self._agreeing = (flag, work)
@@ -432,6 +469,8 @@ class TimeBudget:
     after it every rank checks each step whether two more steps and the end still fit, and if not
     asks AgreedStop to stop every rank after the same step: the budget holds, and the run ends
     before the schedule's last step (its final learning rate not yet at the minimum; it says so).
+    Under wsd it also forecasts, each step, how many steps still fit (steps_that_fit), so that the
+    run can end sooner with its decay finished, before such a stop is needed (RunControl).
     `clock()` gives the seconds since the process started; tests pass their own.
     """
 
@@ -470,14 +509,25 @@ class TimeBudget:
         validation = self.validation_s if self.validation_s is not None else self.val_batches * self.slowest_step_s()
         return validation + self.save_s + 2 * self.slowest_step_s()
 
+    def forecasts(self) -> bool:
+        """Whether this rank's forecast (steps_that_fit) is worth agreeing on: the plan is made,
+        and this process has run enough steps that the slowest is not its first (a resumed run's
+        first step compiles and allocates: it would cut the plan short)."""
+        return self.planned and len(self.step_s) >= self.ESTIMATE_AFTER
+
     def estimate_due(self) -> bool:
         return not self.planned and len(self.step_s) == self.ESTIMATE_AFTER
+
+    def steps_that_fit(self, steps_done: int) -> int:
+        """How many steps the run can have, by this rank's clock: those done, and as many of the
+        slowest step as fit in the time left after the end's (end_s)."""
+        left_s = self.budget_s - self.clock() - self.end_s()
+        return steps_done + max(0, math.floor(left_s / self.slowest_step_s()))
 
     def planned_steps(self, steps_done: int, max_steps: int) -> int:
         """The run's number of steps, rank 0's estimate, the same on every rank; at least the steps
         already done, at most `max_steps` (--steps)."""
-        left_s = self.budget_s - self.clock() - self.end_s()
-        estimate = torch.tensor([min(max_steps, steps_done + max(0, math.floor(left_s / self.slowest_step_s())))])
+        estimate = torch.tensor([min(max_steps, self.steps_that_fit(steps_done))])
         if dist.is_initialized():
             comm.bookkeeping(dist.broadcast, estimate, src=0)
         self.planned = True
@@ -494,12 +544,20 @@ def step_to_meter(args) -> int:
     return args.steps - 1 if getattr(args, "max_minutes", None) is None else TimeBudget.ESTIMATE_AFTER
 
 
+def time_budget_settings(args) -> dict:
+    """What a checkpoint records of a time budget's plan: the steps it planned, and where it
+    placed wsd's decay (None: not planned yet, or not placed by a budget)."""
+    return {"planned_steps": getattr(args, "planned_steps", None), "decay_start": getattr(args, "decay_start", None)}
+
+
 def follow_time_budget(args, written_settings: dict) -> None:
-    """A run resumed with --max-minutes ends where its first run's estimate said, with the same
-    learning-rate schedule (TimeBudget), when the checkpoint was written after that estimate."""
+    """A run resumed with --max-minutes ends where its first run's plan said when the checkpoint
+    was written after the estimate, with the same learning-rate schedule (TimeBudget; under wsd,
+    the decay where the plan placed it, in the stable phase or mid-decay alike)."""
     planned = written_settings.get("planned_steps")
     if getattr(args, "max_minutes", None) is not None and planned is not None:
         args.steps, args.planned_steps = planned, planned
+        args.decay_start = written_settings.get("decay_start")
 
 
 # ----------------------------------------------------------------------------- after a step; the profiler; the clock

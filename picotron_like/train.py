@@ -14,7 +14,8 @@ A lesson's ``main()`` reads as its table of contents because everything else liv
 - flags: ``add_training_flags`` (model, data, optimisation) and ``add_parallel_flags`` (the
   degrees of the grid), checked by ``check_flag_ranges``; ``plan_run`` turns them into the model
   shape, the grid and the batches, and stops every rank with one ``error:`` line if they cannot run;
-- optimisation: ``build_optimizer`` (AdamW), ``learning_rate`` (warm-up, cosine), and the
+- optimisation: ``build_optimizer`` (AdamW), the learning rate (``lr_schedule``: warm-up, then
+  cosine or warmup-stable-decay), and the
   step's tail ``clip_and_step``: ``clip_grad_norm_``, whose norm is that of the *whole* model even
   when each rank holds a part, and ``optimizer_step``, which skips a step whose norm is not
   finite (on CUDA the clipping folded into fused AdamW);
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 from picotron_like import comm
 from picotron_like.data import BatchShape, StepBatch, TokenBatches, builtin_corpus_paths
+from picotron_like.lr_schedule import DEFAULT_DECAY_SHARE, LR_SCHEDULES, run_learning_rate
 from picotron_like.metrics import Throughput
 from picotron_like.model import ATTENTION_PRIORITIES, GPTConfig, attention_backends, get_config
 from picotron_like.run_control import (AfterStep, LaggedStepLog, RunControl, StepMeters, seconds_since_process_start,
@@ -80,16 +82,6 @@ def adamw_implementation(device: torch.device) -> dict:
     is elementwise too, so a shard still steps as its slice of the whole tensor would.
     """
     return {"fused": True} if torch.device(device).type == "cuda" else {"foreach": False}
-
-
-def learning_rate(step: int, max_lr: float, warmup_steps: int, total_steps: int,
-                  min_lr_ratio: float = 0.1) -> float:
-    """Linear warm-up to max_lr, then cosine decay to min_lr_ratio * max_lr at total_steps."""
-    if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    min_lr = min_lr_ratio * max_lr
-    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -368,6 +360,15 @@ def add_training_flags(parser, seq_len: int = 128, micro_batch_size: int = 8, gr
     parser.set_defaults(default_steps=steps)
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=5, help="linear warm-up steps")
+    parser.add_argument("--lr-schedule", choices=LR_SCHEDULES, default="cosine",
+                        help="after the warm-up: cosine, a decay over the whole run to 0.1 x --lr; wsd "
+                             "(warmup-stable-decay), the peak held, then 1 - sqrt down to 0.1 x --lr over the run's "
+                             "final --decay-share (with --max-minutes: of the steps the budget plans, started sooner "
+                             "if the steps slow down)")
+    parser.add_argument("--decay-share", type=float, default=None,
+                        help=f"with --lr-schedule wsd: the final share of the run over which the learning rate "
+                             f"decays, in (0, 1] (default: {DEFAULT_DECAY_SHARE})")
+    parser.set_defaults(decay_start=None)       # where a time budget placed wsd's decay (lr_schedule.place_decay)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     parser.add_argument("--step-tail", choices=("auto", "exact", "fused"), default="auto",
                         help="how the step clips and updates: exact: per-tensor norms, gradients scaled before "
@@ -482,6 +483,7 @@ _FLAG_RULES = [
     ("steps", lambda v: v >= 1, "at least 1"),
     ("lr", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     ("warmup_steps", lambda v: v >= 0, "0 or more"),
+    ("decay_share", lambda v: 0 < v <= 1, "in (0, 1]: the final share of the run that decays"),
     ("max_grad_norm", lambda v: v > 0 and math.isfinite(v), "a positive number"),
     ("seq_len", lambda v: v >= 1, "at least 1"),
     ("micro_batch_size", lambda v: v >= 1, "at least 1"),
@@ -510,6 +512,9 @@ def check_flag_ranges(args) -> None:
             problems.append(f"--{axis} {getattr(args, axis)}: this lesson teaches its technique with data "
                             f"parallelism alone; {_TECHNIQUE[axis]} composes with it "
                             f"in lesson 07: run 07_full_5d.py with the same flags")
+    if getattr(args, "decay_share", None) is not None and getattr(args, "lr_schedule", "cosine") != "wsd":
+        problems.append(f"--decay-share {args.decay_share} with --lr-schedule {args.lr_schedule}: cosine decays over "
+                        f"the whole run; add --lr-schedule wsd or drop --decay-share")
     if getattr(args, "sequence_parallel", False) and getattr(args, "tp", 1) == 1:
         problems.append("--sequence-parallel needs --tp > 1: it splits what tensor parallelism leaves "
                         "replicated; add --tp 2 (or more) or drop --sequence-parallel")
@@ -525,6 +530,12 @@ def resolve_steps(args) -> None:
     """--steps as given; else the lesson's default, or with --max-minutes no limit but the budget."""
     if getattr(args, "steps", None) is None:
         args.steps = args.default_steps if getattr(args, "max_minutes", None) is None else NO_STEP_LIMIT
+
+
+def resolve_decay_share(args) -> None:
+    """--decay-share as given; under wsd without it, the default share (lr_schedule.DEFAULT_DECAY_SHARE)."""
+    if getattr(args, "lr_schedule", "cosine") == "wsd" and args.decay_share is None:
+        args.decay_share = DEFAULT_DECAY_SHARE
 
 
 def grid_from_args(args, world_size: int) -> GridShape:
@@ -586,6 +597,7 @@ def checked_plan(args, validate: Callable[[GPTConfig, GridShape, BatchShape, obj
     """
     check_flag_ranges(args)
     resolve_steps(args)
+    resolve_decay_share(args)
     collective_timeout_s()      # a bad PICOTRON_LIKE_TIMEOUT_S is one line too, not a failed init
     grid = grid_from_args(args, world_size)
     cfg = config_from_flags(args)
@@ -714,7 +726,7 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     priority = attention_backends(batches.device.type, getattr(args, "attention_priority", "cudnn"))
     with control, log, profiler or nullcontext(), priority:
         for step in range(start_step, args.steps):      # a time budget may lower args.steps: `last` ends it
-            lr = learning_rate(step, args.lr, args.warmup_steps, args.steps)
+            lr = run_learning_rate(args, step)          # --lr-schedule; a time budget may move its end
             set_learning_rate(optimizer, lr)
             batch = batches.step_batch(step)            # dp: this rank's share of the global batch; cp: its cut
             log.start(step, lr)                         # the step's clock and memory

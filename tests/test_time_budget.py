@@ -25,6 +25,7 @@ import torch.distributed as dist
 from picotron_like import run_control, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.lr_schedule import learning_rate, wsd_learning_rate
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
@@ -87,18 +88,23 @@ def test_steps_default_to_the_lessons_unless_a_budget_decides():
 
 
 def budgeted_runs() -> dict:
-    """Lesson 01 at dp = 2 through the shared loop, twice, each on a clock its steps move: 1 s a
-    step after 5 s of start-up, 30 s budget, validation at the end only. Run 'steady' ends where the
-    estimate said; in run 'stall', rank 1's step 8 takes 12 s more, and every rank stops early."""
+    """Lesson 01 at dp = 2 through the shared loop, each run on a clock its steps move: 1 s a step
+    after 5 s of start-up, 30 s budget, validation at the end only. Run 'steady' ends where the
+    estimate said; in run 'stall', rank 1's step 8 takes 12 s more, and every rank stops early.
+    Under --lr-schedule wsd: 'wsd' runs steadily; in 'wsd sooner' rank 1's step 10 takes 0.75 s
+    more, in 'wsd mid-decay' its step 17 0.2 s more. Then three runs resume (a fresh clock, the same
+    budget) from what a checkpoint records of the plan (time_budget_settings) after step 9 of 'wsd'
+    (stable), step 17 of 'wsd' (mid-decay) and step 12 of 'wsd sooner' (a decay the budget moved)."""
     lesson = load_lesson("01_data_parallel")
     grid = ProcessGrid(GridShape(dp=2))
     paths = builtin_corpus_paths()
-    outcome = {}
-    for name, stalls in [("steady", {}), ("stall", {8: 12.0} if dist.get_rank() == 1 else {})]:
+    on_rank_1 = dist.get_rank() == 1
+
+    def budgeted_run(stalls: dict, schedule: dict, start_step: int = 0, plan: dict | None = None) -> dict:
         model = lesson.wrap_data_parallel(GPT(CFG, seed=3), grid.dp_group, "bucketed", 64 * 1024)
         optimizer = train.build_optimizer(model.module, 3e-3)
         settings = train.StepSettings(torch.device("cpu"))
-        clock, rates, saved = StepClock(5.0, 1.0, stalls), [], []
+        clock, rates, saved, plans = StepClock(5.0, 1.0, stalls if on_rank_1 else {}), [], [], {}
 
         def step_fn(batch):
             rates.append(optimizer.param_groups[0]["lr"])
@@ -106,32 +112,54 @@ def budgeted_runs() -> dict:
             clock.step()
             return result
 
+        def after_step(step, last):
+            saved.append((step, last))
+            plans[step] = run_control.time_budget_settings(args)      # what a checkpoint records of the plan
+
         args = argparse.Namespace(steps=train.NO_STEP_LIMIT, max_minutes=0.5, lr=3e-3, warmup_steps=2, metrics=None,
-                                  val_every=1000, val_batches=2, profile=None)
+                                  val_every=1000, val_batches=2, profile=None, **schedule)
+        if plan is not None:
+            run_control.follow_time_budget(args, plan)
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):
             batches = train.RankBatches(TokenBatches(paths[0], SHAPE, seed=3, vocab_size=CFG.vocab_size),
                                         grid.dp_rank, torch.device("cpu"),
                                         val=TokenBatches(paths[1], SHAPE, seed=3, vocab_size=CFG.vocab_size))
             train.train(args, optimizer, step_fn, batches, evaluate=partial(lesson.evaluate, model, settings=settings),
-                        after_step=lambda step, last: saved.append((step, last)), clock=clock)
-        outcome[name] = {"steps": args.steps, "rates": rates, "saved": saved, "printed": printed.getvalue(),
-                         "end": clock.now}
+                        start_step=start_step, after_step=after_step, clock=clock)
+        return {"steps": args.steps, "rates": rates, "saved": saved, "printed": printed.getvalue(), "end": clock.now,
+                "plans": plans, "decay_start": getattr(args, "decay_start", None)}
+
+    wsd = {"lr_schedule": "wsd", "decay_share": 0.2}
+    outcome = {"steady": budgeted_run({}, {}), "stall": budgeted_run({8: 12.0}, {}),
+               "wsd": budgeted_run({}, wsd), "wsd sooner": budgeted_run({10: 0.75}, wsd),
+               "wsd mid-decay": budgeted_run({17: 0.2}, wsd)}
+    for name, run, step in [("resumed stable", "wsd", 9), ("resumed mid-decay", "wsd", 17),
+                            ("resumed moved", "wsd sooner", 12)]:
+        outcome[name] = budgeted_run({}, wsd, start_step=step + 1, plan=outcome[run]["plans"][step])
     return outcome
 
 
-def test_every_rank_stops_inside_the_budget_at_the_same_step_with_the_final_validation():
+@pytest.fixture(scope="module")
+def budgeted():
+    """Every rank's budgeted_runs, by run: a list of the ranks' outcomes."""
+    ranks = run_ranks(2, budgeted_runs)
+    return {name: [rank[name] for rank in ranks] for name in ranks[0]}
+
+
+def test_every_rank_stops_inside_the_budget_at_the_same_step_with_the_final_validation(budgeted):
     """Steady: after 3 steps the clock says 8 s; the end keeps 2 validation batches as 2 steps and
     two steps of margin, 4 s; (30 - 8 - 4) / 1 = 18 more steps: 21. Every rank runs 21 steps at the
     rates of a 21-step schedule, validates and checkpoints after the last, and ends at 26 s.
     Stall: rank 1 sees step 8 take 13 s; at 5 + 9 + 12 = 26 s, two such steps no longer fit, it asks
     to stop, and both ranks stop after step 9, the one after it (AgreedStop's lag), validated."""
-    steady, stall = zip(*[(rank["steady"], rank["stall"]) for rank in run_ranks(2, budgeted_runs)])
+    steady, stall = budgeted["steady"], budgeted["stall"]
     for rank in steady:
         assert rank["steps"] == 21 and rank["end"] == 26.0 <= 30.0
-        assert rank["rates"] == [train.learning_rate(step, 3e-3, 2, 21) for step in range(21)]
+        assert rank["rates"] == [learning_rate(step, 3e-3, 2, 21) for step in range(21)]
         assert rank["saved"] == [(step, step == 20) for step in range(21)]
-    assert "time budget: 21 steps fit in 0.5 minutes (1.00 s a step, 4.0 s kept for the end)" in steady[0]["printed"]
+    assert "time budget: 21 steps fit in 0.5 minutes (1.00 s a step, 4.0 s kept for the end); the learning rate " \
+           "decays to step 20\n" in steady[0]["printed"]
     assert re.search(r"step   20 \| val loss \d\.\d{4}\ntime budget: 21 steps, 5,376 tokens in 26\.0 s of 30 s; "
                      r"final val loss \d\.\d{4}\n", steady[0]["printed"]), steady[0]["printed"]
     for rank in stall:
@@ -139,6 +167,49 @@ def test_every_rank_stops_inside_the_budget_at_the_same_step_with_the_final_vali
     assert "stopped after step 9: the time budget (11 steps left)" in stall[0]["printed"]
     assert re.search(r"step    9 \| val loss \d\.\d{4}\n", stall[0]["printed"])
     assert steady[1]["printed"] == stall[1]["printed"] == ""
+
+
+def test_wsd_decays_over_the_budgets_last_share_and_sooner_when_the_steps_slow(budgeted):
+    """wsd: the same 21 steps, the decay over their last 20 %: from 16.8, so step 16 is the first
+    below the peak (it ends at 17 > 16.8) and step 20 runs at the minimum, 0.1 x the peak.
+    Sooner: rank 1's step 10 takes 1.75 s; after it, at 5 + 11 + 0.75 = 16.75 s, with the end
+    kept at 4 x 1.75 = 7 s, (30 - 16.75 - 7) / 1.75 = 3.6: 14 steps fit. Agreed after step 11,
+    the plan is 14 steps from step 12 on, whose last 20 % (from 11.2) has begun: the decay starts
+    at step 12 and reaches the minimum at step 13, the last; every rank ends there, validated.
+    Mid-decay: rank 1's step 17 takes 1.2 s: at 23.2 s, (30 - 23.2 - 4.8) / 1.2 leaves 19 steps,
+    at least one after step 18 when agreed: 20. The decay keeps its start and steepens: step 19,
+    the last, at the minimum. Rank 0 prints each plan; the budget holds in every run."""
+    for rank in budgeted["wsd"]:
+        assert rank["steps"] == 21 and rank["decay_start"] == pytest.approx(16.8)
+        assert rank["rates"] == [wsd_learning_rate(step, 3e-3, 2, 21, 0.8 * 21) for step in range(21)]
+        assert rank["rates"][15] == 3e-3 > rank["rates"][16] and rank["rates"][20] == pytest.approx(3e-4)
+    assert "time budget: 21 steps fit in 0.5 minutes (1.00 s a step, 4.0 s kept for the end); the learning rate " \
+           "decays from step 16 to step 20\n" in budgeted["wsd"][0]["printed"]
+    for rank in budgeted["wsd sooner"]:
+        assert rank["steps"] == 14 and rank["decay_start"] == 12 and rank["end"] <= 30.0
+        assert rank["rates"][:12] == budgeted["wsd"][0]["rates"][:12]
+        assert rank["rates"][12:] == [wsd_learning_rate(step, 3e-3, 2, 14, 12) for step in (12, 13)]
+        assert rank["rates"][13] == pytest.approx(3e-4) and rank["saved"][-1] == (13, True)
+    assert "time budget: the steps slowed down: 14 steps fit, not 21; the learning rate decays from step 12 to " \
+           "step 13\n" in budgeted["wsd sooner"][0]["printed"]
+    assert re.search(r"step   13 \| val loss \d\.\d{4}\n", budgeted["wsd sooner"][0]["printed"])
+    for rank in budgeted["wsd mid-decay"]:
+        assert rank["steps"] == 20 and rank["decay_start"] == pytest.approx(16.8) and rank["end"] <= 30.0
+        assert rank["rates"][:19] == budgeted["wsd"][0]["rates"][:19]
+        assert rank["rates"][19] == pytest.approx(3e-4) and budgeted["wsd"][0]["rates"][19] > 3.1e-4
+    assert "time budget: the steps slowed down: 20 steps fit, not 21; the learning rate decays from step 16 to " \
+           "step 19\n" in budgeted["wsd mid-decay"][0]["printed"]
+
+
+def test_a_wsd_run_resumes_on_its_schedule_from_the_stable_phase_or_mid_decay(budgeted):
+    """What a checkpoint records of the plan (planned steps, where the decay starts) makes a
+    resumed run, with a budget of its own, follow the first run's rates to the same last step: from
+    the stable phase, mid-decay, and a decay the budget moved earlier (not the share's place)."""
+    for name, run, step in [("resumed stable", "wsd", 9), ("resumed mid-decay", "wsd", 17),
+                            ("resumed moved", "wsd sooner", 12)]:
+        for resumed, first in zip(budgeted[name], budgeted[run]):
+            assert "steps fit" not in resumed["printed"]
+            assert resumed["rates"] == first["rates"][step + 1:] and resumed["steps"] == first["steps"], name
 
 
 def test_a_real_budget_holds_and_a_resumed_run_follows_its_plan(tmp_path):

@@ -20,12 +20,14 @@ import torch.distributed as dist
 from picotron_like import comm, run_control, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
+from picotron_like.lr_schedule import (decay_start, first_decaying_step, learning_rate, place_decay,
+                                      run_learning_rate, wsd_learning_rate)
 from picotron_like.metrics import (ActivationMeter, measured_memory, model_flops_utilisation, peak_flops,
                                    predicted_activation_bytes, predicted_memory)
 from picotron_like.model import GPT, count_parameters, flops_per_token, get_config
 from picotron_like.testing import HostReads, run_ranks
-from picotron_like.topology import GridShape, ProcessGrid, validate_parallel_config
-from picotron_like.train import build_optimizer, clip_grad_norm_, learning_rate, optimizer_step
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid, validate_parallel_config
+from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
 
 SMALL = replace(get_config("tiny"), n_layers=3, hidden=96, n_heads=6, n_kv_heads=3, ffn_hidden=256, vocab_size=300)
 
@@ -69,6 +71,60 @@ def test_learning_rate_schedule():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == 1.0 and all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
     assert lrs[20] == pytest.approx(0.1) and lrs[23] == pytest.approx(0.1)
+
+
+def test_wsd_holds_the_peak_and_decays_over_the_final_share_to_the_minimum_at_the_last_step():
+    """20 steps, warm-up 4, --decay-share 0.2: the peak from step 3 to 15, then 1 - sqrt of the
+    decay's progress (step s counts as done at s + 1) from 16, down to 0.1 x the peak at step 19.
+    A run shorter than its warm-up still ends at the minimum: the lower of the two rates."""
+    lrs = [wsd_learning_rate(step, 1.0, 4, 20, decay_start=0.8 * 20) for step in range(20)]
+    assert lrs[:16] == [0.25, 0.5, 0.75] + [1.0] * 13
+    assert lrs[16:] == pytest.approx([0.1 + 0.9 * (1 - math.sqrt(done / 4)) for done in (1, 2, 3, 4)])
+    assert lrs[16] == pytest.approx(0.55) and lrs[19] == pytest.approx(0.1)
+    assert [wsd_learning_rate(step, 1.0, 5, 3, decay_start=0.8 * 3) for step in range(3)] == \
+        pytest.approx([0.2, 0.4, 0.1])
+
+
+def test_the_run_learning_rate_is_cosine_unless_wsd_is_asked_and_a_budget_places_the_decay():
+    """run_learning_rate: cosine, bit for bit, by default; wsd from the run's flags. place_decay
+    (a time budget's plan from a step on): the share of the plan, or now where that share has
+    begun, or, for a decay under way, its own start, the end moved; cosine keeps only the steps."""
+    cosine = argparse.Namespace(lr=3e-3, warmup_steps=5, steps=30)
+    assert [run_learning_rate(cosine, step) for step in range(30)] == [learning_rate(step, 3e-3, 5, 30)
+                                                                       for step in range(30)]
+    place_decay(cosine, 3, 12)
+    assert (cosine.steps, cosine.planned_steps, getattr(cosine, "decay_start", None)) == (12, 12, None)
+    wsd = argparse.Namespace(lr=3e-3, warmup_steps=5, steps=train.NO_STEP_LIMIT, lr_schedule="wsd", decay_share=0.25,
+                             decay_start=None)
+    assert decay_start(wsd) == 0.75 * train.NO_STEP_LIMIT and run_learning_rate(wsd, 100) == 3e-3
+    place_decay(wsd, 3, 40)                                 # the estimate: the last quarter of 40 steps
+    assert (wsd.steps, wsd.planned_steps, wsd.decay_start, first_decaying_step(wsd)) == (40, 40, 30.0, 30)
+    place_decay(wsd, 23, 32)                                # sooner, before the decay: the last quarter of 32
+    assert wsd.decay_start == 24.0
+    place_decay(wsd, 27, 30)                                # under way since step 24: it keeps its start
+    assert (wsd.steps, wsd.decay_start) == (30, 24.0)
+    assert run_learning_rate(wsd, 29) == pytest.approx(3e-4)
+    late = argparse.Namespace(lr=3e-3, warmup_steps=0, steps=train.NO_STEP_LIMIT, lr_schedule="wsd", decay_share=0.5)
+    place_decay(late, 3, 5)                                 # the share began at 2.5, before the plan: from step 3
+    assert late.decay_start == 3.0 and [run_learning_rate(late, step) for step in range(5)][2:] == \
+        pytest.approx([3e-3, 3e-3 * (0.1 + 0.9 * (1 - math.sqrt(0.5))), 3e-4])
+
+
+def test_a_decay_share_outside_its_range_or_without_wsd_is_refused():
+    lesson = load_lesson("01_data_parallel")
+    for share in ("0", "1.5", "-0.2", "nan"):
+        with pytest.raises(ConfigError, match=rf"--decay-share {share.replace('.', '[.]')}\S* must be in \(0, 1\]"):
+            train.check_flag_ranges(lesson.parse_args(["--lr-schedule", "wsd", "--decay-share", share]))
+    with pytest.raises(ConfigError, match="--decay-share 0.3 with --lr-schedule cosine: cosine decays over the whole "
+                                          "run; add --lr-schedule wsd or drop --decay-share"):
+        train.check_flag_ranges(lesson.parse_args(["--decay-share", "0.3"]))
+    args = lesson.parse_args(["--lr-schedule", "wsd", "--decay-share", "1"])
+    train.check_flag_ranges(args)
+    for argv, share in [(["--lr-schedule", "wsd"], 0.2), (["--lr-schedule", "wsd", "--decay-share", "1"], 1.0),
+                        ([], None)]:
+        args = lesson.parse_args(argv)
+        train.resolve_decay_share(args)
+        assert args.decay_share == share
 
 
 def sharded_clipping():
