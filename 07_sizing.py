@@ -45,6 +45,7 @@ printed).
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 from dataclasses import dataclass
@@ -167,6 +168,37 @@ def proposal(base: GPTConfig, args, sizing: Sizing, validate) -> tuple[Candidate
     return chosen, [at(k) for k in sorted(shown)]
 
 
+# ============================================================================ the technique: the command that trains it
+
+
+def launch_flags(gpus: int, ranks_per_node: int) -> tuple[list[str], str]:
+    """torchrun's flags for --gpus ranks, and what the reader fills in: one node standalone, or
+    the same command on every node with a rendezvous at the first node."""
+    if gpus <= ranks_per_node:
+        return ["--standalone", f"--nproc_per_node={gpus}"], ""
+    return (["--nnodes", str(gpus // ranks_per_node), "--nproc_per_node", str(ranks_per_node), "--rdzv_backend",
+             "c10d", "--rdzv_endpoint", "HOST:29500", "--rdzv_id", "RUN"],
+            " (the same on every node; HOST: the first node's address)")
+
+
+def model_flags(preset: str, cfg: GPTConfig) -> list[str]:
+    """--preset and the shape flags that make `cfg` of it (those that differ from the preset's)."""
+    flags = ["--preset", preset]
+    for name in MODEL_SHAPE_FLAGS:
+        if getattr(cfg, name) != getattr(PRESETS[preset], name):
+            flags += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
+    return flags
+
+
+def proposal_command(chosen: Candidate, args, argv: list[str], launch: list[str]) -> str:
+    """The user's run flags, the proposal's model and layout, and --max-minutes."""
+    replaced = {"preset", *MODEL_SHAPE_FLAGS, "max_minutes"} | autotune.flag_dests(add_sizing_flags)
+    kept = autotune.without_flags(autotune.run_flags(argv, args), args, replaced)
+    return shlex.join(["torchrun", *launch, os.path.relpath(autotune.TRAINER), *kept,
+                       *model_flags(args.preset, chosen.cfg), *autotune.layout_flags(chosen.layout),
+                       "--max-minutes", f"{args.max_minutes:g}"])
+
+
 # ============================================================================ configuration rules
 
 
@@ -187,6 +219,8 @@ def checked_sizing_flags(args, validate, expert_degree):
     first_step_s = args.time_to_first_step
     if first_step_s is None:
         first_step_s = FIRST_STEP_S[device.device_type] + args.compile * COMPILE_S[device.device_type]
+    if not (args.tokens_per_parameter > 0 and math.isfinite(args.tokens_per_parameter)):
+        problems.append(f"--tokens-per-parameter {args.tokens_per_parameter:g} must be a positive number")
     if not (0 <= first_step_s < 60 * args.max_minutes):
         problems.append(f"--time-to-first-step {first_step_s:g} must be 0 or more and less than the "
                         f"{60 * args.max_minutes:g} s of --max-minutes {args.max_minutes:g}")
@@ -195,13 +229,19 @@ def checked_sizing_flags(args, validate, expert_degree):
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device(device.device_type))
     usable = device.memory_gib * memory_plan.GIB * (1 - memory_plan.PLAN_MARGIN)
     run_time = RunTime(first_step_s, args.val_every, args.val_batches if args.val_every else 0)
-    return cfg, shape, Sizing(device, precision, usable, 60 * args.max_minutes, run_time, CHINCHILLA)
+    rule = (CHINCHILLA if args.tokens_per_parameter == CHINCHILLA.tokens_per_parameter else
+            ComputeOptimalRule(args.tokens_per_parameter, f"--tokens-per-parameter {args.tokens_per_parameter:g} "
+                                                          f"(Chinchilla's: {CHINCHILLA.source})"))
+    return cfg, shape, Sizing(device, precision, usable, 60 * args.max_minutes, run_time, rule)
 
 
 # ============================================================================ main
 
 
 def add_sizing_flags(parser) -> None:
+    parser.add_argument("--tokens-per-parameter", type=float, default=CHINCHILLA.tokens_per_parameter, metavar="R",
+                        help="with --plan --max-minutes: the compute-optimal tokens per parameter the proposal aims "
+                             "at (Chinchilla's, Hoffmann et al. 2022: about 20)")
     parser.add_argument("--time-to-first-step", type=float, default=None, metavar="S",
                         help="with --plan --max-minutes: the seconds a run takes to the end of its first step "
                              "(start-up, building the model, compiling, the step: a run prints it as `time to the "
@@ -307,31 +347,3 @@ def sizing_assumptions(args, sizing: Sizing, base: GPTConfig, shape) -> list[str
             f"nothing of it (a small model may train better on a smaller one)",
             f"step time: the plan's estimate on {sizing.device.name} (python 07_full_5d.py --plan with the "
             f"proposal's flags prints its parts and assumptions; --autotune measures them)"]
-
-
-def launch_flags(gpus: int, ranks_per_node: int) -> tuple[list[str], str]:
-    """torchrun's flags for --gpus ranks, and what the reader fills in: one node standalone, or
-    the same command on every node with a rendezvous at the first node."""
-    if gpus <= ranks_per_node:
-        return ["--standalone", f"--nproc_per_node={gpus}"], ""
-    return (["--nnodes", str(gpus // ranks_per_node), "--nproc_per_node", str(ranks_per_node), "--rdzv_backend",
-             "c10d", "--rdzv_endpoint", "HOST:29500", "--rdzv_id", "RUN"],
-            " (the same on every node; HOST: the first node's address)")
-
-
-def model_flags(preset: str, cfg: GPTConfig) -> list[str]:
-    """--preset and the shape flags that make `cfg` of it (those that differ from the preset's)."""
-    flags = ["--preset", preset]
-    for name in MODEL_SHAPE_FLAGS:
-        if getattr(cfg, name) != getattr(PRESETS[preset], name):
-            flags += [f"--{name.replace('_', '-')}", str(getattr(cfg, name))]
-    return flags
-
-
-def proposal_command(chosen: Candidate, args, argv: list[str], launch: list[str]) -> str:
-    """The user's run flags, the proposal's model and layout, and --max-minutes."""
-    replaced = {"preset", *MODEL_SHAPE_FLAGS, "max_minutes"} | autotune.flag_dests(add_sizing_flags)
-    kept = autotune.without_flags(autotune.run_flags(argv, args), args, replaced)
-    return shlex.join(["torchrun", *launch, os.path.relpath(autotune.TRAINER), *kept,
-                       *model_flags(args.preset, chosen.cfg), *autotune.layout_flags(chosen.layout),
-                       "--max-minutes", f"{args.max_minutes:g}"])

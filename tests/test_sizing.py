@@ -79,6 +79,11 @@ def test_more_minutes_never_propose_a_smaller_model_and_the_proposal_is_nearest_
                                        <= CHINCHILLA.distance(other.tokens_per_parameter) for other in shown)
         proposed.append(chosen.parameters)
     assert proposed == sorted(proposed) and len(set(proposed)) >= 3, proposed
+    # a rule that asks more tokens per parameter proposes a model no larger, and the rule's figure is printed
+    args = full_5d.parse_args(cpu_flags(cpu_profile, 64) + ["--tokens-per-parameter", "80"])
+    base, _, priced_for = sizing.checked_sizing_flags(args, full_5d.validate, full_5d.expert_degree)
+    assert priced_for.rule.tokens_per_parameter == 80 and "--tokens-per-parameter 80" in priced_for.rule.source
+    assert sizing.proposal(base, args, priced_for, full_5d.validate)[0].parameters < proposed[4]
 
 
 def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed(cpu_profile, capsys, tmp_path):
@@ -110,6 +115,7 @@ def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed
     (["--max-minutes", "10", "--gpus", "12"], "--gpus 12 is not a whole number of nodes of 8"),
     (["--max-minutes", "10", "--preset", "tiny-moe"], "--preset tiny-moe has experts"),
     (["--max-minutes", "10", "--steps", "5"], "--steps 5: with --plan --max-minutes the minutes decide the steps"),
+    (["--max-minutes", "10", "--tokens-per-parameter", "0"], "--tokens-per-parameter 0 must be a positive number"),
     (["--max-minutes", "1", "--time-to-first-step", "60"], "--time-to-first-step 60 must be 0 or more and less than "
                                                            "the 60 s of --max-minutes 1"),
 ])
