@@ -85,8 +85,10 @@ def adamw_implementation(device: torch.device) -> dict:
 
 
 def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group at the schedule's rate `lr`; a group with an "lr_ratio" (Muon's, whose peak is
+    its own) at that multiple of it."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_ratio"] if "lr_ratio" in group else lr
 
 
 def global_grad_norm(grads: list[torch.Tensor], device: torch.device, sharded_over=(),
