@@ -30,6 +30,7 @@ import torch.distributed as dist
 from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
+from picotron_like.lr_schedule import learning_rate
 from picotron_like.metrics import add_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT
 from picotron_like.testing import run_ranks
@@ -150,7 +151,7 @@ def test_the_schedule_moves_muon_at_its_own_peak_and_adamw_unchanged():
     optimizer = lesson().build_muon_optimizer(model, LR, muon_settings())
     adamw = build_optimizer(GPT(CFG, seed=SEED), LR)
     for step in (0, 3, 10, 19):
-        lr = train.learning_rate(step, LR, 5, 20)
+        lr = learning_rate(step, LR, 5, 20)
         train.set_learning_rate(optimizer, lr)
         train.set_learning_rate(adamw, lr)
         assert [g["lr"] for g in optimizer.adamw.param_groups] == [g["lr"] for g in adamw.param_groups] == [lr, lr]
