@@ -272,6 +272,10 @@ def print_sizing(args, argv: list[str], validate, expert_degree) -> None:
           f"{memory_plan.layout_name(layout)} ZeRO-{layout.args.zero_stage} recompute {layout.args.recompute}, "
           f"estimated {layout.step_seconds:.3f} s per step, {layout.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, "
           f"{layout.mfu:.1%} MFU")
+    if chosen.kv_heads == 1 and chosen.tokens_per_parameter < sizing.rule.tokens_per_parameter:
+        print("note: the family's smallest member, and still short of the rule's tokens per parameter: the minutes "
+              "ask for a smaller model; a smaller head size or fewer query heads per key/value head (--hidden, "
+              "--n-heads, --n-kv-heads) give a family that reaches smaller")
     print(data_passes(args, chosen))
     print("assumptions:\n" + "\n".join(f"  - {line}" for line in sizing_assumptions(args, sizing, base, shape)))
     launch, where = launch_flags(args.gpus, sizing.device.ranks_per_node)

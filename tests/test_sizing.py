@@ -106,6 +106,9 @@ def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{count_parameters(cfg)['total']:,} parameters" in done.stdout and "step    0 | loss" in done.stdout
+    # a quarter of a minute holds too few tokens even for the family's smallest member: said so
+    full_5d.main(cpu_flags(cpu_profile, 0.25))
+    assert "note: the family's smallest member, and still short of the rule's" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("flags, message", [
