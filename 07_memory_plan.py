@@ -824,7 +824,8 @@ def checked_plan_flags(args, validate, expert_degree):
 def add_plan_flags(parser) -> None:
     parser.add_argument("--plan", action="store_true",
                         help="no training, no torchrun: print this layout's memory per rank on --gpus GPUs, whether "
-                             "it fits, and the layouts that fit, fastest first (the layout from the usual flags)")
+                             "it fits, and the layouts that fit, fastest first (the layout from the usual flags); "
+                             "with --max-minutes M instead the model and tokens M minutes allow (07_sizing.py)")
     parser.add_argument("--gpus", type=int, default=8, help="with --plan: the number of GPUs (the world size)")
     parser.add_argument("--gpu", default="B300",
                         help="with --plan: the GPU, whose published profile (picotron_like/published_profiles.py) "
