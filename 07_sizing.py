@@ -54,6 +54,7 @@ import torch
 
 from picotron_like.data import BatchShape, DataError, TokenBatches, builtin_corpus_paths
 from picotron_like.compute_optimal import CHINCHILLA, ComputeOptimalRule, RunTime, family_description, family_member
+from picotron_like.device_profile import DeviceProfile
 from picotron_like.lessons import load_lesson
 from picotron_like.model import PRESETS, GPTConfig, count_parameters, flops_per_token
 from picotron_like.topology import ConfigError
@@ -80,8 +81,8 @@ class Sizing:
     """What every candidate is priced against: the device, the precision, the memory a layout may
     fill, the minutes and what a run spends besides its steps, the rule."""
 
-    device: object
-    precision: object
+    device: DeviceProfile
+    precision: "zero.Precision"
     usable_bytes: float
     budget_s: float
     run_time: RunTime
@@ -95,7 +96,7 @@ class Candidate:
 
     kv_heads: int
     cfg: GPTConfig
-    layout: object
+    layout: "memory_plan.PlannedLayout | None"
     steps: int
 
     @property
@@ -222,8 +223,11 @@ def checked_sizing_flags(args, validate, expert_degree):
     if not (args.tokens_per_parameter > 0 and math.isfinite(args.tokens_per_parameter)):
         problems.append(f"--tokens-per-parameter {args.tokens_per_parameter:g} must be a positive number")
     if not (0 <= first_step_s < 60 * args.max_minutes):
-        problems.append(f"--time-to-first-step {first_step_s:g} must be 0 or more and less than the "
-                        f"{60 * args.max_minutes:g} s of --max-minutes {args.max_minutes:g}")
+        given = (f"--time-to-first-step {first_step_s:g}" if args.time_to_first_step is not None else
+                 f"the time to the first step assumed on a {device.device_type} run, {first_step_s:g} s "
+                 f"(--time-to-first-step),")
+        problems.append(f"{given} must be 0 or more and less than the {60 * args.max_minutes:g} s of --max-minutes "
+                        f"{args.max_minutes:g}")
     if problems:
         exit_with_error(ConfigError("bad flags:\n  - " + "\n  - ".join(problems)))
     precision = zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device(device.device_type))

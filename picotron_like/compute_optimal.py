@@ -48,8 +48,9 @@ class ComputeOptimalRule:
 
     def distance(self, tokens_per_parameter: float) -> float:
         """How far a candidate is from the rule: |log(its tokens per parameter / the rule's)|, so
-        twice too many and twice too few count the same (Chinchilla's loss against log N at fixed
-        FLOPs is about symmetric around its minimum); a candidate with no tokens is infinitely far."""
+        twice too many and twice too few count the same (Chinchilla fitted each of its isoFLOP
+        profiles, the loss against log N at fixed FLOPs, with a parabola: symmetric around its
+        minimum); a candidate with no tokens is infinitely far."""
         if tokens_per_parameter <= 0:
             return math.inf
         return abs(math.log(tokens_per_parameter / self.tokens_per_parameter))

@@ -121,6 +121,8 @@ def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed
     (["--max-minutes", "10", "--tokens-per-parameter", "0"], "--tokens-per-parameter 0 must be a positive number"),
     (["--max-minutes", "1", "--time-to-first-step", "60"], "--time-to-first-step 60 must be 0 or more and less than "
                                                            "the 60 s of --max-minutes 1"),
+    (["--max-minutes", "0.5"], "the time to the first step assumed on a cuda run, 60 s (--time-to-first-step), must "
+                               "be 0 or more and less than the 30 s of --max-minutes 0.5"),
 ])
 def test_bad_values_are_refused_before_any_work(flags, message, monkeypatch):
     full_5d = load_lesson("07_full_5d")
