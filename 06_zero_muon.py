@@ -6,58 +6,55 @@ Lesson 06, continued: Muon, an optimizer that needs each matrix whole, over ZeRO
     torchrun --nproc_per_node=2 06_zero_muon.py --optimizer adamw      # lesson 06 as it was, to compare
 
 The problem. Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training") steps
-each hidden weight matrix by its momentum *orthogonalised*: the matrix U V^T of the momentum's
-singular value decomposition U S V^T, every direction moved by the same amount. It trains the
-modded-nanogpt records (GPT-2 small to 3.28 loss) in about two thirds of AdamW's steps and keeps
-one moment where AdamW keeps two. But the orthogonalisation is not elementwise: it needs the whole
-matrix, while ZeRO (lesson 06) holds flat shards that cut matrices at arbitrary places. On the tiny
-preset at dp = 3, 12 of the 14 hidden matrices are split between two ranks (the test checks it).
+each hidden weight matrix by its momentum *orthogonalised*: about U V^T of the momentum's singular
+value decomposition U S V^T, every direction moved alike. It is the optimizer of the modded-nanogpt
+speed records and keeps one moment where AdamW keeps two. But orthogonalising is not elementwise:
+it needs the whole matrix, and ZeRO (lesson 06) holds flat shards cut at arbitrary places. On the
+tiny preset, 8 of the 28 hidden matrices lie across a shard boundary at dp 3, 20 at dp 8; and a
+rank holds nothing of most of the others.
 
-The idea. Keep everything elementwise where it was, on each rank's shard pieces: the momentum
+The idea. Keep everything elementwise where it is, on each rank's master pieces: the momentum
 (one float32 buffer per element, in the optimizer's state like AdamW's moments, so checkpoints
-save and reshard it the same way), the Nesterov blend, the weight decay, the update. Only the
-orthogonalisation needs a matrix whole, so each matrix gets one owner rank, chosen so that the
-Newton-Schulz FLOPs are balanced over the ranks (the same greedy choice on every rank). One
-all-to-all sends every piece to its matrix's owner, the owner orthogonalises, one all-to-all sends
-each piece of the result back to the rank that holds it:
+save and reshard it alike), the Nesterov blend, the weight decay, the update. Only Newton-Schulz
+needs a matrix whole, so each matrix gets one owner, chosen so that the Newton-Schulz FLOPs are
+balanced over the ranks (the same choice on every rank, from the layout alone). One all-to-all
+sends the parts to the owners, each owner orthogonalises its matrices, one all-to-all sends every
+part of the results back to the rank that holds it. Block 0 of the tiny preset at dp 2:
 
-     rank 0 shard: [ q  | k | v |  o  | gate ..]        owner 0: q, gate     owner 1: k, v, o, up
-     rank 1 shard: [.. gate | up  | down  |pad]         (FLOPs balanced: down goes to whoever
-                       |  all-to-all: pieces to owners  |         has less so far)
-                       v                                v
-           rank 0: NS(q) NS(gate) ...          rank 1: NS(k) NS(v) NS(o) NS(up) ...
-                       |  all-to-all: results back to the holders of their pieces
-                       v
-             each rank: master piece *= 1 - lr wd;  master piece -= lr' * update piece
+    flat unit:  [n| q | k | v | o |n|      gate      |    up    |   down   ]
+                |<-------------- rank 0 --------------->|<------- rank 1 ------->|
+    owners:        0   0   1   1          0               1          1
+    out:        v, o from rank 0 to rank 1; gate's last row from rank 1 to rank 0
+    back:       the same parts of the results, the other way
 
-Everything else (embedding, head, norm gains, a router) keeps AdamW on its pieces, as lesson 06
-steps it. ZeRO-0 holds every matrix on every rank: the owners still split the work (each
-orthogonalises its share and sends the results to the others) rather than all doing all of it,
-because N-fold Newton-Schulz FLOPs cost more than one bf16 copy of the updates on the wire.
+Everything else (embedding, head, norm gains, a router) keeps lesson 06's AdamW on its pieces.
+ZeRO-0 holds every matrix on every rank: the owners still split the work, each sending its
+results to all the others, rather than every rank orthogonalising everything: the N-fold
+Newton-Schulz FLOPs cost more than one bf16 copy of the updates on the wire (below).
 
-Newton-Schulz (the quintic iteration of Jordan's Muon, PyTorch's torch.optim.Muon): X = M / |M|_F
-in bf16, transposed so that it is m x n with m <= n, then 5 times X <- a X + (b A + c A^2) X with
-A = X X^T, (a, b, c) = (3.4445, -4.775, 2.0315). It pushes every singular value towards 1 (to
-roughly 0.7..1.2: fast, not exact, and good enough). The step is then scaled by sqrt(max(1, m/n))
-("original") or 0.2 sqrt(max(m, n)) ("match_rms_adamw": the update's RMS of AdamW's, so AdamW's
-learning rate and weight decay carry over).
+Newton-Schulz (Jordan's quintic, as torch.optim.Muon runs it): X = M / |M|_F in bf16, transposed
+so that it is m x n with m <= n, then 5 times X <- a X + (b A + c A^2) X with A = X X^T and
+(a, b, c) = (3.4445, -4.775, 2.0315): every singular value pushed towards 1 (to roughly 0.7-1.2:
+fast rather than exact, and good enough). The step is scaled by sqrt(max(1, rows/cols))
+("original", Jordan's) or 0.2 sqrt(max(rows, cols)) ("match_rms_adamw", Moonshot's: the update's
+RMS of AdamW's, so that AdamW's learning rate and weight decay carry over).
 
-The price. For a matrix of m x n with m <= n each iteration costs 2 m^2 n (A), 2 m^3 (A^2, added
-to b A by one addmm) and 2 m^2 n (times X): 10 m^2 (2n + m) FLOPs over 5 iterations, bf16, on
-the owner only: for the 1b preset's 2048 x 8192 MLP matrices, 1.9e12 FLOPs each, about 2 ms of an
-H100 at full rate per matrix, spread over the dp ranks; the model's forward and backward per token
-cost 6 x 2048 x 8192 = 1e8 per such matrix, so Newton-Schulz matters at small batches per step.
-Communication per step (bf16, 2 bytes per element; Psi_M the hidden matrices' elements; ZeRO-1/2/3):
-each rank sends its shard's pieces of matrices it does not own, and its owned matrices' results to
-their other holders: over all ranks about 2 (N-1)/N Psi_M bytes each way (ZeRO-0: nothing out,
-2 (N-1) Psi_M back: every rank receives every other owner's matrices). Memory: 4 bytes of momentum
-per Muon element where AdamW keeps 8, plus, during the step, the owner's whole matrices in bf16
-and its Newton-Schulz temporaries (a few m x m and m x n bf16 matrices).
+The price. Compute: per iteration 2 m^2 n (A), 2 m^3 (A^2, added to b A in one addmm) and 2 m^2 n
+(times X), so 10 m^2 (2n + m) FLOPs in bf16 on the matrix's owner: 7.7e11 for the 1b preset's
+8192 x 2048 MLP matrices, what that matrix's forward and backward cost for 7,700 tokens
+(6 x 2048 x 8192 per token): small against a step of a million tokens, and divided over the ranks.
+Communication per step, bf16 (2 bytes per element): out, each rank's parts of matrices it does not
+own; back, each owner's results to their other holders. Summed over the ranks, each way carries the
+matrices' elements their owners do not hold: (N-1)/N of them if owners held a random share; less,
+because among equally loaded ranks the one holding most of a matrix owns it (0.38 instead of 0.75
+on the tiny preset at dp 4). ZeRO-0: nothing out, 2 (N-1) bytes per element back over all ranks.
+Memory: 4 bytes of momentum per Muon element where AdamW keeps 8; during the step, the owner's
+whole matrices and the Newton-Schulz temporaries (a few m x m and m x n) in bf16.
 
-What to look for: the loss falls as lesson 06's (the step lines; --optimizer adamw for the same
-run under AdamW); the all-to-all traffic measured next to its prediction from the layout and the
-owners; the optimizer states, half of AdamW's for the matrices, measured next to predicted; the
-Newton-Schulz share of the step time.
+What to look for: the loss falls faster than lesson 06's AdamW (--optimizer adamw: the same run);
+the all-to-all bytes measured next to their prediction from the layout and the owners; the
+optimizer states, half of AdamW's for the matrices, measured next to predicted; the Newton-Schulz
+share of the step time.
 """
 
 from __future__ import annotations
@@ -275,6 +272,11 @@ class Matrix:
         return self.shape[0] * self.shape[1]
 
 
+def span(bounds: tuple[int, int]) -> int:
+    """The number of elements in [lo, hi)."""
+    return bounds[1] - bounds[0]
+
+
 def held_ranges(unit, start: int, numel: int, n: int) -> tuple[tuple[int, int], ...]:
     """Which elements of [start, start + numel) of `unit` each of its n group ranks holds: its
     shard's part (ZeRO-1/2/3: rank r holds [r S, (r+1) S) of the unit), or all (ZeRO-0)."""
@@ -289,14 +291,31 @@ def held_ranges(unit, start: int, numel: int, n: int) -> tuple[tuple[int, int], 
 
 def balanced_owners(matrices: list[Matrix], n: int) -> list[Matrix]:
     """Each matrix given to the rank with the fewest Newton-Schulz FLOPs so far, largest first
-    (greedy longest-processing-time, within 4/3 of the best balance); ties go to the lower rank and
-    the earlier matrix, so that every rank computes the same owners without a word exchanged."""
+    (greedy longest-processing-time, within 4/3 of the best balance). Among ranks as loaded, the one
+    that holds most of the matrix (it sends and receives least of it: on the tiny preset at dp 4,
+    0.38 of the matrices' elements travel each way instead of 0.75), then the lower rank. Decided
+    from the layout alone, so every rank computes the same owners without a word exchanged."""
     load, owners = [0] * n, {}
     for position in sorted(range(len(matrices)), key=lambda i: (-newton_schulz_flops(matrices[i].shape), i)):
-        owner = min(range(n), key=lambda rank: (load[rank], rank))
+        held = matrices[position].held
+        owner = min(range(n), key=lambda rank: (load[rank], -span(held[rank]), rank))
         load[owner] += newton_schulz_flops(matrices[position].shape)
         owners[position] = owner
     return [replace(matrix, owner=owners[i]) for i, matrix in enumerate(matrices)]
+
+
+def hidden_matrices(units: list, n: int):
+    """(unit, the matrix's first element in it, Matrix) for every hidden matrix of the units (each
+    expert's of a stack on its own), in the units' order, with what each of the n ranks holds."""
+    for unit in units:
+        offset = 0
+        for name, shape in zip(unit.names, unit.shapes):
+            if is_hidden_matrix(name, shape):
+                rows, cols = shape[-2:]
+                for index in range(shape.numel() // (rows * cols)):
+                    start = offset + index * rows * cols
+                    yield unit, start, Matrix(name, index, (rows, cols), held_ranges(unit, start, rows * cols, n))
+            offset += shape.numel()
 
 
 class MatrixExchange:
@@ -307,20 +326,10 @@ class MatrixExchange:
     def __init__(self, units: list, group):
         self.group, self.n, self.rank = group, group_size(group), group_rank(group)
         self.replicated = all(unit.shard_numel == unit.padded_numel for unit in units)
-        matrices, self.mine = [], {}
-        for unit in units:
-            offset = 0
-            for name, shape in zip(unit.names, unit.shapes):
-                if is_hidden_matrix(name, shape):
-                    rows, cols = shape[-2:]
-                    for index in range(shape.numel() // (rows * cols)):
-                        start = offset + index * rows * cols
-                        held = held_ranges(unit, start, rows * cols, self.n)
-                        if held[self.rank][1] > held[self.rank][0]:
-                            self.mine[len(matrices)] = self._place(unit, start + held[self.rank][0])
-                        matrices.append(Matrix(name, index, (rows, cols), held))
-                offset += shape.numel()
-        self.matrices = balanced_owners(matrices, self.n)
+        placed = list(hidden_matrices(units, self.n))
+        self.matrices = balanced_owners([matrix for _, _, matrix in placed], self.n)
+        self.mine = {position: self._place(unit, start + matrix.held[self.rank][0])
+                     for position, (unit, start, matrix) in enumerate(placed) if span(matrix.held[self.rank])}
         # Whether any rank sends anything each way: if not (one rank; ZeRO-0's way out), no collective.
         self.any_to_owners = any(span(self.to_owner(m, r)) for m in self.matrices for r in range(self.n))
         self.any_to_holders = any(span(self.to_holder(m, r)) for m in self.matrices for r in range(self.n))
@@ -344,10 +353,6 @@ class MatrixExchange:
 
     def owned(self, owner: int) -> list[tuple[int, Matrix]]:
         return [(position, m) for position, m in enumerate(self.matrices) if m.owner == owner]
-
-
-def span(bounds: tuple[int, int]) -> int:
-    return bounds[1] - bounds[0]
 
 
 def matrix_piece_shapes(model) -> dict[torch.Tensor, torch.Size]:

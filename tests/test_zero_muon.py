@@ -21,24 +21,26 @@ step's parameters are then the reference's, every step's loss is compared too.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import picotron_like.checkpoint as checkpoints
 from picotron_like import comm, train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.lr_schedule import learning_rate
 from picotron_like.metrics import add_traffic, step_bookkeeping_traffic
-from picotron_like.model import GPT
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
 from test_zero import ADAM_EPS, CFG, TOLERANCE, gathered, observe_gradients
 
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED = 32, 2, 12, 4, 3e-3, 7
+SAVED_AT = 2        # the step whose checkpoint a run at another dp resumes
 MUON_LR, MAX_GRAD_NORM = 0.02, 1.0
 CPU = torch.device("cpu")
 # The fused tail divides each gradient by 1 / clip factor where the exact one multiplies by it: an
@@ -224,10 +226,10 @@ def replay(model, optimizer, clipped_grads: list[dict]) -> None:
     optimizer.register_step_pre_hook(with_reference_gradients)
 
 
-def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict]) -> dict:
+def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save_dir=None) -> dict:
     """STEPS steps of lesson 06's ZeRO at `stage` with Muon, the optimizer fed the one-device run's
     gradients (replay); what the tests compare, and the traffic and model states next to their
-    formulas."""
+    formulas. With `save_dir`, a checkpoint after step SAVED_AT."""
     zero_muon, zero = lesson(), load_lesson("06_zero")
     precision = zero.Precision()
     model = zero.wrap_zero(GPT(CFG, seed=SEED), grid.dp_group, stage, precision)
@@ -237,8 +239,11 @@ def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict]) -> d
     replay(model, optimizer, clipped_grads)
     data = batches(grid.dp_size)
     comm.meter.reset()
-    results = [zero.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings)
-               for step in range(STEPS)]
+    results = []
+    for step in range(STEPS):
+        results.append(zero.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings))
+        if save_dir is not None and step + 1 == SAVED_AT:
+            save(save_dir, model, optimizer, grid)
     model.wait_for_weights()
     n, counts = grid.dp_size, [unit.numel for unit in model.units]
     exchanges = optimizer.muon.exchanges
@@ -256,15 +261,59 @@ def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict]) -> d
             "split": [sum(hi > lo for lo, hi in m.held) for m in exchanges[0].matrices]}
 
 
-def every_stage(clipped_grads: list[dict]) -> dict:
+def save(save_dir, model, optimizer, grid) -> None:
+    """Lesson 07's checkpoint of this rank's master pieces and their optimizer states."""
+    info = {"model": asdict(CFG), "layout": {"dp": grid.dp_size, "zero_stage": model.stage}, "run": {}, "settings": {}}
+    model.wait_for_weights()
+    checkpoints.save(save_dir, SAVED_AT, checkpoints.reference_slices(model, grid), optimizer, info)
+
+
+def resumed_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save_dir) -> dict:
+    """A model built from another seed, loaded from the checkpoint (whatever dp and stage wrote
+    it), trained on from step SAVED_AT with the same replayed gradients."""
+    zero_muon, zero = lesson(), load_lesson("06_zero")
+    model = zero.wrap_zero(GPT(CFG, seed=SEED + 1), grid.dp_group, stage)
+    optimizer = with_adam_eps(zero_muon.build_sharded_muon_optimizer(model, LR, muon_settings()))
+    manifest = checkpoints.read_manifest(checkpoints.step_directory(save_dir, SAVED_AT), CFG)
+    checkpoints.load(manifest, checkpoints.reference_slices(model, grid), optimizer)
+    model.publish_master()
+    replay(model, optimizer, clipped_grads[SAVED_AT:])
+    settings, data = zero.step_settings(CPU, zero.Precision(), MAX_GRAD_NORM), batches(grid.dp_size)
+    losses = [zero.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings).loss
+              for step in range(SAVED_AT, STEPS)]
+    model.wait_for_weights()
+    return {"losses": losses, "params": gathered(model, lambda unit: unit.master)}
+
+
+def every_stage(clipped_grads: list[dict], save_dir) -> dict:
+    """Stages 0-3; at dp 2, ZeRO-1 saves a checkpoint, which dp 3 resumes with ZeRO-2."""
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
-    return {stage: muon_zero_run(grid, stage, clipped_grads) for stage in (0, 1, 2, 3)}
+    saving = grid.dp_size == 2
+    runs = {stage: muon_zero_run(grid, stage, clipped_grads, save_dir if saving and stage == 1 else None)
+            for stage in (0, 1, 2, 3)}
+    if not saving:
+        runs["resumed"] = resumed_run(grid, 2, clipped_grads, save_dir)
+    return runs
 
 
-@pytest.mark.parametrize("dp", [2, 3])
-def test_every_stage_equals_one_device_muon_and_its_formulas(dp, reference):
-    """dp = 3: no unit's size is a multiple of 3, and shards cut matrices at uneven places."""
-    for rank, runs in enumerate(run_ranks(dp, every_stage, reference["every_clipped_grads"], timeout_s=240)):
+def test_every_stage_equals_one_device_muon_and_its_formulas_and_resumes_at_another_dp(reference, tmp_path):
+    """dp 2, then dp 3: no unit's size is a multiple of 3, and shards cut matrices at uneven places.
+    The checkpoint dp 2 writes mid-run (ZeRO-1) carries Muon's momentum, cut to the pieces: dp 3
+    (ZeRO-2) resumes it, and its parameters after the last step are the reference's, bit for bit."""
+    for dp in (2, 3):
+        check_every_stage(dp, run_ranks(dp, every_stage, reference["every_clipped_grads"], tmp_path, timeout_s=240),
+                          reference)
+
+
+def check_every_stage(dp: int, ranks: list[dict], reference: dict) -> None:
+    for rank, runs in enumerate(ranks):
+        resumed = runs.pop("resumed", None)
+        assert (resumed is None) == (dp == 2), "dp 3 resumes dp 2's checkpoint"
+        if resumed is not None:
+            torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][SAVED_AT:]),
+                                       rtol=0, atol=1e-5, msg=f"dp={dp} rank={rank} resumed losses")
+            for name, tensor in reference["params"].items():
+                assert torch.equal(resumed["params"][name], tensor), f"dp={dp} rank={rank} resumed {name}"
         for stage, result in runs.items():
             where = f"dp={dp} rank={rank} ZeRO-{stage}"
             for key in ("grads", "clipped_grads"):
@@ -281,3 +330,60 @@ def test_every_stage_equals_one_device_muon_and_its_formulas(dp, reference):
         assert sorted(set(owners)) == list(range(dp)), "every rank must own matrices"
         if dp == 3:
             assert max(runs[1]["split"]) > 1, "some matrix must be cut between ranks"
+
+
+# ----------------------------------------------------------------------------- the docstring's figures
+
+
+def tiny_matrices(n: int, tie_to_holders: bool = True) -> list:
+    """The tiny preset's hidden matrices with the owners lesson 06's units at n shards get; without
+    `tie_to_holders`, the owners balance alone would pick (ties to the lower rank)."""
+    zero_muon, zero = lesson(), load_lesson("06_zero")
+    model = GPT(get_config("tiny"))
+    names = {param: name for name, param in model.named_parameters()}
+    units = [zero.FlatUnit([(names[p], p) for m in modules for p in m.parameters()], n, 0, None)
+             for modules in zero.unit_modules(model)]
+    matrices = [matrix for _, _, matrix in zero_muon.hidden_matrices(units, n)]
+    if tie_to_holders:
+        return zero_muon.balanced_owners(matrices, n)
+    owners = zero_muon.balanced_owners([replace(m, held=((0, 0),) * n) for m in matrices], n)
+    return [replace(m, owner=o.owner) for m, o in zip(matrices, owners)]
+
+
+def travelling_share(matrices) -> float:
+    """The share of the matrices' elements their owners do not hold."""
+    span = lesson().span
+    return sum(m.numel - span(m.held[m.owner]) for m in matrices) / sum(m.numel for m in matrices)
+
+
+def test_the_docstrings_figures():
+    zero_muon = lesson()
+    doc = " ".join(zero_muon.__doc__.split())
+
+    def split(n):
+        return sum(sum(hi > lo for lo, hi in m.held) > 1 for m in tiny_matrices(n))
+
+    assert f"{split(3)} of the {len(tiny_matrices(3))} hidden matrices lie across a shard boundary at dp 3, " \
+           f"{split(8)} at dp 8" in doc
+    assert f"({travelling_share(tiny_matrices(4)):.2f} instead of " \
+           f"{travelling_share(tiny_matrices(4, tie_to_holders=False)):.2f} on the tiny preset at dp 4)" in doc
+    block_0 = [m.owner for m in tiny_matrices(2)[:7]]
+    assert f"owners:        {'   '.join(map(str, block_0[:4]))}          {block_0[4]}               " \
+           f"{block_0[5]}          {block_0[6]}" in zero_muon.__doc__
+    big = get_config("1b")
+    flops = zero_muon.newton_schulz_flops((big.ffn_hidden, big.hidden))
+    assert f"{flops:.1e} for the 1b preset's {big.ffn_hidden} x {big.hidden} MLP".replace("e+", "e") in doc
+    assert f"for {round(flops / (6 * big.hidden * big.ffn_hidden), -2):,.0f} tokens" in doc
+    loads = [sum(zero_muon.newton_schulz_flops(m.shape) for m in tiny_matrices(3) if m.owner == rank)
+             for rank in range(3)]
+    assert max(loads) / min(loads) < 1.01, "the Newton-Schulz FLOPs balanced over the ranks"
+
+
+def test_bad_muon_flags_are_one_line_before_any_process_group():
+    zero_muon = lesson()
+    args = zero_muon.parse_args(["--muon-lr", "0", "--muon-weight-decay", "-1", "--muon-momentum", "1"])
+    with pytest.raises(ConfigError) as refused:
+        train.checked_plan(args, zero_muon.validate, None, 2)
+    assert str(refused.value).splitlines() == [
+        "bad Muon flags:", "  - --muon-lr 0.0 must be a positive number",
+        "  - --muon-weight-decay -1.0 must be 0 or more", "  - --muon-momentum 1.0 must be in [0, 1)"]
