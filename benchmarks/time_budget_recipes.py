@@ -61,7 +61,7 @@ from picotron_like.data import read_token_shard, write_token_shard
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import count_parameters
 from picotron_like.plot import read_metrics
-from picotron_like.train import config_from_flags
+from picotron_like.train import config_from_flags, resolve_decay_share
 
 LESSON = REPO_ROOT / "07_full_5d.py"
 
@@ -179,20 +179,22 @@ def parse_lesson_flags(flags: list[str]):
             return load_lesson("07_full_5d").parse_args(flags), None
     except SystemExit:
         lines = [line for line in stderr.getvalue().splitlines() if line.strip()]
-        return None, lines[-1] if lines else "refused"
+        return None, lines[-1].split("error: ", 1)[-1] if lines else "refused"      # argparse's, without its usage
 
 
 def available_recipes(recipes: dict[str, list[str]]) -> tuple[dict[str, dict], dict[str, str]]:
-    """The recipes lesson 07 accepts, each with the settings it runs (SETTINGS_SHOWN), and the
+    """The recipes lesson 07 accepts, each with the settings it runs (SETTINGS_SHOWN, the defaults
+    lesson 07 fills in at start-up included; None: a setting the recipe does not use), and the
     refused ones with lesson 07's reason (a feature not yet there)."""
     available, skipped = {}, {}
     for name, flags in recipes.items():
         args, reason = parse_lesson_flags(COMMON_FLAGS + flags)
         if args is None:
             skipped[name] = reason
-        else:
-            available[name] = {key: value for key, value in sorted(vars(args).items())
-                               if any(word in key for word in SETTINGS_SHOWN)}
+            continue
+        resolve_decay_share(args)
+        available[name] = {key: value for key, value in sorted(vars(args).items())
+                           if any(word in key for word in SETTINGS_SHOWN) and value is not None}
     return available, skipped
 
 

@@ -4,10 +4,12 @@ minutes) is not a test: `--quick` checks it in about a minute."""
 
 import pytest
 
-from benchmarks.time_budget_recipes import (BASELINE, Run, available_recipes, markdown_table, prepare_corpus,
-                                            stdlib_sources, steps_for_tokens, summarise, tokens_per_pass)
+from benchmarks.time_budget_recipes import (BASELINE, RECIPES, Run, available_recipes, markdown_table,
+                                            prepare_corpus, stdlib_sources, steps_for_tokens, summarise,
+                                            tokens_per_pass)
 from picotron_like.data import read_token_shard
 from picotron_like.lessons import load_lesson
+from picotron_like.lr_schedule import DEFAULT_DECAY_SHARE
 
 
 def write(path, text, encoding="utf-8"):
@@ -51,12 +53,13 @@ def test_prepare_corpus_holds_out_whole_files_cuts_validation_to_its_windows_and
     assert again.train_tokens == corpus.train_tokens - old_size + len("y = 2\n")
 
 
-def test_recipes_lesson_07_refuses_are_skipped_with_its_reason():
-    available, skipped = available_recipes({BASELINE: [], "bogus": ["--no-such-flag", "1"]})
-    assert list(available) == [BASELINE] and list(skipped) == ["bogus"]
-    assert "--no-such-flag" in skipped["bogus"]
+def test_recipes_lesson_07_refuses_are_skipped_with_its_reason_and_the_others_show_their_defaults():
+    available, skipped = available_recipes({BASELINE: [], "wsd": RECIPES["wsd"], "bogus": ["--no-such-flag", "1"]})
+    assert list(available) == [BASELINE, "wsd"] and skipped == {"bogus": "unrecognized arguments: --no-such-flag 1"}
     defaults = load_lesson("07_full_5d").parse_args([])
     assert available[BASELINE]["lr"] == defaults.lr and available[BASELINE]["warmup_steps"] == defaults.warmup_steps
+    assert "decay_share" not in available[BASELINE]                       # cosine has none
+    assert available["wsd"]["decay_share"] == DEFAULT_DECAY_SHARE          # filled in at start-up, shown
 
 
 def test_steps_for_tokens_follow_the_measured_steps_then_the_last_one():
