@@ -264,8 +264,9 @@ class ZeroDataParallel(nn.Module):
         return unit.shard(unit.flat_params)
 
     def _hold_gradients(self, unit: FlatUnit, device) -> None:
-        """A whole gradient buffer (its padding stays zero: nothing writes it, and a sum of zeros
-        is zero); its shard is where this rank's summed gradient lands."""
+        """A whole gradient buffer (its padding zero: no gradient reaches it, a sum of zeros is
+        zero, and each step's first gradient zeroes it again); its shard is where this rank's
+        summed gradient lands."""
         unit.grad_buffer = torch.zeros(unit.padded_numel, dtype=self.precision.reduce_dtype, device=device)
         unit.grad_views = unit.views(unit.grad_buffer)
         unit.grad_shard = unit.shard(unit.grad_buffer)
@@ -290,6 +291,9 @@ class ZeroDataParallel(nn.Module):
             torch._foreach_add_(unit.grad_views, grads)
         else:
             torch.cat([grad.reshape(-1) for grad in grads], out=unit.grad_buffer[: unit.numel])
+            # The padding too: no gradient reaches it, but a step skipped for a non-finite norm
+            # scaled it by NaN, and left so every later norm would be NaN.
+            unit.grad_buffer[unit.numel:].zero_()
             unit.has_grad = True
         # Summed, never averaged: each rank's loss is its share of the global batch's mean (train_step).
         if not self.require_backward_grad_sync:
