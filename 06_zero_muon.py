@@ -593,6 +593,8 @@ def report(model, run: MeteredRun, gathered: GatheredParameterMeter, n_micro: in
     held = muon_elements_held(exchanges)
     zero.log_model_states(model, optimizer, f"ZeRO-{stage} over {n} ranks, Muon for {held:,} of this rank's "
                           f"elements", predicted_model_states(counts, n, stage, precision, held), gathered, peak)
+    log0(f"Muon's momentum: {4 * held / 1e6:.3f} MB for those elements, where AdamW's two moments would take "
+         f"{8 * held / 1e6:.3f} MB")
     log_traffic_rows(run, f"{n_micro} micro-batches; Muon's all-to-alls in bf16",
                      technique=predicted_muon_traffic(exchanges),
                      gradients=zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard, group),

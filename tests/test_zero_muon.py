@@ -44,9 +44,9 @@ SAVED_AT = 2        # the step whose checkpoint a run at another dp resumes
 MUON_LR, MAX_GRAD_NORM = 0.02, 1.0
 CPU = torch.device("cpu")
 # The fused tail divides each gradient by 1 / clip factor where the exact one multiplies by it: an
-# ulp apart, and Newton-Schulz's bf16 input flips a rounding here and there (a 1e-6 relative
-# perturbation of the gradients moves this model's weights by 3.4e-4 after one Muon step, measured).
-FUSED_TOLERANCE = 1e-3
+# ulp apart, and Newton-Schulz's bf16 input flips a rounding here and there, which the iteration
+# amplifies (measured: 7.8e-5 after two steps). The suite's tolerance on parameters, 1e-2 lr.
+FUSED_TOLERANCE = 1e-2 * MUON_LR
 
 
 def lesson():
