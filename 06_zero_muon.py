@@ -559,6 +559,11 @@ def predicted_model_states(unit_counts: list[int], n: int, stage: int, precision
     return replace(states, optimizer_states=states.optimizer_states - 4 * muon_elements)
 
 
+def newton_schulz_flops_by_owner(exchange: MatrixExchange) -> int:
+    """The Newton-Schulz FLOPs per step of the exchange's busiest owner: the step waits for it."""
+    return max(sum(newton_schulz_flops(m.shape) for _, m in exchange.owned(rank)) for rank in range(exchange.n))
+
+
 def newton_schulz_seconds(exchanges: list[MatrixExchange], device, repeats: int = 3) -> float:
     """The seconds this rank's Newton-Schulz work takes per step, timed apart on random matrices
     of its owned shapes (the best of `repeats`: the step's own calls are not touched)."""
@@ -601,11 +606,12 @@ def report(model, run: MeteredRun, gathered: GatheredParameterMeter, n_micro: in
                      loss_groups=(group,), norm_groups=(group,) if stage else ())
     owned = [m for e in exchanges for _, m in e.owned(e.rank)]
     flops = sum(newton_schulz_flops(m.shape) for m in owned)
+    busiest = max(newton_schulz_flops_by_owner(e) for e in exchanges)
     seconds = newton_schulz_seconds(exchanges, run.device)
     step_seconds = tokens_per_step / run.throughput.tokens_per_second
     log0(f"\n== Newton-Schulz (rank 0) ==\n{len(owned)} of {sum(len(e.matrices) for e in exchanges)} matrices "
-         f"owned, {flops / 1e9:.3f} GFLOP per step: {1e3 * seconds:.2f} ms, {100 * seconds / step_seconds:.1f} % "
-         f"of the mean step ({1e3 * step_seconds:.1f} ms)")
+         f"owned, {flops / 1e9:.3f} GFLOP per step (the busiest rank {busiest / 1e9:.3f}): {1e3 * seconds:.2f} ms, "
+         f"{100 * seconds / step_seconds:.1f} % of the mean step ({1e3 * step_seconds:.1f} ms)")
     log_compute_report(run)
 
 
