@@ -5,8 +5,9 @@ One device: PyTorch's Muon (the same adjust_lr_fn) for the blocks' matrices plus
 for the rest, against the lesson's Muon, several steps on the reference GPT in float32: the same
 float operations on the same values, so the parameters must agree bit for bit.
 
-Distributed: every stage at dp = 2 and dp = 3 (units padded, matrices cut between ranks unevenly)
-against the lesson's one-device Muon: losses of every step and step-0 gradients before and after
+Distributed: every stage at dp = 2 and dp = 3 (units padded, matrices cut between ranks unevenly),
+and at dp 3 a mixture of experts (each expert's matrix orthogonalised on its own, stacks cut by
+shard boundaries), against the lesson's one-device Muon: losses of every step and step-0 gradients before and after
 clipping within lesson 06's tolerances (the same sums in another order), parameters bit for bit.
 Bit for bit because the optimizer is fed the one-device run's clipped gradients (replay, after the
 rank's own were recorded): Newton-Schulz runs in bf16, where a float32 gradient an ulp apart can
@@ -34,10 +35,11 @@ from picotron_like.lessons import load_lesson
 from picotron_like.lr_schedule import learning_rate
 from picotron_like.metrics import add_traffic, step_bookkeeping_traffic
 from picotron_like.model import GPT, get_config
+from picotron_like.moe import is_expert_parameter
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
-from test_zero import ADAM_EPS, CFG, TOLERANCE, gathered, observe_gradients
+from test_zero import ADAM_EPS, CFG, MOE_CFG, TOLERANCE, gathered, observe_gradients
 
 SEQ, MICRO, GLOBAL_SEQUENCES, STEPS, LR, SEED = 32, 2, 12, 4, 3e-3, 7
 SAVED_AT = 2        # the step whose checkpoint a run at another dp resumes
@@ -107,13 +109,17 @@ class TorchMuonWithAdamW(torch.optim.Optimizer):
         self.adamw.step()
 
 
-@pytest.fixture(scope="module")
-def reference():
+def muon_on_one_device(cfg) -> dict:
     """The lesson's Muon on one device (the distributed runs' ground truth)."""
-    model = GPT(CFG, seed=SEED)
+    model = GPT(cfg, seed=SEED)
     result = train_one_device(model, with_adam_eps(lesson().build_muon_optimizer(model, LR, muon_settings())))
     assert min(result["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
     return result
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {"dense": muon_on_one_device(CFG), "experts": muon_on_one_device(MOE_CFG)}
 
 
 @pytest.mark.parametrize("adjust_lr", ["original", "match_rms_adamw"])
@@ -226,13 +232,13 @@ def replay(model, optimizer, clipped_grads: list[dict]) -> None:
     optimizer.register_step_pre_hook(with_reference_gradients)
 
 
-def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save_dir=None) -> dict:
+def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save_dir=None, cfg=CFG) -> dict:
     """STEPS steps of lesson 06's ZeRO at `stage` with Muon, the optimizer fed the one-device run's
     gradients (replay); what the tests compare, and the traffic and model states next to their
     formulas. With `save_dir`, a checkpoint after step SAVED_AT."""
     zero_muon, zero = lesson(), load_lesson("06_zero")
     precision = zero.Precision()
-    model = zero.wrap_zero(GPT(CFG, seed=SEED), grid.dp_group, stage, precision)
+    model = zero.wrap_zero(GPT(cfg, seed=SEED), grid.dp_group, stage, precision)
     optimizer = with_adam_eps(zero_muon.build_sharded_muon_optimizer(model, LR, muon_settings()))
     settings = zero.step_settings(CPU, precision, MAX_GRAD_NORM)
     seen = observe_gradients(model, optimizer)
@@ -258,7 +264,8 @@ def muon_zero_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save
             "predicted": {key: STEPS * value for key, value in predicted.items()},
             "states": asdict(zero.measured_model_states(model, optimizer)), "predicted_states": asdict(states),
             "owners": [m.owner for m in exchanges[0].matrices],
-            "split": [sum(hi > lo for lo, hi in m.held) for m in exchanges[0].matrices]}
+            "split": [sum(hi > lo for lo, hi in m.held) for m in exchanges[0].matrices
+                      if not cfg.n_experts or is_expert_parameter(m.name)]}
 
 
 def save(save_dir, model, optimizer, grid) -> None:
@@ -285,14 +292,18 @@ def resumed_run(grid: ProcessGrid, stage: int, clipped_grads: list[dict], save_d
     return {"losses": losses, "params": gathered(model, lambda unit: unit.master)}
 
 
-def every_stage(clipped_grads: list[dict], save_dir) -> dict:
-    """Stages 0-3; at dp 2, ZeRO-1 saves a checkpoint, which dp 3 resumes with ZeRO-2."""
+def every_stage(clipped_grads: dict[str, list[dict]], save_dir) -> dict:
+    """Stages 0-3; at dp 2, ZeRO-1 saves a checkpoint, which dp 3 resumes with ZeRO-2; at dp 3, a
+    mixture of experts with ZeRO-2 too (lesson 06's units on data parallelism alone: stacks of
+    expert matrices cut by shard boundaries)."""
     grid = ProcessGrid(GridShape(dp=dist.get_world_size()))
     saving = grid.dp_size == 2
-    runs = {stage: muon_zero_run(grid, stage, clipped_grads, save_dir if saving and stage == 1 else None)
+    dense = clipped_grads["dense"]
+    runs = {("dense", stage): muon_zero_run(grid, stage, dense, save_dir if saving and stage == 1 else None)
             for stage in (0, 1, 2, 3)}
     if not saving:
-        runs["resumed"] = resumed_run(grid, 2, clipped_grads, save_dir)
+        runs["resumed"] = resumed_run(grid, 2, dense, save_dir)
+        runs[("experts", 2)] = muon_zero_run(grid, 2, clipped_grads["experts"], cfg=MOE_CFG)
     return runs
 
 
@@ -301,8 +312,8 @@ def test_every_stage_equals_one_device_muon_and_its_formulas_and_resumes_at_anot
     The checkpoint dp 2 writes mid-run (ZeRO-1) carries Muon's momentum, cut to the pieces: dp 3
     (ZeRO-2) resumes it, and its parameters after the last step are the reference's, bit for bit."""
     for dp in (2, 3):
-        check_every_stage(dp, run_ranks(dp, every_stage, reference["every_clipped_grads"], tmp_path, timeout_s=240),
-                          reference)
+        clipped_grads = {model: result["every_clipped_grads"] for model, result in reference.items()}
+        check_every_stage(dp, run_ranks(dp, every_stage, clipped_grads, tmp_path, timeout_s=240), reference)
 
 
 def check_every_stage(dp: int, ranks: list[dict], reference: dict) -> None:
@@ -310,26 +321,28 @@ def check_every_stage(dp: int, ranks: list[dict], reference: dict) -> None:
         resumed = runs.pop("resumed", None)
         assert (resumed is None) == (dp == 2), "dp 3 resumes dp 2's checkpoint"
         if resumed is not None:
-            torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(reference["losses"][SAVED_AT:]),
+            dense = reference["dense"]
+            torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(dense["losses"][SAVED_AT:]),
                                        rtol=0, atol=1e-5, msg=f"dp={dp} rank={rank} resumed losses")
-            for name, tensor in reference["params"].items():
+            for name, tensor in dense["params"].items():
                 assert torch.equal(resumed["params"][name], tensor), f"dp={dp} rank={rank} resumed {name}"
-        for stage, result in runs.items():
-            where = f"dp={dp} rank={rank} ZeRO-{stage}"
+        assert (("experts", 2) in runs) == (dp == 3)
+        for (model, stage), result in runs.items():
+            where, one_device = f"dp={dp} rank={rank} {model} ZeRO-{stage}", reference[model]
             for key in ("grads", "clipped_grads"):
-                for name, tensor in reference[key].items():
+                for name, tensor in one_device[key].items():
                     torch.testing.assert_close(result[key][name], tensor, **TOLERANCE, msg=f"{where} {key} {name}")
             for key in ("losses", "norms"):
-                torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(reference[key]), rtol=0,
+                torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(one_device[key]), rtol=0,
                                            atol=1e-5, msg=f"{where} {key}")
-            for name, tensor in reference["params"].items():
+            for name, tensor in one_device["params"].items():
                 assert torch.equal(result["params"][name], tensor), f"{where} param {name}"
             assert result["traffic"] == result["predicted"], where
             assert result["states"] == result["predicted_states"], where
-        owners = runs[1]["owners"]
-        assert sorted(set(owners)) == list(range(dp)), "every rank must own matrices"
+            assert sorted(set(result["owners"])) == list(range(dp)), f"{where}: every rank must own matrices"
         if dp == 3:
-            assert max(runs[1]["split"]) > 1, "some matrix must be cut between ranks"
+            assert max(runs[("dense", 1)]["split"]) > 1, "some matrix must be cut between ranks"
+            assert max(runs[("experts", 2)]["split"]) > 1, "some expert's matrix must be cut between ranks"
 
 
 # ----------------------------------------------------------------------------- the docstring's figures
