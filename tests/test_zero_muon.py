@@ -7,8 +7,9 @@ float operations on the same values, so the parameters must agree bit for bit.
 
 Distributed: every stage at dp = 2 and dp = 3 (units padded, matrices cut between ranks unevenly),
 and at dp 3 a mixture of experts (each expert's matrix orthogonalised on its own, stacks cut by
-shard boundaries), against the lesson's one-device Muon: losses of every step and step-0 gradients before and after
-clipping within lesson 06's tolerances (the same sums in another order), parameters bit for bit.
+shard boundaries), against the lesson's one-device Muon: losses of every step and step-0
+gradients before and after clipping within lesson 06's tolerances (the same sums in another
+order), parameters bit for bit; a checkpoint written at dp 2 resumed at dp 3, bit for bit too.
 Bit for bit because the optimizer is fed the one-device run's clipped gradients (replay, after the
 rank's own were recorded): Newton-Schulz runs in bf16, where a float32 gradient an ulp apart can
 land on the other side of a rounding and move the result by a bf16 step, which the iteration then
