@@ -48,8 +48,9 @@ own; back, each owner's results to their other holders. Summed over the ranks, e
 matrices' elements their owners do not hold: (N-1)/N of them if owners held a random share; less,
 because among equally loaded ranks the one holding most of a matrix owns it (0.38 instead of 0.75
 on the tiny preset at dp 4). ZeRO-0: nothing out, 2 (N-1) bytes per element back over all ranks.
-Memory: 4 bytes of momentum per Muon element where AdamW keeps 8; during the step, the owner's
-whole matrices and the Newton-Schulz temporaries (a few m x m and m x n) in bf16.
+Memory: 4 bytes of momentum per Muon element where AdamW keeps 8. During the step only: the
+Nesterov update of the rank's pieces (float32), their bf16 parts on the way out and back, the
+owner's whole matrices and the Newton-Schulz temporaries (a few m x m and m x n) in bf16.
 
 What to look for: the loss falls faster than lesson 06's AdamW (--optimizer adamw: the same run);
 the all-to-all bytes measured next to their prediction from the layout and the owners; the
