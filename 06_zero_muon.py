@@ -358,6 +358,14 @@ class MatrixExchange:
         return [(position, m) for position, m in enumerate(self.matrices) if m.owner == owner]
 
 
+def matrix_exchanges(model) -> list[MatrixExchange]:
+    """One MatrixExchange per process group the model's units shard over."""
+    by_group: dict = {}
+    for unit in model.units:
+        by_group.setdefault(unit.group, []).append(unit)
+    return [MatrixExchange(units, group) for group, units in by_group.items()]
+
+
 def matrix_piece_shapes(model) -> dict[torch.Tensor, torch.Size]:
     """This rank's master pieces of the hidden matrices, each with its parameter's shape (read from
     the unit: ZeRO-3's parameters are empty between gathers)."""
@@ -391,10 +399,7 @@ class ShardedMuon(Muon):
         super().__init__([{"params": list(shapes)}], settings)      # a rank may hold no matrix at all
         self.piece_shapes = shapes
         self.device = model.units[0].master.device
-        by_group: dict = {}
-        for unit in model.units:
-            by_group.setdefault(unit.group, []).append(unit)
-        self.exchanges = [MatrixExchange(units, group) for group, units in by_group.items()]
+        self.exchanges = matrix_exchanges(model)
 
     def matrix_shape(self, param: torch.Tensor) -> torch.Size:
         return self.piece_shapes[param][-2:]
