@@ -101,6 +101,7 @@ from picotron_like.run_control import StepMeters, one_after_another
 from picotron_like.topology import ConfigError, ProcessGrid, group_rank, group_size, init_distributed, shutdown
 from picotron_like.train import (DataParallelModel, RankBatches, StepResult, StepSettings, add_parallel_flags,
                                  add_training_flags, batch_shape, plan_run, train)
+from picotron_like.train import build_optimizer as train_optimizer
 
 data_parallel = load_lesson("01_data_parallel")
 tensor_parallel = load_lesson("02_tensor_parallel")
@@ -109,6 +110,7 @@ zero_bubble = load_lesson("03_zero_bubble")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
+zero_muon = load_lesson("06_zero_muon")
 fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
 memory_plan = load_lesson("07_memory_plan")
@@ -422,6 +424,59 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
                           device, precision.param_dtype, async_sends, boundary_dtype=precision.param_dtype)
 
 
+# ---------------------------------------------------------------------------- 06_zero_muon x 02, 05, 03: Muon's whole matrices
+# 06_zero_muon's owner assembles each matrix from the ZeRO shards of its group; under tp that is still this tp rank's
+# slice of the matrix, and Newton-Schulz needs it whole. Experts and pipeline stages need nothing of their own.
+
+
+class TensorParallelMuon(zero_muon.ShardedMuon):
+    """Muon x tp: lesson 06_zero_muon's owner of a matrix holds this tp rank's slice of it (lesson 02
+    cut column-parallel weights along their rows, row-parallel ones along their columns; an expert's
+    gate and up along their rows, its down along its columns). The owner all-gathers the slices
+    from its tp peers, orthogonalises the whole matrix and keeps its own slice of the result, and
+    the learning rate's shape factor is the whole matrix's. Its peers are the owners of the same
+    matrix: the owners follow from the units' layout, the same on every tp rank, so each tp group
+    joins the same matrices in the same order. Megatron-LM calls this Muon's "duplicated" tp mode:
+    every tp rank runs the same Newton-Schulz (tp times one rank's FLOPs) for one all-gather per
+    matrix and nothing sent back; sequence parallelism cuts the tokens, not the weights, and
+    changes nothing here.
+
+    Experts x Muon: lesson 06_zero_muon orthogonalises each expert's matrix of a stack on its own,
+    and the expert units (over edp, ExpertUnitsOverEdp) are a group of their own, whose owners
+    assemble them from the edp ranks' shards. Pipeline x Muon: each stage's optimizer holds its own
+    units (one wrapper over an interleaved rank's chunks, StageChunks), so its matrices are whole
+    in the stage."""
+
+    def __init__(self, model, settings, grid: ProcessGrid):
+        super().__init__(model, settings)
+        self.tp_group, self.tp_size, self.tp_rank = grid.tp_group, grid.tp_size, grid.tp_rank
+        # the dimension of each matrix (the last two of its parameter) that tp split, by name and by master piece
+        self.split_dims = {name: param.tp_split_dim - (len(shape) - 2) for unit in model.units
+                           for name, param, shape in zip(unit.names, unit.params, unit.shapes)
+                           if getattr(param, "tp_split_dim", None) is not None}
+        self.piece_split_dims = {piece.master: self.split_dims[piece.name] for unit in model.units
+                                 for piece in unit.pieces if piece.master in self.piece_shapes
+                                 and piece.name in self.split_dims}
+
+    def matrix_shape(self, param: torch.Tensor) -> torch.Size:
+        shape = list(super().matrix_shape(param))
+        if param in self.piece_split_dims:
+            shape[self.piece_split_dims[param]] *= self.tp_size
+        return torch.Size(shape)
+
+    def whole_matrix(self, matrix, local: torch.Tensor) -> torch.Tensor:
+        dim = self.split_dims.get(matrix.name)
+        if dim is None:
+            return local
+        stacked = torch.empty((self.tp_size * local.size(0), local.size(1)), dtype=local.dtype, device=local.device)
+        comm.call(comm.all_gather_single, stacked, local.contiguous(), group=self.tp_group)
+        return stacked if dim == 0 else torch.cat(stacked.chunk(self.tp_size), dim=1)
+
+    def local_update(self, matrix, result: torch.Tensor) -> torch.Tensor:
+        dim = self.split_dims.get(matrix.name)
+        return result if dim is None else result.chunk(self.tp_size, dim=dim)[self.tp_rank]
+
+
 # ============================================================================ the technique: zero-bubble's W through the composition
 #
 # Lesson 03's zero-bubble schedule (03_zero_bubble.py) splits each backward into B (the gradient of
@@ -542,6 +597,17 @@ def balancing_log(model, pipeline, grid: ProcessGrid):
 
 
 # ============================================================================ the technique: the composed step
+
+
+def build_optimizer(model, grid: ProcessGrid, args) -> torch.optim.Optimizer:
+    """--optimizer adamw: lesson 06's AdamW over this rank's master pieces; muon: lesson 06_zero_muon's
+    Muon for the blocks' matrices (with tp's seam: TensorParallelMuon) and AdamW for the rest."""
+    if args.optimizer == "adamw":
+        return zero.build_sharded_optimizer(model, args.lr)
+    muon = TensorParallelMuon(model, zero_muon.muon_settings(args), grid)
+    rest = [(piece.name, piece.master) for unit in model.units for piece in unit.pieces
+            if piece.master not in muon.piece_shapes]
+    return zero_muon.MuonWithAdamW(muon, train_optimizer(rest, args.lr))
 
 
 def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float, tail: str = "auto") -> StepSettings:
@@ -709,6 +775,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
     if problems:
         raise ConfigError("bad configuration:\n  - " + "\n  - ".join(problems))
     zero.validate_zero(args.dtype, args.reduce_dtype)
+    zero_muon.validate_muon(args)
     sampling.sample_prompt(args, cfg, grid)
     # lesson 04's rules include the grid's
     context_parallel.validate_context_parallel(grid, world_size, cfg, shape.seq_len, args.zigzag, args.cp_mode)
@@ -808,6 +875,7 @@ def parse_args(argv=None):
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_parallel_flags(parser, axes=("dp", "pp", "cp", "tp", "ep"), fill_axis="dp", bucket_flag=False)
     zero.add_zero_flags(parser)
+    zero_muon.add_muon_flags(parser)
     sampling.add_sample_flags(parser)
     expert_parallel.add_moe_flags(parser)
     zero_bubble.add_schedule_flags(parser)
@@ -831,7 +899,8 @@ def parse_args(argv=None):
     sizing.add_sizing_flags(parser)
     autotune.add_autotune_flags(parser)
     calibration.add_calibrate_flags(parser)
-    parser.set_defaults(zero_stage=None)        # follows the layout: layout_defaults
+    parser.set_defaults(zero_stage=None,        # follows the layout: layout_defaults
+                        optimizer="adamw")      # AdamW unless Muon is asked for (06_zero_muon's default is its subject)
     return layout_defaults(pipeline_parallel.resolve_virtual_stages(parser.parse_args(argv)))
 
 
@@ -863,7 +932,7 @@ def main(argv=None):
     grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))     # the five axes' groups
     model, pipeline = parallelize(plan.cfg, grid, args, device,
                                   values_to_load=manifest is not None or args.init_from is not None)
-    optimizer = zero.build_sharded_optimizer(model, args.lr)
+    optimizer = build_optimizer(model, grid, args)
     settings = step_settings(grid, device, model.precision, args.max_grad_norm, args.step_tail)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
          f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "

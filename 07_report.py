@@ -35,6 +35,7 @@ pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
+zero_muon = load_lesson("06_zero_muon")
 fp8 = load_lesson("07_fp8")
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -336,27 +337,33 @@ def balancing_traffic(cfg, n_layers: int, pipelined: bool, bias_update_rate: flo
 class ZeroUnits:
     """ZeRO x experts in lesson 06's formulas: each module unit's dense parameters, sharded over
     the n = dp x cp ranks, and its experts', sharded over edp (ExpertUnitsOverEdp). From a built
-    model (of), or in the memory plan from its unit counts; a dense model's experts are zeros."""
+    model (of), or in the memory plan from its unit counts; a dense model's experts are zeros.
+    `muon`: the elements of Muon's matrices in this rank's shards, whose one float32 momentum
+    replaces AdamW's two moments (0 under AdamW)."""
 
     dense: list[int]
     experts: list[int]
     n: int
     edp: int
+    muon: int = 0
 
     @classmethod
-    def of(cls, model, grid: ProcessGrid) -> "ZeroUnits":
-        """A built model's units: a flat unit over the model's dp x cp group is dense, one over edp experts."""
+    def of(cls, model, grid: ProcessGrid, optimizer: str = "adamw") -> "ZeroUnits":
+        """A built model's units: a flat unit over the model's dp x cp group is dense, one over edp
+        experts; under Muon (`optimizer`), the matrices' elements its shards hold."""
         def counts(dense: bool) -> list[int]:
             return [sum(unit.numel for unit in units if (unit.group is model.dp_group) == dense)
                     for units in model.unit_groups]
 
         n = grid.dp_size * grid.cp_size
-        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size)
+        muon = zero_muon.muon_elements_held(zero_muon.matrix_exchanges(model)) if optimizer == "muon" else 0
+        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size, muon)
 
     def model_states(self, stage: int, precision) -> ModelStates:
         dense = zero.predicted_model_states(self.dense, self.n, stage, precision)
         experts = zero.predicted_model_states(self.experts, self.edp, stage, precision)
-        return ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
+        states = ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
+        return replace(states, optimizer_states=states.optimizer_states - 4 * self.muon)
 
     def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
         """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
@@ -373,12 +380,27 @@ class ZeroUnits:
                                             reshard_after_forward, prefetch)
 
 
+def predicted_muon_traffic(model, grid: ProcessGrid, optimizer: str) -> dict:
+    """Under Muon, per step: 06_zero_muon's two all-to-alls on each group the units shard over, and
+    lesson 07's join over tp (TensorParallelMuon): each matrix this rank owns that tp split,
+    all-gathered in bf16 (its payload the whole matrix)."""
+    if optimizer != "muon":
+        return {}
+    exchanges = zero_muon.matrix_exchanges(model)
+    split = {name for unit in model.units for name, param in zip(unit.names, unit.params)
+             if getattr(param, "tp_split_dim", None) is not None}
+    joined = sum(2 * grid.tp_size * matrix.numel for exchange in exchanges
+                 for _, matrix in exchange.owned(exchange.rank) if matrix.name in split)
+    return add_traffic(zero_muon.predicted_muon_traffic(exchanges),
+                       {("all_gather_single", comm.group_name(grid.tp_group)): joined} if joined else {})
+
+
 def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                            precision, routing=None, steps: int = 1, inner_extra: dict | None = None) -> dict:
     """Every row of the report's traffic table, per step, each lesson's formula added up once: ZeRO's
-    (06), the pipeline's (03), the balancing's (05) and, where predicted_inner_traffic predicts
-    them (`routing` and `steps` as there), tp's, cp's and ep's, with `inner_extra` added to those
-    (the recomputed forward's); else none of them."""
+    (06), Muon's (06_zero_muon and its tp join), the pipeline's (03), the balancing's (05) and,
+    where predicted_inner_traffic predicts them (`routing` and `steps` as there), tp's, cp's and
+    ep's, with `inner_extra` added to those (the recomputed forward's); else none of them."""
     norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
     predicted = add_traffic(ZeroUnits.of(model, grid).traffic(model.stage, precision, shape.grad_accum,
                                                               args.reshard_after_forward),
@@ -388,14 +410,15 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
                                               args.bias_update_rate))
     inner = predicted_inner_traffic(model, cfg, shape, grid, args.cp_mode, args.sequence_parallel, precision,
                                     routing, steps)
+    muon = predicted_muon_traffic(model, grid, args.optimizer)
     if inner is None:
-        return {key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}
+        return add_traffic({key: value for key, value in predicted.items() if key[1] not in ("tp", "cp", "ep")}, muon)
     tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
     fp8_traffic = fp8.predicted_fp8_traffic(cfg, args.fp8, tokens, grid.tp_size, shape.grad_accum,
                                             len(model.module.layers), args.recompute, args.sequence_parallel,
                                             grid.cp_size, fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size,
                                                                                 on_cuda(model)))
-    return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic)
+    return add_traffic(predicted, inner, inner_extra or {}, fp8_traffic, muon)
 
 
 @dataclass(frozen=True)
@@ -464,8 +487,9 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
         log0("the recomputed forward's collectives, in the traffic below, predicted per step"
              + (" (with experts: on every step's routing)" if meters.every_step is not None else "") + ", MB: "
              + ", ".join(f"{op} {group} {value / 1e6:.4f}" for (op, group), value in sorted(extra.items())))
-    units = ZeroUnits.of(model, grid)
+    units = ZeroUnits.of(model, grid, args.optimizer)
     experts = f", experts over edp = {units.edp}" if any(units.experts) else ""
+    experts += f", Muon's momentum for {units.muon:,} of its elements" if units.muon else ""
     zero.log_model_states(model, run.optimizer, f"{where}ZeRO-{model.stage} over {units.n} ranks{experts}; weights "
                           f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
                           units.model_states(model.stage, precision), meters.gathered,

@@ -19,8 +19,8 @@ The idea. Every rank describes what it holds in the reference GPT's own terms (H
           | dp 1: [12288, 24576)      | dp 1: [12288, 24576)      |
           +---------------------------+---------------------------+
 
-A checkpoint is one file per rank holding its slices (the float32 master weights, AdamW's two
-moments, its step count; the persistent buffers such as MoE router biases; the rank's RNG states)
+A checkpoint is one file per rank holding its slices (the float32 master weights, the optimizer's
+states of each: AdamW's two moments and step count, or Muon's momentum; the persistent buffers such as MoE router biases; the rank's RNG states)
 and a manifest listing every file's slices, written last. Loading in another layout is index
 arithmetic: each rank asks, for every slice it holds now, which written slices intersect it, and
 copies the overlap. Nothing about tp, pp, ep or ZeRO is known here: the lesson hands over the
@@ -36,9 +36,9 @@ format of our own is a few hundred lines and *is* the lesson: resharding is inte
 
     DIR/step_00000020/                  one checkpoint: 20 optimizer steps done
         rank_00000.pt ... rank_0000N.pt     torch.save of {format, step, rank, entries, tensors, rng}
-        manifest.json                       format, step, model config, layout, run, settings, files
-                                            (bytes, sha256, entries), its own checksum: written
-                                            last, by rank 0
+        manifest.json                       format, step, model config, layout, run, optimizer,
+                                            settings, files (bytes, sha256, entries), its own
+                                            checksum: written last, by rank 0
     DIR/step_00000030.partial/          a checkpoint being written (or deleted): never read
 
 Atomic. Each rank writes rank_N.pt.partial, fsyncs and renames it; rank 0 then writes the manifest
@@ -51,13 +51,13 @@ Refused, each with one line naming the file and the problem, before any collecti
 (torn: something removed it, or copied half a checkpoint), a manifest of another format (foreign),
 a rank file missing or of another size (truncated), a model whose tensor shapes differ, a run
 whose global batch or seed differ (its data would not continue where the checkpoint stopped),
-tensors that do not cover every element of the reference exactly once. A rank file whose bytes
+a run with another --optimizer (its states would not fit: check_optimizer_kind), tensors that do not cover every element of the reference exactly once. A rank file whose bytes
 differ from the manifest's sha256 (copied in from another checkpoint) is found when a rank reads
 it; every rank then stops, and rank 0 prints that line.
 
 What continues exactly. The step (so the learning-rate schedule and the data: TokenBatches is a
-function of the step), the float32 master weights (bf16 weights are their cast), AdamW's moments
-and step count, router biases, RNG states (per rank, restored when the world size is the same).
+function of the step), the float32 master weights (bf16 weights are their cast), the optimizer's
+states (AdamW's moments and step count, Muon's momentum), router biases, RNG states (per rank, restored when the world size is the same).
 In the same layout the run continues bit for bit on CPU; on CUDA too when the run is
 deterministic (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG=:4096:8; atomics in
 some backward kernels and NCCL's choice of algorithm otherwise change the last bits of a sum).
@@ -695,6 +695,8 @@ def checkpoint_to_resume(args, cfg, shape) -> dict | None:
         if directory is not None:
             manifest = read_manifest(directory, cfg, run_identity(args, shape))
             follow_time_budget(args, manifest.get("settings", {}))
+    if manifest is not None:
+        check_optimizer_kind(manifest, args.optimizer)
     start = manifest["step"] if manifest else 0
     if manifest and start >= args.steps:
         raise CheckpointError(f"{manifest['directory']}: already at step {start}, --steps {args.steps}: "
@@ -705,6 +707,18 @@ def checkpoint_to_resume(args, cfg, shape) -> dict | None:
         raise CheckpointError(f"{later[-1]}: this run starts at step {start} and would overwrite it; "
                               f"resume from it (--resume), or choose another --save-dir")
     return manifest
+
+
+def check_optimizer_kind(manifest: dict, optimizer: str) -> None:
+    """A checkpoint resumes under the optimizer that wrote it: AdamW keeps two moments for every
+    element, Muon one momentum for its matrices' (and AdamW's two for the rest), so the states of
+    one are no start for the other. A manifest without the field was written before Muon existed,
+    by AdamW."""
+    written = manifest.get("optimizer", "adamw")
+    if written != optimizer:
+        raise CheckpointError(f"{manifest['directory']}: written with --optimizer {written}, this run has "
+                              f"--optimizer {optimizer}: the optimizer states differ; resume with --optimizer "
+                              f"{written}, or start afresh in another --save-dir")
 
 
 def resume(args, manifest, model, optimizer, grid) -> int:
@@ -738,7 +752,7 @@ def checkpoint_saver(args, cfg, shape, grid, model, optimizer) -> AfterStep | No
     except CheckpointError as error:
         exit_with_error(error)
     slices = reference_slices(model, grid)
-    info = {"model": asdict(cfg), "run": run_identity(args, shape),
+    info = {"model": asdict(cfg), "run": run_identity(args, shape), "optimizer": args.optimizer,
             "layout": {"dp": grid.dp_size, "pp": grid.pp_size, "cp": grid.cp_size, "tp": grid.tp_size,
                        "ep": grid.ep_size, "zero_stage": args.zero_stage, "virtual_stages": args.virtual_stages}}
 
@@ -785,6 +799,7 @@ def describe(manifest: dict) -> str:
     lines = [f"{manifest['directory']}: step {manifest['step']}, written {manifest.get('saved_at', '?')} by "
              f"{manifest['world_size']} ranks",
              "layout: " + ", ".join(f"{k} {v}" for k, v in manifest.get("layout", {}).items()),
+             f"optimizer: {manifest.get('optimizer', 'adamw')}",
              "run: " + ", ".join(f"{k} {v}" for k, v in manifest.get("run", {}).items()),
              "settings: " + ", ".join(f"{k} {v}" for k, v in manifest.get("settings", {}).items()),
              "model: " + ", ".join(f"{k} {v}" for k, v in asdict(manifest["cfg"]).items()),

@@ -163,14 +163,18 @@ def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, checks: Rank
 
 
 def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_norm: float = 1.0,
-                    adam_eps: float | None = None, mask_targets=None, bias_update_rate: float = 0.0) -> dict:
+                    adam_eps: float | None = None, mask_targets=None, bias_update_rate: float = 0.0,
+                    make_optimizer=None) -> dict:
     """The ground truth of the equality tests: one GPT on one device, each step's whole global batch
     in one piece, its loss the mean over every target of that batch that is not IGNORE_INDEX.
 
     Returns the loss of every step, the gradients of step 0 before clipping ("grads") and after it
-    ("clipped_grads") and those of the last step ("last_grads", "last_clipped_grads"), the parameters after the last step, and the gradient norm of every step (so a
-    test can check that clipping acted). `adam_eps` overrides AdamW's eps for tests that must damp
-    rounding noise (see their docstrings); the distributed run under test must then use the same.
+    ("clipped_grads"), those of the last step ("last_grads", "last_clipped_grads") and every step's
+    clipped ones ("every_clipped_grads"), the parameters after the last step, and the gradient norm
+    of every step (so a test can check that clipping acted). `make_optimizer(model)` builds the
+    optimizer (default: the shared AdamW at `lr`). `adam_eps` overrides AdamW's eps (its groups':
+    those with an "eps") for tests that must damp rounding noise (see their docstrings); the
+    distributed run under test must then use the same.
     `mask_targets(step, targets)` returns a step's global targets with some set to IGNORE_INDEX
     (e.g. ``ignore_targets``); the distributed run then trains on ``masked_step_batch``.
 
@@ -184,12 +188,13 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
     from picotron_like.train import build_optimizer, clip_grad_norm_, optimizer_step
 
     model = GPT(cfg, seed=seed)
-    optimizer = build_optimizer(model, lr)
+    optimizer = build_optimizer(model, lr) if make_optimizer is None else make_optimizer(model)
     if adam_eps is not None:
         for group in optimizer.param_groups:
-            group["eps"] = adam_eps
+            if "eps" in group:
+                group["eps"] = adam_eps
     moe = moe_layers(model)
-    losses, norms, grads, clipped_grads = [], [], {}, {}
+    losses, norms, grads, clipped_grads, every_clipped_grads = [], [], {}, {}, []
     aux_losses, z_losses, router_biases = [], [], []
     for step in range(steps):
         window = batches.global_batch(step)
@@ -204,6 +209,7 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         if step == 0:
             clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         last_clipped_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        every_clipped_grads.append(last_clipped_grads)
         optimizer_step(optimizer, norm)
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -215,7 +221,8 @@ def train_reference(cfg, seed: int, batches, steps: int, lr: float, max_grad_nor
         router_biases.append({name: b.clone() for name, b in model.named_buffers() if name.endswith("router_bias")})
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     return {"losses": losses, "grads": grads, "clipped_grads": clipped_grads, "last_grads": last_grads,
-            "last_clipped_grads": last_clipped_grads, "params": params, "norms": norms,
+            "last_clipped_grads": last_clipped_grads, "every_clipped_grads": every_clipped_grads, "params": params,
+            "norms": norms,
             "aux_losses": aux_losses, "z_losses": z_losses, "router_biases": router_biases}
 
 

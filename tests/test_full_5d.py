@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
@@ -65,6 +66,8 @@ LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
            "pp2 x dp2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, INTERLEAVED),
            "pp2 x dp2 moe ep2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 2, 1, replace(MOE_CFG, n_layers=4),
                                                      (*INTERLEAVED, *AUX))}
+# --optimizer muon at AdamW's lr, so that the parameters' tolerance (1e-2 lr) means the same for both
+MUON = ("--optimizer", "muon", "--muon-lr", str(LR))
 # This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
 PLAIN_RING = "pp2 x cp2 ZeRO-1"
 # Lesson 05's flags once more on dp 4 (lesson 05 is data parallelism alone), run by 07 (--recompute
@@ -83,19 +86,67 @@ def flags(grid: GridShape, stage: int, recompute: str, extra=(), seq_len: int = 
             str(MICRO), "--grad-accum", str(accum), "--seed", str(SEED), "--lr", str(LR), *extra]
 
 
+def muon_optimizer(model) -> torch.optim.Optimizer:
+    """The one-device reference's optimizer under MUON's flags: lesson 06_zero_muon's Muon for the
+    blocks' matrices, AdamW for the rest."""
+    zero_muon = load_lesson("06_zero_muon")
+    return zero_muon.build_muon_optimizer(model, LR, zero_muon.MuonSettings(lr=LR))
+
+
+def held_part(model, grid: ProcessGrid):
+    """local(full, name): the part of the reference tensor `name` this rank holds (its experts, then
+    its tp shard)."""
+    split_dims = {name: getattr(param, "tp_split_dim", None) for name, param in model.module.named_parameters()}
+
+    def local(full: torch.Tensor, name: str) -> torch.Tensor:
+        mine = full.chunk(grid.ep_size, dim=0)[grid.ep_rank] if ".mlp.experts." in name else full
+        return mine if split_dims[name] is None else mine.chunk(grid.tp_size, dim=split_dims[name])[grid.tp_rank]
+    return local
+
+
+def replay(model, optimizer, clipped_grads: list[dict], local) -> None:
+    """Before each step every master piece's gradient replaced by its part of the one-device run's
+    clipped gradient of that step (`local(full, name)`: the part this rank holds). Why: Muon's
+    Newton-Schulz iteration works in bf16 with a slope of 3.4 at zero per iteration, so a float32
+    rounding difference in a gradient that flips one bf16 rounding of the momentum grows, over 3
+    free steps, to 0.06 lr in some parameters (measured on dp 4 alone, where only lesson 06_zero_muon
+    runs). Fed the one device's gradients, the distributed step must give the one device's bits:
+    each layout's optimizer is proven exactly, its gradients against one device at step 0 and its
+    losses at every step (tests/test_zero_muon.py replays the same way)."""
+    pieces = list(checkpoints.master_pieces(model))
+    steps = iter(clipped_grads)
+
+    def with_reference_gradients(*_):
+        grads = next(steps)
+        for _, name, _, start, master in pieces:
+            master.grad = local(grads[name], name).reshape(-1)[start: start + master.numel()].clone()
+
+    optimizer.register_step_pre_hook(with_reference_gradients)
+
+
+def optimizer_of(model, grid: ProcessGrid, args, replayed: list[dict] | None = None) -> torch.optim.Optimizer:
+    """07's optimizer for the flags (build_optimizer), AdamW's eps ADAM_EPS (test_zero's reason);
+    `replayed`: the one-device run's clipped gradients of every step, which Muon steps with (replay)."""
+    optimizer = lesson().build_optimizer(model, grid, args)
+    for group in optimizer.param_groups:
+        if "eps" in group:
+            group["eps"] = ADAM_EPS
+    if replayed is not None:
+        replay(model, optimizer, replayed, held_part(model, grid))
+    return optimizer
+
+
 def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: int = SEQ,
-        mask_targets=None) -> dict:
+        mask_targets=None, replayed: list[dict] | None = None) -> dict:
     """Three steps as 07's main runs them, step 0 metered (activations; with experts, every step's
     routing), with lesson 05's router and balancing flags applied to `cfg` (moe_config); on
-    sequences of seq_len tokens, the targets masked by `mask_targets` if given (masked_step_batch)."""
+    sequences of seq_len tokens, the targets masked by `mask_targets` if given (masked_step_batch);
+    under Muon stepped with the one-device run's gradients `replayed` (replay)."""
     full_5d = lesson()
-    zero = full_5d.zero
     args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra, seq_len))
     cfg = full_5d.expert_parallel.moe_config(cfg, args)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
-    optimizer = zero.build_sharded_optimizer(model, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+    optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq_len, args.grad_accum, grid.dp_size),

@@ -21,7 +21,7 @@ from picotron_like.lessons import load_lesson
 from picotron_like.testing import SEQUENCES_CHECKED, run_ranks, train_reference
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from test_context_parallel import CFG, GLOBAL_SEQUENCES, LR, MAX_GRAD_NORM, MICRO, ODD_SEQ, SEED, SEQ, STEPS, mask_targets
-from test_full_5d import INTERLEAVED, run
+from test_full_5d import INTERLEAVED, MUON, muon_optimizer, run
 from test_full_5d_composition import assert_equal_to_one_device, tp_shard
 from test_zero import ADAM_EPS
 
@@ -33,6 +33,8 @@ LAYOUTS = {
     # cp = 1 with lesson 04's default zigzag split, an odd sequence, through a pipeline (this crashed
     # on a shape mismatch when the split dropped the last token)
     "dp2 x pp2 odd sequence": (GridShape(dp=2, pp=2), 1, CFG, (), ODD_SEQ, False),
+    # Muon (06_zero_muon) in each interleaved pipeline rank's chunks: one optimizer per stage, ZeRO-1
+    "pp2 x cp2 interleaved muon": (GridShape(pp=2, cp=2), 1, CFG4, (*INTERLEAVED, *MUON), SEQ, False),
 }
 # 8 ranks. Clipping acts at every step, so the norm summed over tp shards, with the tp-replicated
 # norm gains counted once, is proven by the clipped gradients; the ring layout trains on the masked
@@ -41,32 +43,49 @@ EIGHT_RANK_LAYOUTS = {
     "dp2 x cp2 x tp2 ring masked": (GridShape(dp=2, cp=2, tp=2), 0, CFG, (), SEQ, True),
     "dp2 x cp2 x tp2 ulysses SP": (GridShape(dp=2, cp=2, tp=2), 1, CFG,
                                    ("--cp-mode", "ulysses", "--sequence-parallel", "--no-zigzag"), SEQ, False),
+    # Muon with each matrix joined over tp (07's TensorParallelMuon), sequence parallel, ZeRO over dp x cp
+    "dp2 x cp2 x tp2 ring SP muon": (GridShape(dp=2, cp=2, tp=2), 1, CFG, ("--sequence-parallel", *MUON), SEQ, False),
 }
+REFERENCES: dict = {}
 
 
-def every_layout(layouts: dict) -> dict:
-    return {name: run(ProcessGrid(shape), stage, "none", cfg, extra, seq_len, mask_targets if masked else None)
+def optimizer_in(extra) -> str:
+    return "muon" if "muon" in extra else "adamw"
+
+
+def every_layout(layouts: dict, replays: dict | None = None) -> dict:
+    """Each layout's run; under Muon stepped with the one-device run's gradients (`replays`, by name)."""
+    return {name: run(ProcessGrid(shape), stage, "none", cfg, extra, seq_len, mask_targets if masked else None,
+                      (replays or {}).get(name))
             for name, (shape, stage, cfg, extra, seq_len, masked) in layouts.items()}
 
 
-def reference(cfg, seq_len: int, masked: bool) -> dict:
-    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq_len, GLOBAL_SEQUENCES // MICRO, 1),
-                        seed=SEED, vocab_size=cfg.vocab_size)
-    result = train_reference(cfg, SEED, data, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS,
-                             mask_targets=mask_targets if masked else None)
-    assert min(result["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
-    return result
+def reference(cfg, seq_len: int, masked: bool, optimizer: str = "adamw") -> dict:
+    key = (cfg, seq_len, masked, optimizer)
+    if key not in REFERENCES:
+        data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq_len, GLOBAL_SEQUENCES // MICRO, 1),
+                            seed=SEED, vocab_size=cfg.vocab_size)
+        REFERENCES[key] = train_reference(cfg, SEED, data, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS,
+                                          mask_targets=mask_targets if masked else None,
+                                          make_optimizer=muon_optimizer if optimizer == "muon" else None)
+        assert min(REFERENCES[key]["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+    return REFERENCES[key]
+
+
+def muon_replays(layouts: dict) -> dict:
+    """The one-device Muon run's clipped gradients of every step, for each layout under Muon."""
+    return {name: reference(cfg, seq_len, masked, "muon")["every_clipped_grads"]
+            for name, (_, _, cfg, extra, seq_len, masked) in layouts.items() if optimizer_in(extra) == "muon"}
 
 
 def check(per_rank: list, layouts: dict) -> None:
     """Each rank's losses, norms, gradients before and after clipping and parameters after 3 AdamW
-    steps (its stage's, its tp shard of them) equal one device's; its kept activations and every
-    row of the report's traffic table equal their formulas."""
-    references = {}
+    (or Muon) steps (its stage's, its tp shard of them) equal one device's; its kept activations and
+    every row of the report's traffic table equal their formulas."""
     for rank, runs in enumerate(per_rank):
-        for name, (shape, _, cfg, _, seq_len, masked) in layouts.items():
+        for name, (shape, _, cfg, extra, seq_len, masked) in layouts.items():
             result, where = runs[name], f"rank={rank} {name}"
-            expected = references.setdefault((cfg, seq_len, masked), reference(cfg, seq_len, masked))
+            expected = reference(cfg, seq_len, masked, optimizer_in(extra))
             assert_equal_to_one_device(result, expected, tp_shard(result, shape.tp), where)
             assert result["kept"] == result["predicted_kept"]["none"], f"{where}: {result['kept']} measured"
             table = result["predicted_traffic"]
@@ -75,11 +94,13 @@ def check(per_rank: list, layouts: dict) -> None:
 
 
 def test_context_parallel_in_pipeline_stages_equals_one_device():
-    check(run_ranks(4, every_layout, LAYOUTS, timeout_s=300, checks=SEQUENCES_CHECKED), LAYOUTS)
+    check(run_ranks(4, every_layout, LAYOUTS, muon_replays(LAYOUTS), timeout_s=300, checks=SEQUENCES_CHECKED),
+          LAYOUTS)
 
 
 def test_context_parallel_over_tensor_parallel_heads_equals_one_device():
-    check(run_ranks(8, every_layout, EIGHT_RANK_LAYOUTS, timeout_s=300, checks=SEQUENCES_CHECKED), EIGHT_RANK_LAYOUTS)
+    check(run_ranks(8, every_layout, EIGHT_RANK_LAYOUTS, muon_replays(EIGHT_RANK_LAYOUTS), timeout_s=300,
+                    checks=SEQUENCES_CHECKED), EIGHT_RANK_LAYOUTS)
 
 
 @pytest.mark.parametrize("grid, cfg, extra, message", [
