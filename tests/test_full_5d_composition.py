@@ -17,7 +17,9 @@ Tolerances are lesson 05's (gradients 1e-6, losses and norms 1e-5, parameters 1e
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from picotron_like import train as train_module
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.testing import SEQUENCES_CHECKED, run_ranks, train_reference
@@ -25,6 +27,7 @@ from picotron_like.topology import GridShape, ProcessGrid
 from test_expert_parallel import (BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, PARAM_TOLERANCE, SEED, SEQ, STEPS,
                                   TOLERANCE, Variant, batches, forced_reference, record_choices)
 from test_zero import ADAM_EPS, CFG, gathered, observe_gradients
+from test_full_5d import MUON, muon_optimizer, optimizer_of
 
 ALL_AXES = Variant(GridShape(dp=2, pp=2, cp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)))
 
@@ -105,7 +108,12 @@ ODD_LAYOUTS = {"dp3 x tp2 SP ZeRO-2 selective": (GridShape(dp=3, tp=2), 2, "sele
                "dp3 x cp2 ZeRO-3 full": (GridShape(dp=3, cp=2), 3, "full", ()),
                "dp3 x cp2 ulysses ZeRO-2 none": (GridShape(dp=3, cp=2), 2, "none", ("--cp-mode", "ulysses")),
                "dp3 x pp2 ZeRO-1 selective": (GridShape(dp=3, pp=2), 1, "selective", ()),
-               "dp2 x cp3 ZeRO-3 selective": (GridShape(dp=2, cp=3), 3, "selective", ())}
+               "dp2 x cp3 ZeRO-3 selective": (GridShape(dp=2, cp=3), 3, "selective", ()),
+               # Muon (06_zero_muon, 07's tp join) over shards that cut its matrices unevenly
+               "dp3 x tp2 SP ZeRO-2 muon": (GridShape(dp=3, tp=2), 2, "none", ("--sequence-parallel", *MUON)),
+               "dp3 x tp2 ZeRO-3 muon": (GridShape(dp=3, tp=2), 3, "none", MUON)}
+NAN_STEP = 1        # the step whose gradient a NaN poisons in the non-finite runs
+NON_FINITE = (("muon", "exact"), ("adamw", "exact"), ("muon", "on device"))     # on device last: it patches AdamW
 
 
 def odd_data(dp: int) -> TokenBatches:
@@ -113,19 +121,22 @@ def odd_data(dp: int) -> TokenBatches:
                         seed=SEED, vocab_size=CFG.vocab_size)
 
 
-def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra) -> dict:
+def odd_layout_args(grid_shape: GridShape, stage: int, recompute: str, extra):
+    return load_lesson("07_full_5d").parse_args([
+        "--dp", str(grid_shape.dp), "--pp", str(grid_shape.pp), "--cp", str(grid_shape.cp), "--tp", str(grid_shape.tp),
+        "--zero-stage", str(stage), "--recompute", recompute, "--seq-len", str(ODD_SEQ), "--micro-batch-size",
+        str(MICRO), "--grad-accum", str(odd_data(grid_shape.dp).shape.grad_accum), "--seed", str(SEED), "--lr",
+        str(LR), *extra])
+
+
+def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra, replayed=None) -> dict:
     full_5d = load_lesson("07_full_5d")
     zero = full_5d.zero
     grid = ProcessGrid(grid_shape)
     data = odd_data(grid.dp_size)
-    args = full_5d.parse_args(["--dp", str(grid_shape.dp), "--pp", str(grid_shape.pp), "--cp", str(grid_shape.cp),
-                               "--tp", str(grid_shape.tp), "--zero-stage", str(stage), "--recompute", recompute,
-                               "--seq-len", str(ODD_SEQ), "--micro-batch-size", str(MICRO), "--grad-accum",
-                               str(data.shape.grad_accum), "--seed", str(SEED), "--lr", str(LR), *extra])
+    args = odd_layout_args(grid_shape, stage, recompute, extra)
     model, pipeline = full_5d.parallelize(CFG, grid, args, CPU)
-    optimizer = zero.build_sharded_optimizer(model, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+    optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
@@ -136,8 +147,45 @@ def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra) -> 
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()}}
 
 
-def every_odd_layout() -> dict:
-    return {name: odd_layout_run(*layout) for name, layout in ODD_LAYOUTS.items()}
+def non_finite_run(optimizer: str, tail: str) -> dict:
+    """dp3 x tp2 under `optimizer`, ZeRO-1 (units padded), a NaN in rank 0's gradient shard at
+    NAN_STEP: each step's skip flag, and the master weights and optimizer states after every step.
+    `tail`: "exact" (the CPU's: the host reads the norm and steps or not) or "on device" (AdamW
+    fused, as on CUDA: Muon and AdamW get found_inf and keep their states where it is 1)."""
+    if tail == "on device":
+        train_module.adamw_implementation = lambda device: {"fused": True}
+    full_5d = load_lesson("07_full_5d")
+    grid = ProcessGrid(GridShape(dp=3, tp=2))
+    data = odd_data(grid.dp_size)
+    args = odd_layout_args(grid.shape, 1, "none", MUON if optimizer == "muon" else ())
+    model, _ = full_5d.parallelize(CFG, grid, args, CPU)
+    optimizer = optimizer_of(model, grid, args)
+    settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
+    finish, step_of, results, states = model.finish_gradient_synchronization, [0], [], []
+
+    def finish_then_poison():
+        finish()
+        if step_of[0] == NAN_STEP and dist.get_rank() == 0:
+            model.units[0].grad_shard[0] = float("nan")
+
+    model.finish_gradient_synchronization = finish_then_poison
+    for step in range(STEPS):
+        step_of[0] = step
+        results.append(full_5d.train_step(model, optimizer, data.step_batch(step, grid.dp_rank), settings))
+        states.append([unit.master.clone() for unit in model.units]
+                      + [value.clone() for state in optimizer.state.values() for value in state.values()])
+    return {"skipped": [result.skipped for result in results], "states": states,
+            "amp": train_module.supports_amp_scaling(optimizer)}
+
+
+def every_odd_layout(replays: dict) -> dict:
+    runs = {name: odd_layout_run(*layout, replays.get(name)) for name, layout in ODD_LAYOUTS.items()}
+    original = train_module.adamw_implementation
+    try:
+        runs.update({f"non-finite {optimizer} {tail}": non_finite_run(optimizer, tail) for optimizer, tail in NON_FINITE})
+    finally:
+        train_module.adamw_implementation = original
+    return runs
 
 
 def tp_shard(result: dict, tp: int):
@@ -166,10 +214,28 @@ def assert_equal_to_one_device(result: dict, reference: dict, local, where: str)
 def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device():
     """6 ranks, five layouts with dp or cp = 3, ZeRO-1/2/3, ring and Ulysses, and recompute none,
     selective and full: each rank's gradients before and after clipping, its parameters after 3
-    AdamW steps (its stage's, its tp shard) and every loss and norm equal one device's."""
-    reference = train_reference(CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
-    assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
-    for rank, runs in enumerate(run_ranks(6, every_odd_layout, timeout_s=400, checks=SEQUENCES_CHECKED)):
+    AdamW steps (its stage's, its tp shard) and every loss and norm equal one device's. Under Muon,
+    dp3 x tp2 with ZeRO-2 (sequence parallel) and ZeRO-3, stepped with one device's gradients
+    (test_full_5d.replay), the same against one device's Muon. And Muon's non-finite skip: a NaN
+    in one rank's gradient shard skips that step on every rank, master weights and every optimizer
+    state (Muon's momentum, AdamW's moments) as they were, on the exact tail and with the skip
+    decided on the device; the next step steps (AdamW's too: ZeRO-1's padding, scaled by NaN in the
+    skipped step, is zeroed again)."""
+    references = {optimizer: train_reference(CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS,
+                                             make_optimizer=muon_optimizer if optimizer == "muon" else None)
+                  for optimizer in ("adamw", "muon")}
+    assert min(references["adamw"]["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+    muon = {name for name, (*_, extra) in ODD_LAYOUTS.items() if "muon" in extra}
+    replays = {name: references["muon"]["every_clipped_grads"] for name in muon}
+    for rank, runs in enumerate(run_ranks(6, every_odd_layout, replays, timeout_s=400, checks=SEQUENCES_CHECKED)):
         for name, (grid_shape, *_) in ODD_LAYOUTS.items():
             result = runs[name]
-            assert_equal_to_one_device(result, reference, tp_shard(result, grid_shape.tp), f"rank={rank} {name}")
+            assert_equal_to_one_device(result, references["muon" if name in muon else "adamw"],
+                                       tp_shard(result, grid_shape.tp), f"rank={rank} {name}")
+        for optimizer, tail in NON_FINITE:
+            run, where = runs[f"non-finite {optimizer} {tail}"], f"rank={rank} non-finite {optimizer} {tail}"
+            assert run["skipped"] == [step == NAN_STEP for step in range(STEPS)], where
+            assert run["amp"] == (tail == "on device"), where
+            before, after, then = run["states"][NAN_STEP - 1: NAN_STEP + 2]
+            assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)), where
+            assert not all(torch.equal(a, b) for a, b in zip(after, then)), where
