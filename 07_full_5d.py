@@ -424,7 +424,7 @@ def build_pipeline(model, grid: ProcessGrid, schedule: str, shape, cfg, device,
                           device, precision.param_dtype, async_sends, boundary_dtype=precision.param_dtype)
 
 
-# ---------------------------------------------------------------------------- 06_zero_muon x 02, 05, 03: Muon's whole matrices
+# ---------------------------------------------------------------------------- 06_zero_muon x 02, 05, 03: whole matrices
 # 06_zero_muon's owner assembles each matrix from the ZeRO shards of its group; under tp that is still this tp rank's
 # slice of the matrix, and Newton-Schulz needs it whole. Experts and pipeline stages need nothing of their own.
 
@@ -798,7 +798,11 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
 
 def composition_problems(cfg, grid, args) -> list[str]:
     """The pairs of techniques this trainer does not combine, and the rules two gain together (Ulysses
-    over a tp rank's heads, sequence parallelism over a cp rank's tokens), each with its reason."""
+    over a tp rank's heads, sequence parallelism over a cp rank's tokens), each with its reason.
+    Muon (--optimizer muon) combines with everything: with --fp8, whose layers keep their weights
+    (a float32 master, weights in the compute dtype; FP8 copies live inside a matmul only), so Muon
+    steps the same master with the same gradients; with zero-bubble, whose W's all run before the
+    step's tail, where the optimizer steps, as AdamW does."""
     problems = fp8.fp8_problems(cfg, grid, args)
     if args.schedule == "zero-bubble":
         problems += zero_bubble_problems(grid, args)
@@ -935,7 +939,9 @@ def main(argv=None):
     optimizer = build_optimizer(model, grid, args)
     settings = step_settings(grid, device, model.precision, args.max_grad_norm, args.step_tail)
     log0(f"lesson 07: dp={grid.dp_size} x pp={grid.pp_size} x cp={grid.cp_size} x tp={grid.tp_size}, "
-         f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, "
+         f"ep={grid.ep_size}, ZeRO-{args.zero_stage}, recompute {args.recompute}, {args.optimizer}"
+         + (f" (lr {args.muon_lr} for the blocks' matrices, AdamW's {args.lr} for the rest)"
+            if args.optimizer == "muon" else "") + ", "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
     start_step = checkpoints.resume(args, manifest, model, optimizer, grid)
     if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first

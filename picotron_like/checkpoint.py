@@ -19,11 +19,11 @@ The idea. Every rank describes what it holds in the reference GPT's own terms (H
           | dp 1: [12288, 24576)      | dp 1: [12288, 24576)      |
           +---------------------------+---------------------------+
 
-A checkpoint is one file per rank holding its slices (the float32 master weights, the optimizer's
-states of each: AdamW's two moments and step count, or Muon's momentum; the persistent buffers such as MoE router biases; the rank's RNG states)
-and a manifest listing every file's slices, written last. Loading in another layout is index
-arithmetic: each rank asks, for every slice it holds now, which written slices intersect it, and
-copies the overlap. Nothing about tp, pp, ep or ZeRO is known here: the lesson hands over the
+A checkpoint is one file per rank holding its slices (the float32 master weights and the optimizer's
+states of each: AdamW's two moments and step count, or Muon's momentum; the persistent buffers
+such as MoE router biases; the rank's RNG states) and a manifest listing every file's slices,
+written last. Loading in another layout is index arithmetic: each rank asks, for every slice it
+holds now, which written slices intersect it, and copies the overlap. Nothing about tp, pp, ep or ZeRO is known here: the lesson hands over the
 description (reference_slices), this module stores and reshards it. Padding of ZeRO's flat
 units is not saved; replicas (a norm gain on every tp rank, ZeRO-0's whole copies) are written by
 one rank only (HeldSlice.write), so each element of each reference tensor is stored exactly once,
@@ -51,13 +51,15 @@ Refused, each with one line naming the file and the problem, before any collecti
 (torn: something removed it, or copied half a checkpoint), a manifest of another format (foreign),
 a rank file missing or of another size (truncated), a model whose tensor shapes differ, a run
 whose global batch or seed differ (its data would not continue where the checkpoint stopped),
-a run with another --optimizer (its states would not fit: check_optimizer_kind), tensors that do not cover every element of the reference exactly once. A rank file whose bytes
-differ from the manifest's sha256 (copied in from another checkpoint) is found when a rank reads
-it; every rank then stops, and rank 0 prints that line.
+a run with another --optimizer (its states would not fit: check_optimizer_kind), tensors that do
+not cover every element of the reference exactly once. A rank file whose bytes differ from the
+manifest's sha256 (copied in from another checkpoint) is found when a rank reads it; every rank
+then stops, and rank 0 prints that line.
 
 What continues exactly. The step (so the learning-rate schedule and the data: TokenBatches is a
 function of the step), the float32 master weights (bf16 weights are their cast), the optimizer's
-states (AdamW's moments and step count, Muon's momentum), router biases, RNG states (per rank, restored when the world size is the same).
+states (AdamW's moments and step count, Muon's momentum), router biases, RNG states (per rank,
+restored when the world size is the same).
 In the same layout the run continues bit for bit on CPU; on CUDA too when the run is
 deterministic (torch.use_deterministic_algorithms and CUBLAS_WORKSPACE_CONFIG=:4096:8; atomics in
 some backward kernels and NCCL's choice of algorithm otherwise change the last bits of a sum).

@@ -5,7 +5,8 @@ One spawn of 4 gloo ranks trains a base run (dp2 x tp2, ZeRO-1) that saves at st
 resumes its step-2 checkpoint in the same layout and in three others (pp 2; dp 4 with ZeRO-3;
 cp 2 with ZeRO-0); an interleaved run (pp 2 x dp 2, two chunks per rank) resumes in its own
 layout and with pp 4, dp 1, one chunk per rank and ZeRO-0; and a mixture-of-experts run (dp 4, ep 4, router biases moved away from zero
-so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3. The same
+so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3; and a Muon run
+(dp 2 x tp 2, ZeRO-1) resumed with pp 2 x dp 2, its momentum resharded. The same
 layout must give the uninterrupted run's losses bit for bit: the same float operations on the
 same values. Another layout sums in another order: the losses agree to 1e-5, the tolerance of
 every equality test of the suite against one device. A torchrun run killed with SIGKILL resumes
@@ -53,6 +54,9 @@ INTERLEAVED_BASE = ["--n-layers", "4", "--pp", "2", "--dp", "2", "--zero-stage",
                     "--virtual-stages", "2"]
 INTERLEAVED_OTHER = ["--n-layers", "4", "--pp", "4", "--dp", "1", "--zero-stage", "0"]
 KILL_RUN = ["--dp", "2", "--zero-stage", "2", "--steps", "8", "--save-every", "1", "--keep-last", "2"]
+# Muon (at AdamW's lr) written at dp 2 x tp 2 with ZeRO-1, its momentum resharded into pp 2 x dp 2
+MUON = ["--optimizer", "muon", "--muon-lr", "3e-3"]
+MUON_OTHER = ["--pp", "2", "--dp", "2", "--zero-stage", "1", *MUON]
 CROSS_LAYOUT = dict(rtol=0, atol=1e-5)   # the suite's loss tolerance against one device
 # One resume reads the checkpoint as if a run with another learning rate and rope_theta had written
 # it (edited in its manifest after reading): a resuming run may change both, and is told so.
@@ -70,7 +74,6 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     sections to change before resuming, as if a run with those values had written the checkpoint."""
     os.environ["WORLD_SIZE"] = str(world_size)
     full_5d = lesson()
-    zero = full_5d.zero
     args = full_5d.parse_args([*COMMON, *argv])
     plan = plan_run(args, full_5d.validate, full_5d.expert_parallel.moe_config)
     manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
@@ -83,7 +86,7 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     if router_bias:
         for layer in moe_layers(model.module):
             layer.router_bias.copy_(torch.linspace(-0.3, 0.3, layer.n_experts))
-    optimizer = zero.build_sharded_optimizer(model, args.lr)
+    optimizer = full_5d.build_optimizer(model, grid, args)
     settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     with redirect_stdout(io.StringIO()) as resume_log:
         start_step = checkpoints.resume(args, manifest, model, optimizer, grid)
@@ -116,6 +119,9 @@ def four_rank_runs(directory: str) -> dict:
         runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{interleaved}/step_00000002"], 4)
     runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
     runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
+    muon = f"{directory}/muon"
+    runs["muon base"] = trainer([*BASE, *MUON, "--steps", "4", "--save-every", "2", "--save-dir", muon], 4)
+    runs["muon other"] = trainer([*MUON_OTHER, "--steps", "4", "--resume", f"{muon}/step_00000002"], 4)
     return runs
 
 
@@ -130,7 +136,7 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
     (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding. The
     interleaved run: exactly in its own layout, to rounding with its virtual stages, pp, dp and
-    ZeRO stage changed. Resuming
+    ZeRO stage changed. Muon's run resumed with pp 2 x dp 2: to rounding. Resuming
     prints one note per setting or model field that differs from the checkpoint's, and none when
     nothing does; the first steps' memory rows carry the real step numbers and the restored Adam
     states from the first row on."""
@@ -160,6 +166,10 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     assert same["losses"] == interleaved["losses"][2:] and same["norms"] == interleaved["norms"][2:], same
     torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(interleaved["losses"][2:]), **CROSS_LAYOUT)
     torch.testing.assert_close(torch.tensor(other["norms"]), torch.tensor(interleaved["norms"][2:]), rtol=1e-5, atol=0)
+    muon_base, muon_other = runs["muon base"], runs["muon other"]
+    torch.testing.assert_close(torch.tensor(muon_other["losses"]), torch.tensor(muon_base["losses"][2:]), **CROSS_LAYOUT)
+    torch.testing.assert_close(torch.tensor(muon_other["norms"]), torch.tensor(muon_base["norms"][2:]), rtol=1e-5,
+                               atol=0)
 
 
 def test_export_loads_into_the_reference_gpt_with_the_same_loss(saved, tmp_path, monkeypatch):
@@ -190,7 +200,8 @@ def test_damaged_checkpoints_are_refused_with_one_line(saved, tmp_path, monkeypa
     the same size), another model shape, another global batch: each refused with a line naming the
     file and the problem, by the checks every rank makes before any collective (read_manifest) or,
     for contents, when the file is read. A writer's leftover .partial directory is never a
-    candidate; a run that would overwrite a newer checkpoint, or has no step left, is refused."""
+    candidate; a run that would overwrite a newer checkpoint, or has no step left, is refused, and
+    so is an AdamW checkpoint resumed under Muon and the reverse (one line, in 07's validate)."""
     directory, _ = saved
     good = directory / "base" / "step_00000002"
     cfg = checkpoints.read_manifest(good)["cfg"]
@@ -245,7 +256,13 @@ def test_damaged_checkpoints_are_refused_with_one_line(saved, tmp_path, monkeypa
     for argv, message in [(["--steps", "6", "--save-dir", str(directory / "base")],
                            "step_00000004: this run starts at step 0 and would overwrite it"),
                           (["--steps", "4", "--save-dir", str(directory / "base"), "--resume"],
-                           "step_00000004: already at step 4, --steps 4: nothing left to train")]:
+                           "step_00000004: already at step 4, --steps 4: nothing left to train"),
+                          (["--steps", "6", *MUON, "--resume", str(good)],
+                           "step_00000002: written with --optimizer adamw, this run has --optimizer muon: the "
+                           "optimizer states differ; resume with --optimizer adamw, or start afresh in another "
+                           "--save-dir"),
+                          (["--steps", "6", "--resume", str(directory / "muon" / "step_00000002")],
+                           "step_00000002: written with --optimizer muon, this run has --optimizer adamw")]:
         args = full_5d.parse_args([*COMMON, *BASE, *argv])
         plan_shape = plan_run(full_5d.parse_args([*COMMON, *BASE]), full_5d.validate).shape
         with pytest.raises(checkpoints.CheckpointError, match=message):

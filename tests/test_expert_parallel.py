@@ -329,10 +329,11 @@ def four_rank_training():
     return run_ranks(4, several_variants, VARIANTS + MUTANTS, timeout_s=400)
 
 
-def forced_reference(variant: Variant, per_rank, check_margins: bool = True) -> dict:
+def forced_reference(variant: Variant, per_rank, check_margins: bool = True, make_optimizer=None) -> dict:
     """train_reference with every token routed where the distributed run routed it; asserts that
     wherever the reference's own top-k differs, its margin was a rounding-level tie (a mutant's run
-    routes from wrong weights after its first step: there only its gradients are compared)."""
+    routes from wrong weights after its first step: there only its gradients are compared).
+    `make_optimizer`: train_reference's (default AdamW)."""
     k = CFG.experts_per_token
     forced = {}
     for results in per_rank:
@@ -360,7 +361,8 @@ def forced_reference(variant: Variant, per_rank, check_margins: bool = True) -> 
     try:
         reference = train_reference(variant.cfg, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
                                     mask_targets=mask_targets if variant.masked else None,
-                                    bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS)
+                                    bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS,
+                                    make_optimizer=make_optimizer)
     finally:
         moe_module.top_k_experts, moe_module.capacity_mask = original, original_mask
     assert not queue

@@ -182,7 +182,8 @@ def every_odd_layout(replays: dict) -> dict:
     runs = {name: odd_layout_run(*layout, replays.get(name)) for name, layout in ODD_LAYOUTS.items()}
     original = train_module.adamw_implementation
     try:
-        runs.update({f"non-finite {optimizer} {tail}": non_finite_run(optimizer, tail) for optimizer, tail in NON_FINITE})
+        runs.update({f"non-finite {optimizer} {tail}": non_finite_run(optimizer, tail)
+                     for optimizer, tail in NON_FINITE})
     finally:
         train_module.adamw_implementation = original
     return runs
@@ -224,7 +225,7 @@ def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device(
     references = {optimizer: train_reference(CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS,
                                              make_optimizer=muon_optimizer if optimizer == "muon" else None)
                   for optimizer in ("adamw", "muon")}
-    assert min(references["adamw"]["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+    assert min(references["adamw"]["norms"]) > MAX_GRAD_NORM, "clipping must act, or clipped gradients prove nothing"
     muon = {name for name, (*_, extra) in ODD_LAYOUTS.items() if "muon" in extra}
     replays = {name: references["muon"]["every_clipped_grads"] for name in muon}
     for rank, runs in enumerate(run_ranks(6, every_odd_layout, replays, timeout_s=400, checks=SEQUENCES_CHECKED)):

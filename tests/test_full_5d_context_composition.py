@@ -68,7 +68,7 @@ def reference(cfg, seq_len: int, masked: bool, optimizer: str = "adamw") -> dict
         REFERENCES[key] = train_reference(cfg, SEED, data, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS,
                                           mask_targets=mask_targets if masked else None,
                                           make_optimizer=muon_optimizer if optimizer == "muon" else None)
-        assert min(REFERENCES[key]["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+        assert min(REFERENCES[key]["norms"]) > MAX_GRAD_NORM, "clipping must act, or clipped gradients prove nothing"
     return REFERENCES[key]
 
 

@@ -24,13 +24,13 @@ import pytest
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
-from picotron_like.testing import SEQUENCES_CHECKED, HostReads, masked_step_batch, run_ranks
+from picotron_like.testing import SEQUENCES_CHECKED, HostReads, masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
 from picotron_like import train as train_module
 from picotron_like.train import checked_plan
 from test_expert_parallel import (ADAM_EPS, BALANCED, CPU, LR, MAX_GRAD_NORM, MICRO, SEED, SEQ, STEPS, Variant,
                                   assert_equals_reference, batches, forced_reference, mask_targets, record_choices)
-from test_full_5d import metered_steps
+from test_full_5d import MUON, metered_steps, muon_optimizer, optimizer_of
 from test_zero import gathered, observe_gradients
 
 
@@ -38,6 +38,7 @@ from test_zero import gathered, observe_gradients
 class ComposedVariant(Variant):
     zero_stage: int = 1
     virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, several chunks per pipeline rank
+    optimizer: str = "adamw"         # muon: test_full_5d's MUON flags, stepped with one device's gradients (replay)
 
 
 SIGMOID_AUX = (("router", "sigmoid"), ("aux_loss_coef", 1e-2))
@@ -53,12 +54,17 @@ VARIANTS = [
     # every expert (and the shared one) split over tp = 2, of dp = 2 and of cp = 2
     ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=2),
     ComposedVariant(GridShape(cp=2, tp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, grouped=False, masked=True),
+    # Muon: each expert's matrix on its own, assembled over edp = 2 (ZeRO-1); and joined over tp (ZeRO-2)
+    ComposedVariant(GridShape(dp=2, cp=2), 2, (*SIGMOID_AUX, ("n_shared_experts", 1)), bias_update_rate=1e-3,
+                    optimizer="muon"),
+    ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=2, optimizer="muon"),
 ]
 
 
-def composed_run(variant: ComposedVariant) -> dict:
+def composed_run(variant: ComposedVariant, replayed: list[dict] | None = None) -> dict:
     """STEPS steps as lesson 07's main runs them: step 0 metered (activations), each step's
-    routing counted, the choices recorded for the teacher-forced reference."""
+    routing counted, the choices recorded for the teacher-forced reference; under Muon stepped
+    with the one-device run's gradients `replayed`."""
     full_5d = load_lesson("07_full_5d")
     zero = full_5d.zero
     grid = ProcessGrid(variant.shape, ep=variant.ep)
@@ -71,11 +77,9 @@ def composed_run(variant: ComposedVariant) -> dict:
         "--lr", str(LR), "--bias-update-rate", str(variant.bias_update_rate),
         *(["--schedule", "interleaved", "--virtual-stages", str(variant.virtual_stages)]
           if variant.virtual_stages > 1 else []),
-        *([] if variant.grouped else ["--no-grouped-mm"])])
+        *([] if variant.grouped else ["--no-grouped-mm"]), *(MUON if variant.optimizer == "muon" else [])])
     model, pipeline = full_5d.parallelize(variant.cfg, grid, args, CPU)
-    optimizer = zero.build_sharded_optimizer(model, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+    optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
     log = full_5d.balancing_log(model, pipeline, grid)
@@ -109,18 +113,31 @@ def composed_run(variant: ComposedVariant) -> dict:
                                                                               args, grid, model.precision, routing)
                                                for routing in routings)),
             "states": asdict(zero.measured_model_states(model, optimizer)),
-            "predicted_states": asdict(load_lesson("07_report").ZeroUnits.of(model, grid).model_states(model.stage,
+            "predicted_states": asdict(load_lesson("07_report").ZeroUnits.of(model, grid, args.optimizer).model_states(
+                                                                                      model.stage,
                                                                                       model.precision)),
             "params": gathered(model, lambda unit: unit.master)}
 
 
-def every_variant() -> dict:
-    return {variant: composed_run(variant) for variant in VARIANTS}
+def every_variant(replays: dict) -> dict:
+    return {variant: composed_run(variant, replays.get(variant)) for variant in VARIANTS}
+
+
+def make_optimizer(variant: ComposedVariant):
+    return muon_optimizer if variant.optimizer == "muon" else None
 
 
 @pytest.fixture(scope="module")
 def composed_training():
-    return run_ranks(4, every_variant, timeout_s=500, checks=SEQUENCES_CHECKED)
+    """Every variant's run on 4 ranks; under Muon stepped with the gradients of the one-device run
+    (not teacher-forced: the forcing needs the run's routing, and with no routing choice at a tie
+    the forced run is the same run)."""
+    replays = {variant: train_reference(variant.cfg, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
+                                        mask_targets=mask_targets if variant.masked else None,
+                                        bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS,
+                                        make_optimizer=make_optimizer(variant))["every_clipped_grads"]
+               for variant in VARIANTS if variant.optimizer == "muon"}
+    return run_ranks(4, every_variant, replays, timeout_s=500, checks=SEQUENCES_CHECKED)
 
 
 def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_training):
@@ -132,7 +149,7 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
     teacher-forced one-device reference's (this rank's slices); the kept activations at step 0's
     peak, every collective's bytes and ZeRO's model states equal lesson 07's predictions."""
     for variant in VARIANTS:
-        reference = forced_reference(variant, composed_training)
+        reference = forced_reference(variant, composed_training, make_optimizer=make_optimizer(variant))
         print(f"{variant}: {reference['flips']} routing choices forced at rounding-level ties")
         for rank, results in enumerate(composed_training):
             run, where = results[variant], f"rank {rank} {variant}"

@@ -7,7 +7,9 @@ collective called exactly as often as the same layout under 1F1B: B and W togeth
 backward collective once (tp's f and g stay in B, W has none), and ZeRO reduces each unit once.
 The layout gives B's and W's of different micro-batches to the last stage in turn (B0 B1 W0 ...),
 where a block whose norm gains reported their gradient in B and its linears in W would start
-ZeRO's reduction before its last W (the test fails so if 07 leaves the norms' gains to B).
+ZeRO's reduction before its last W (the test fails so if 07 leaves the norms' gains to B). The same
+layout under Muon (--optimizer muon), which steps after the schedule's last W as AdamW does: equal
+to one device's Muon, stepped with its gradients (test_full_5d.replay), its collectives as 1F1B's.
 
 Experts, cp and tp at once: pp2 x cp2 x tp2 with an MoE (ep2 over dp x cp) under zero-bubble equals
 the same run under 1F1B (tests/test_full_5d_expert_composition.py proves that one equal to one
@@ -41,7 +43,7 @@ from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import checked_plan
 from test_context_parallel import CFG, SEQ, mask_targets
-from test_full_5d import AUX, MOE_CFG, run
+from test_full_5d import AUX, MOE_CFG, MUON, run
 from test_full_5d_composition import assert_equal_to_one_device, tp_shard
 from test_full_5d_context_composition import reference
 from test_fp8 import CFG as FP8_CFG
@@ -52,28 +54,34 @@ MOE_CFG3 = replace(MOE_CFG, n_layers=3)
 DENSE_GRID, MOE_GRID = GridShape(dp=2, pp=2, tp=2), GridShape(pp=2, cp=2, tp=2)
 
 
-def every_run() -> dict:
+def every_run(replayed: list[dict]) -> dict:
     runs = {}
     for schedule in ("1f1b", "zero-bubble"):
         runs[f"dense {schedule}"] = run(ProcessGrid(DENSE_GRID), 1, "none", CFG3, ("--schedule", schedule), SEQ,
                                         mask_targets)
+        runs[f"muon {schedule}"] = run(ProcessGrid(DENSE_GRID), 1, "none", CFG3, ("--schedule", schedule, *MUON),
+                                       SEQ, mask_targets, replayed)
         runs[f"moe {schedule}"] = run(ProcessGrid(MOE_GRID, ep=2), 1, "none", MOE_CFG3,
                                       (*AUX, "--schedule", schedule))
     return runs
 
 
 def test_zero_bubble_with_tp_cp_experts_and_zero_1_equals_one_device_and_1f1b():
-    per_rank = run_ranks(8, every_run, timeout_s=300)
-    expected = reference(CFG3, SEQ, masked=True)
+    """Under AdamW, and under Muon (its step comes after the schedule's last W, as AdamW's: stepped
+    with one device's gradients, test_full_5d.replay), equal to one device."""
+    expected = {optimizer: reference(CFG3, SEQ, True, optimizer) for optimizer in ("adamw", "muon")}
+    per_rank = run_ranks(8, every_run, expected["muon"]["every_clipped_grads"], timeout_s=300)
     for rank, runs in enumerate(per_rank):
-        zero_bubble, one_f_one_b, where = runs["dense zero-bubble"], runs["dense 1f1b"], f"rank={rank} dense"
-        assert_equal_to_one_device(zero_bubble, expected, tp_shard(zero_bubble, DENSE_GRID.tp), where)
-        table = zero_bubble["predicted_traffic"]
-        assert {key: zero_bubble["traffic"].get(key, 0) for key in table} == table, where
-        assert not set(zero_bubble["traffic"]) - set(table), where
-        assert zero_bubble["calls"] == one_f_one_b["calls"], f"{where}: {zero_bubble['calls']} {one_f_one_b['calls']}"
-        # what autograd saves peaks as under 1F1B (the W queue's share is lesson 03's test's)
-        assert zero_bubble["kept"] == one_f_one_b["kept"], where
+        for name, optimizer in (("dense", "adamw"), ("muon", "muon")):
+            zero_bubble, one_f_one_b, where = runs[f"{name} zero-bubble"], runs[f"{name} 1f1b"], f"rank={rank} {name}"
+            assert_equal_to_one_device(zero_bubble, expected[optimizer], tp_shard(zero_bubble, DENSE_GRID.tp), where)
+            table = zero_bubble["predicted_traffic"]
+            assert {key: zero_bubble["traffic"].get(key, 0) for key in table} == table, where
+            assert not set(zero_bubble["traffic"]) - set(table), where
+            assert zero_bubble["calls"] == one_f_one_b["calls"], \
+                f"{where}: {zero_bubble['calls']} {one_f_one_b['calls']}"
+            # what autograd saves peaks as under 1F1B (the W queue's share is lesson 03's test's)
+            assert zero_bubble["kept"] == one_f_one_b["kept"], where
 
         zero_bubble, one_f_one_b, where = runs["moe zero-bubble"], runs["moe 1f1b"], f"rank={rank} moe"
         assert zero_bubble["calls"] == one_f_one_b["calls"], where
