@@ -5,6 +5,7 @@ alone and all together; and the same recipes at equal tokens.
 
     python benchmarks/time_budget_recipes.py                 # the full benchmark: about 40 minutes, alone on 2 cores
     python benchmarks/time_budget_recipes.py --quick         # 2 recipes, 1 seed, 24-second budgets: about a minute
+    python benchmarks/time_budget_recipes.py --recipes muon wsd --seeds 1     # some recipes (and the baseline)
 
 The corpus: the Python standard library's own source files (every *.py under
 sysconfig.get_paths()["stdlib"], sorted, without site-packages and the test suites), tokenized by
@@ -94,7 +95,7 @@ BASELINE = "baseline"
 # Lesson 07's settings printed for each recipe: those whose names hold one of these words.
 SETTINGS_SHOWN = ("optimizer", "lr", "warmup", "decay", "ramp", "muon", "momentum", "nesterov")
 # --quick: the first 2 of these recipes lesson 07 accepts, validated on 2 of the batches
-QUICK = {"minutes": 0.4, "seeds": 1, "val_batches": 2, "recipes": [BASELINE, "wsd", "muon"]}
+QUICK = {"minutes": 0.4, "seeds": 1, "val_batches": 2, "recipes": [BASELINE, "muon", "wsd"]}
 
 
 # ----------------------------------------------------------------------------- the corpus
@@ -193,8 +194,10 @@ def available_recipes(recipes: dict[str, list[str]]) -> tuple[dict[str, dict], d
             skipped[name] = reason
             continue
         resolve_decay_share(args)
+        unused = "muon_" if args.optimizer != "muon" else None      # Muon's settings without Muon
         available[name] = {key: value for key, value in sorted(vars(args).items())
-                           if any(word in key for word in SETTINGS_SHOWN) and value is not None}
+                           if any(word in key for word in SETTINGS_SHOWN) and value is not None
+                           and not (unused and key.startswith(unused))}
     return available, skipped
 
 
@@ -360,8 +363,9 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=2.0, help="each budget run's --max-minutes (default: 2)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds per recipe and comparison (default: 3)")
-    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=list(RECIPES),
-                        help="the recipes to run (default: all; the baseline is always run)")
+    parser.add_argument("--recipes", nargs="+", choices=list(RECIPES), default=None,
+                        help="the recipes to run, the baseline always among them (default: all; with --quick, the "
+                             "first 2 lesson 07 accepts of " + ", ".join(QUICK["recipes"]) + ")")
     parser.add_argument("--cores", default="0,1",
                         help="the cores runs are pinned to, one run per core at a time (default: 0,1)")
     parser.add_argument("--quick", action="store_true",
@@ -436,11 +440,11 @@ def main(argv=None):
     args.command = "python benchmarks/time_budget_recipes.py " + " ".join(sys.argv[1:] if argv is None else argv)
     args.started = time.perf_counter()
     args.date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    wanted = QUICK["recipes"] if args.quick else [BASELINE, *(name for name in args.recipes if name != BASELINE)]
+    wanted = dict.fromkeys([BASELINE, *(args.recipes or (QUICK["recipes"] if args.quick else RECIPES))])
     available, skipped = available_recipes({name: RECIPES[name] for name in wanted})
     if BASELINE not in available:
         raise SystemExit(f"error: lesson 07 refuses the baseline's flags: {skipped[BASELINE]}")
-    recipes = list(available)[:2] if args.quick else list(available)
+    recipes = list(available)[:2] if args.quick and args.recipes is None else list(available)
     parameters = count_parameters(config_from_flags(parse_lesson_flags(COMMON_FLAGS)[0]))["total"]
     corpus = prepare_corpus(args.data_dir, Path(sysconfig.get_paths()["stdlib"]), VAL_BATCHES * SEQUENCES_PER_STEP)
     data_flags = ["--data", str(corpus.train), "--val-data", str(corpus.val), "--val-batches", str(args.val_batches)]

@@ -54,12 +54,16 @@ def test_prepare_corpus_holds_out_whole_files_cuts_validation_to_its_windows_and
 
 
 def test_recipes_lesson_07_refuses_are_skipped_with_its_reason_and_the_others_show_their_defaults():
-    available, skipped = available_recipes({BASELINE: [], "wsd": RECIPES["wsd"], "bogus": ["--no-such-flag", "1"]})
-    assert list(available) == [BASELINE, "wsd"] and skipped == {"bogus": "unrecognized arguments: --no-such-flag 1"}
+    available, skipped = available_recipes({BASELINE: [], "wsd": RECIPES["wsd"], "muon": RECIPES["muon"],
+                                            "bogus": ["--no-such-flag", "1"]})
+    assert list(available) == [BASELINE, "wsd", "muon"]
+    assert skipped == {"bogus": "unrecognized arguments: --no-such-flag 1"}
     defaults = load_lesson("07_full_5d").parse_args([])
     assert available[BASELINE]["lr"] == defaults.lr and available[BASELINE]["warmup_steps"] == defaults.warmup_steps
     assert "decay_share" not in available[BASELINE]                       # cosine has none
     assert available["wsd"]["decay_share"] == DEFAULT_DECAY_SHARE          # filled in at start-up, shown
+    assert available["muon"]["muon_lr"] == defaults.muon_lr and available["muon"]["optimizer"] == "muon"
+    assert not any(key.startswith("muon_") for key in available[BASELINE])    # AdamW's recipe runs no Muon
 
 
 def test_steps_for_tokens_follow_the_measured_steps_then_the_last_one():
