@@ -23,7 +23,8 @@ order), every run a real `torchrun --nproc_per_node=1 07_full_5d.py` with --metr
 validation after its last step:
 1. budget: --max-minutes M (default 2, start-up included): the loss per minute;
 2. tokens: --steps N, N chosen per recipe and seed so that it trains the tokens the baseline
-   reached in the budget (median over its seeds): the loss per token, apart from speed.
+   reached in the budget (median over its seeds; to the nearest step, from the sizes of the
+   recipe's own steps in its budget run, a ramp's too): the loss per token, apart from speed.
 The script checks that no run passes over its training data twice (one pass), and says so.
 
 Hyperparameters: each feature's defaults and the project's default learning rates, printed from
@@ -305,14 +306,15 @@ def execute_all(runs: list[Run], cores: list[int | None], runs_dir: Path, timeou
 
 
 def steps_for_tokens(step_tokens: list[int], target: int) -> int:
-    """The steps after which a run whose steps train `step_tokens` (measured in its budget run; later
-    steps as its last) has trained at least `target` tokens."""
-    done = 0
-    for steps, tokens in enumerate(step_tokens, start=1):
-        done += tokens
-        if done >= target:
-            return steps
-    return len(step_tokens) + -(-(target - done) // step_tokens[-1])
+    """The number of steps whose tokens come nearest to `target` (a tie: the more steps, at least
+    one), for a run whose steps train `step_tokens` (measured in its budget run; later steps as
+    its last, the full batch)."""
+    done, steps = 0, 0
+    while True:
+        tokens = step_tokens[min(steps, len(step_tokens) - 1)]
+        if done + tokens >= target:
+            return steps + 1 if steps == 0 or done + tokens - target <= target - done else steps
+        done, steps = done + tokens, steps + 1
 
 
 # ----------------------------------------------------------------------------- the table

@@ -66,13 +66,14 @@ def test_recipes_lesson_07_refuses_are_skipped_with_its_reason_and_the_others_sh
     assert not any(key.startswith("muon_") for key in available[BASELINE])    # AdamW's recipe runs no Muon
 
 
-def test_steps_for_tokens_follow_the_measured_steps_then_the_last_one():
-    ramp = [1024, 2048, 4096, 4096]
+def test_steps_for_tokens_come_nearest_to_the_target_following_the_measured_steps_then_the_last_one():
+    ramp = [1024, 2048, 4096, 4096]         # after each step: 1,024, 3,072, 7,168, 11,264 tokens
+    assert steps_for_tokens(ramp, 1) == 1
     assert steps_for_tokens(ramp, 3072) == 2
-    assert steps_for_tokens(ramp, 3073) == 3
+    assert steps_for_tokens(ramp, 3073) == 2
+    assert steps_for_tokens(ramp, 5120) == 3                    # a tie: the more steps
     assert steps_for_tokens(ramp, 11264) == 4
-    assert steps_for_tokens(ramp, 11265) == 5
-    assert steps_for_tokens(ramp, 11264 + 2 * 4096) == 6
+    assert steps_for_tokens(ramp, 11264 + 2 * 4096 - 1) == 6    # beyond the measured steps: the last one's size
 
 
 def run(recipe, seed, loss, comparison="budget", error=None):
