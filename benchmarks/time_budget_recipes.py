@@ -68,8 +68,8 @@ from picotron_like.train import config_from_flags, resolve_decay_share
 LESSON = REPO_ROOT / "07_full_5d.py"
 
 # The run every recipe shares: the tiny preset on 4,096-token steps of 4 micro-batches of 8
-# sequences of 128 tokens (one core trains about 10,000 tokens/s of it: about a million tokens in
-# 2 minutes, 300 steps at the full batch).
+# sequences of 128 tokens (one core of this 2-core machine, otherwise idle, trained about 10,000
+# tokens/s of it: about a million tokens, 250-300 steps, in 2 minutes).
 SEQ_LEN, MICRO_BATCH_SIZE, GLOBAL_BATCH_TOKENS = 128, 8, 4096
 SEQUENCES_PER_STEP = GLOBAL_BATCH_TOKENS // SEQ_LEN
 # 65,536 validation tokens, about 3 s of forward passes at the end of each run (the time budget
