@@ -65,7 +65,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 
 import torch
 import torch.distributed as dist
@@ -333,9 +333,15 @@ class MatrixExchange:
         self.matrices = balanced_owners([matrix for _, _, matrix in placed], self.n)
         self.mine = {position: self._place(unit, start + matrix.held[self.rank][0])
                      for position, (unit, start, matrix) in enumerate(placed) if span(matrix.held[self.rank])}
-        # Whether any rank sends anything each way: if not (one rank; ZeRO-0's way out), no collective.
-        self.any_to_owners = any(span(self.to_owner(m, r)) for m in self.matrices for r in range(self.n))
-        self.any_to_holders = any(span(self.to_holder(m, r)) for m in self.matrices for r in range(self.n))
+
+    # Whether any rank sends anything each way: if not (one rank; ZeRO-0's way out), no collective.
+    @cached_property
+    def any_to_owners(self) -> bool:
+        return any(span(self.to_owner(m, r)) for m in self.matrices for r in range(self.n))
+
+    @cached_property
+    def any_to_holders(self) -> bool:
+        return any(span(self.to_holder(m, r)) for m in self.matrices for r in range(self.n))
 
     @staticmethod
     def _place(unit, element: int) -> tuple[torch.Tensor, int]:
