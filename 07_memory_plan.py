@@ -10,7 +10,10 @@ group, no GPU:
 
     parameters, gradients,        lesson 06's formula (predicted_model_states) on its unit counts
     master weights, Adam states   (unit_parameter_counts: the stage's units, tp's slices, experts
-                                  over ep, sharded over dp x cp or, for experts, edp)
+                                  over ep, sharded over dp x cp or, for experts, edp); under
+                                  --optimizer muon one float32 momentum per element of the
+                                  matrices a rank's shards hold (06_zero_muon's, from the units'
+                                  shapes: PlannedExchange), AdamW's two for the rest
     activations                   lesson 07's per micro-batch (recompute mode, compute dtype, the
                                   stage), times the micro-batches lesson 03's schedule keeps live;
                                   with experts lesson 05's per-layer bytes for balanced routing;
@@ -34,11 +37,14 @@ Playbook's measured runs (benchmarks/step_time_vs_published.py checks it against
 With --fp8 the blocks' matmuls count at the profile's FP8 rate (where they run on FP8 tensor
 cores; on a GPU only those 07_fp8's shape rule keeps in FP8, the others and the router and routed
 experts at bf16's), their quantisations are elementwise passes (fp8_quantisation_seconds) and
-tp's all-reduces of the amaxes join tp's traffic.
+tp's all-reduces of the amaxes join tp's traffic. With --optimizer muon the step adds what
+Muon's does, unoverlapped (muon_seconds): the busiest owner's Newton-Schulz on its whole matrices,
+its joins over tp, and the two all-to-alls that carry the matrices to their owners and back.
 
 Proven (tests/test_memory_plan.py): at small scale on CPU the plan equals the bytes each rank
 holds, component by component (model states, activations, ZeRO-3's window), for several layouts,
-stages and recompute modes; at real scale its model states equal those of the sharded 8b model on
+stages and recompute modes, and under Muon its states and the bytes of its all-to-alls and tp
+joins (planned_muon_traffic) equal the meter's; at real scale its model states equal those of the sharded 8b model on
 8 and 64 GPUs and of Mixtral-8x7B on 64, built rank by rank on the meta device by lesson 06's own
 build_model from a grid that knows only the rank (LaidOutGrid): nothing is drawn.
 The communication buffers and the step time are estimates, and say so.
@@ -47,7 +53,10 @@ The communication buffers and the step time are estimates, and say so.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
+import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -56,7 +65,7 @@ import torch
 
 from picotron_like.lessons import load_lesson
 from picotron_like.loss import LossSettings, loss_chunk_shape, loss_chunk_tokens
-from picotron_like import step_costs
+from picotron_like import comm, step_costs
 from picotron_like.device_profile import DeviceProfile, ProfileError, load_profile
 from picotron_like.metrics import add_traffic, loss_transient_parts
 from picotron_like.model import count_parameters, flops_per_token
@@ -71,6 +80,7 @@ pipeline_parallel = load_lesson("03_pipeline_parallel")
 context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
+zero_muon = load_lesson("06_zero_muon")
 zero_bubble = load_lesson("03_zero_bubble")
 fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
@@ -98,25 +108,50 @@ PLAN_MARGIN = 0.10
 GIB = 2**30
 
 
+def unit_parameter_layouts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
+                           experts: bool = False, virtual_stages: int = 1) -> list[list[tuple[str, tuple]]]:
+    """The units of one tp rank of pipeline rank `pp_rank`, parameter by parameter in the order
+    lesson 06 flattens them, as (the reference's name, the shape this rank holds): the embedding
+    (first stage), the blocks of its stage (of its v chunks, interleaved), the head (last stage,
+    which is always on the last rank); norm gains stay whole under tp, the other weights are cut
+    as lesson 02 cuts them. With experts (lesson 05's split), a block's dense unit holds the
+    attention, the norms, the router (whole on every tp rank) and the shared expert (split like a
+    dense MLP); experts=True gives each unit's routed experts instead: E/ep of them, each split
+    over tp (none in embedding, head)."""
+    h, hd, f = cfg.hidden, cfg.head_dim, cfg.ffn_hidden
+
+    def swiglu(prefix: str, width: int, stacked: tuple = (), suffix: str = ".weight") -> list:
+        """gate and up, width/tp by h; down, h by width/tp (each a stack of `stacked` for experts)"""
+        if not width:
+            return []
+        return [(f"{prefix}.gate_proj{suffix}", (*stacked, width // tp, h)),
+                (f"{prefix}.up_proj{suffix}", (*stacked, width // tp, h)),
+                (f"{prefix}.down_proj{suffix}", (*stacked, h, width // tp))]
+
+    def block(layer: int) -> list:
+        name = f"layers.{layer}"
+        if experts:
+            return swiglu(f"{name}.mlp.experts", f * bool(cfg.n_experts), (cfg.n_experts // ep,), "")
+        mlp = ([(f"{name}.mlp.router.weight", (cfg.n_experts, h))]
+               + swiglu(f"{name}.mlp.shared_expert", cfg.n_shared_experts * f) if cfg.n_experts
+               else swiglu(f"{name}.mlp", f))
+        return [(f"{name}.attn_norm.weight", (h,)), (f"{name}.attn.q_proj.weight", (cfg.n_heads * hd // tp, h)),
+                (f"{name}.attn.k_proj.weight", (cfg.n_kv_heads * hd // tp, h)),
+                (f"{name}.attn.v_proj.weight", (cfg.n_kv_heads * hd // tp, h)),
+                (f"{name}.attn.o_proj.weight", (h, cfg.n_heads * hd // tp)), (f"{name}.mlp_norm.weight", (h,)), *mlp]
+
+    ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp * virtual_stages)
+    layers = sorted(layer for stage in range(pp_rank, pp * virtual_stages, pp) for layer in ranges[stage])
+    embedding = [] if experts else [("tok_embeddings.weight", (cfg.vocab_size // tp, h))]
+    head = [] if experts else [("norm.weight", (h,)), ("lm_head.weight", (cfg.vocab_size // tp, h))]
+    return [embedding] * (pp_rank == 0) + [block(layer) for layer in layers] + [head] * (pp_rank == pp - 1)
+
+
 def unit_parameter_counts(cfg, tp: int = 1, pp: int = 1, pp_rank: int = 0, ep: int = 1,
                           experts: bool = False, virtual_stages: int = 1) -> list[int]:
-    """Parameters of each unit on one tp rank of pipeline rank `pp_rank`: the embedding (first
-    stage), the blocks of its stage (of its v chunks, interleaved), the head (last stage, which
-    is always on the last rank); norm gains stay whole under tp. With
-    experts (lesson 05's split), a block's dense unit holds the attention, the norms, the router
-    (whole on every tp rank) and the shared expert (split like a dense MLP); experts=True counts
-    each unit's routed experts instead: E/ep of them, each split over tp (none in embedding, head)."""
-    h, hd = cfg.hidden, cfg.head_dim
-    swiglu = 3 * h * cfg.ffn_hidden
-    if experts:
-        block, embedding, head = cfg.n_experts * swiglu // (ep * tp), 0, 0
-    else:
-        mlp = cfg.n_shared_experts * swiglu // tp + h * cfg.n_experts if cfg.n_experts else swiglu // tp
-        block = (2 * h * cfg.n_heads * hd + 2 * h * cfg.n_kv_heads * hd) // tp + mlp + 2 * h
-        embedding, head = cfg.vocab_size * h // tp, h + h * cfg.vocab_size // tp
-    ranges = pipeline_parallel.stage_layer_ranges(cfg.n_layers, pp * virtual_stages)
-    n_blocks = sum(len(ranges[stage]) for stage in range(pp_rank, pp * virtual_stages, pp))
-    return [embedding] * (pp_rank == 0) + [block] * n_blocks + [head] * (pp_rank == pp - 1)
+    """Parameters of each unit on one tp rank of pipeline rank `pp_rank` (unit_parameter_layouts)."""
+    return [sum(math.prod(shape) for _, shape in unit)
+            for unit in unit_parameter_layouts(cfg, tp, pp, pp_rank, ep, experts, virtual_stages)]
 
 
 @lru_cache(maxsize=None)
@@ -217,26 +252,118 @@ def planned_loss_settings(args) -> LossSettings:
     return LossSettings(compile_backend="inductor" if args.compile else None)
 
 
-def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int):
+def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int, place: int | None = None):
     """Pipeline stage `pp_rank`'s units as lesson 07's ZeroUnits: their dense parameters over dp x
-    cp and their experts over edp = dp x cp / ep (unit_parameter_counts)."""
+    cp and their experts over edp = dp x cp / ep (unit_parameter_counts); under Muon, the matrices'
+    elements that the rank at `place` of its dp x cp group holds (None: the rank that holds fewest,
+    whose AdamW states make it the fullest)."""
     dense = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, virtual_stages=args.virtual_stages)
     experts = unit_parameter_counts(cfg, grid.tp, grid.pp, pp_rank, ep, True, args.virtual_stages)
-    return measurement.ZeroUnits(dense, experts, grid.dp * grid.cp, grid.dp * grid.cp // ep)
+    n = grid.dp * grid.cp
+    muon = 0
+    if args.optimizer == "muon":
+        exchanges = planned_exchanges(cfg, args, grid, ep, pp_rank)
+        muon = min(muon_elements_at(exchanges, ep, where) for where in ([place] if place is not None else range(n)))
+    return measurement.ZeroUnits(dense, experts, n, n // ep, muon)
+
+
+@lru_cache(maxsize=None)
+def muon_elements_at(exchanges: tuple, ep: int, place: int) -> int:
+    """The matrices' elements the rank at `place` of its dp x cp group holds (stage_exchanges')."""
+    return zero_muon.muon_elements_held(at_place(exchanges, ep, place))
+
+
+# ---------------------------------------------------------------------------- Muon's matrices in the plan
+
+
+@dataclass(frozen=True)
+class PlannedUnit:
+    """A flat unit as lesson 06_zero_muon reads its layout: its parameters' names and shapes (as
+    one tp rank holds them) and how lesson 06 cuts it."""
+
+    names: tuple
+    shapes: tuple
+    shard_numel: int
+    padded_numel: int
+
+
+class PlannedExchange(zero_muon.MatrixExchange):
+    """Lesson 06_zero_muon's exchange over one group of a planned layout, from its units' shapes
+    alone (the matrices, what each rank holds of them, their owners; nothing held, so no `mine`),
+    as the rank at `rank` of the group, which the meter calls `name`, sees it."""
+
+    def __init__(self, units: list[PlannedUnit], n: int, rank: int, name: str):
+        self.group, self.n, self.rank = comm.AxisGroup(None, name), n, rank
+        self.replicated = all(unit.shard_numel == unit.padded_numel for unit in units)
+        self.matrices = zero_muon.balanced_owners([matrix for _, _, matrix in zero_muon.hidden_matrices(units, n)],
+                                                  n)
+
+
+def planned_exchanges(cfg, args, grid: GridShape, ep: int, pp_rank: int) -> list[PlannedExchange]:
+    """Stage `pp_rank`'s exchanges as the first rank of its dp x cp group sees them: its dense units'
+    matrices over dp x cp, its experts' over edp (at_place moves them to another rank)."""
+    return stage_exchanges(cfg, grid, ep, pp_rank, args.virtual_stages, args.zero_stage)
+
+
+@lru_cache(maxsize=None)
+def stage_exchanges(cfg, grid: GridShape, ep: int, pp_rank: int, virtual_stages: int, zero_stage: int) -> tuple:
+    # once per layout and stage: the plan asks for every candidate's recompute modes and tp options
+    exchanges = []
+    for experts, size, name in ((False, grid.dp * grid.cp, "dp_cp"), (True, grid.dp * grid.cp // ep, "edp")):
+        shards = 1 if zero_stage == 0 else size
+        units = [PlannedUnit(tuple(name for name, _ in unit), tuple(torch.Size(shape) for _, shape in unit),
+                             zero.padded(sum(math.prod(shape) for _, shape in unit), shards) // shards,
+                             zero.padded(sum(math.prod(shape) for _, shape in unit), shards))
+                 for unit in unit_parameter_layouts(cfg, grid.tp, grid.pp, pp_rank, ep, experts, virtual_stages)
+                 if unit]
+        if units:
+            exchanges.append(PlannedExchange(units, size, 0, name))
+    return tuple(exchanges)
+
+
+def at_place(exchanges: list[PlannedExchange], ep: int, place: int) -> list[PlannedExchange]:
+    """The exchanges as the rank at `place` of its dp x cp group sees them: the dense one at that
+    rank, the experts' at place // ep (a dp x cp group's ep groups are runs of ep ranks, so its edp
+    groups take every ep-th: lesson 05's ProcessGrid)."""
+    moved = []
+    for exchange in exchanges:
+        exchange = copy.copy(exchange)
+        exchange.rank = place if exchange.group.name == "dp_cp" else place // ep
+        moved.append(exchange)
+    return moved
+
+
+def planned_muon_traffic(cfg, args, grid: GridShape, ep: int, pp_rank: int, place: int) -> dict:
+    """Under Muon, the payload bytes per step of the rank at `place` of its dp x cp group of stage
+    `pp_rank`: 06_zero_muon's two all-to-alls over each group (predicted_muon_traffic), and
+    lesson 07's join over tp of each matrix it owns (every one is split when tp > 1), the whole
+    matrix gathered in bf16: what 07_report predicts from a built model, from the flags alone."""
+    exchanges = at_place(planned_exchanges(cfg, args, grid, ep, pp_rank), ep, place)
+    joined = sum(2 * grid.tp * matrix.numel for exchange in exchanges for _, matrix in exchange.owned(exchange.rank))
+    return add_traffic(zero_muon.predicted_muon_traffic(exchanges),
+                       {("all_gather_single", "tp"): joined} if grid.tp > 1 and joined else {})
+
+
+def optimizer_states_row(args) -> str:
+    """The memory row of the optimizer's states: AdamW's two moments, or Muon's one momentum for its
+    matrices beside AdamW's two for the rest."""
+    return "Adam states (fp32)" if args.optimizer == "adamw" else "Muon momentum, Adam states (fp32)"
 
 
 def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
-                   device: DeviceProfile) -> tuple[dict, int]:
+                   device: DeviceProfile, place: int | None = None) -> tuple[dict, int]:
     """Pipeline stage `pp_rank`'s bytes per rank by component (every rank of a stage holds the
-    same), and the micro-batches live at the activations' peak. Model states: lesson 06's formula
-    on its unit counts (experts over edp); gathered weights: ZeRO-3's prefetch window (06)."""
-    units = zero_units(cfg, args, grid, ep, pp_rank)
+    same, but under Muon its optimizer states: those of the rank at `place` of its dp x cp group,
+    by default the fullest), and the micro-batches live at the activations' peak. Model
+    states: lesson 06's formula on its unit counts (experts over edp); gathered weights: ZeRO-3's
+    prefetch window (06)."""
+    units = zero_units(cfg, args, grid, ep, pp_rank, place)
     states = units.model_states(args.zero_stage, precision)
     gathered = (units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
                 if args.zero_stage == 3 else 0)
     activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank, device)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
-              "master weights (fp32)": states.master_weights, "Adam states (fp32)": states.optimizer_states,
+              "master weights (fp32)": states.master_weights, optimizer_states_row(args): states.optimizer_states,
               "activations": activations,
               "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank,
                                                                   device).values()),
@@ -615,17 +742,72 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     return exposed, tail
 
 
+# tp's row-parallel matrices (lesson 02 splits their columns); every other hidden matrix is column-parallel
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def newton_schulz_seconds(device, shape: tuple[int, int]) -> float:
+    """06_zero_muon's Newton-Schulz of one whole matrix: per iteration, for m x n with m <= n, the
+    GEMMs X X^T (m x n by n x m), A A (m x m) and (b A + c A^2) X (m x m by m x n), in bf16 at the
+    profile's rate for each shape (the addmm's additions ride along)."""
+    m, n = sorted(shape)
+    return zero_muon.NS_STEPS * sum(step_costs.gemm_seconds(device, *gemm, "bfloat16")
+                                    for gemm in ((m, m, n), (m, m, m), (m, n, m)))
+
+
+def muon_seconds(cfg, args, grid: GridShape, ep: int, device, pp_rank: int) -> dict:
+    """Under Muon, what its step adds on stage `pp_rank`, by the step-time table's part, none of
+    it overlapped (the step waits for each): per group (dense over dp x cp, then experts over edp),
+    the two all-to-alls of the rank that sends most ("dp"), and the busiest owner's Newton-Schulz
+    on its whole matrices ("compute") and joins over tp ("tp": each owned matrix all-gathered whole
+    in bf16)."""
+    seconds = {"compute": 0.0, "tp": 0.0, "dp": 0.0}
+    if args.optimizer != "muon":
+        return seconds
+    rank = grid.rank_of(pp=pp_rank)
+    for exchange in planned_exchanges(cfg, args, grid, ep, pp_rank):
+        most_sent, owned_shapes = exchange_work(exchange, grid.tp)
+        ns = {shape: newton_schulz_seconds(device, shape) for shape in set().union(*owned_shapes)}
+        work = [sum(count * ns[shape] for shape, count in shapes.items()) for shapes in owned_shapes]
+        busiest = max(range(exchange.n), key=lambda owner: work[owner])
+        ranks = group_of(grid, ("dp", "cp") if exchange.group.name == "dp_cp" else ("edp", ep), rank)
+        seconds["dp"] += step_costs.collective_seconds(device, "all_to_all", most_sent, ranks, 2)
+        seconds["compute"] += work[busiest]
+        if grid.tp > 1:
+            joined = sum(2 * math.prod(shape) * count for shape, count in owned_shapes[busiest].items())
+            seconds["tp"] += step_costs.collective_seconds(device, "all_gather", joined, group_of(grid, ("tp",), rank),
+                                                           sum(owned_shapes[busiest].values()))
+    return seconds
+
+
+@lru_cache(maxsize=None)
+def exchange_work(exchange: PlannedExchange, tp: int) -> tuple[int, list[Counter]]:
+    """(the most bytes a rank of the group sends in Muon's two all-to-alls, each owner's whole
+    matrices as {shape: count}): the whole shape undoes lesson 02's split, rows for the
+    column-parallel matrices, columns for the row-parallel ones (ROW_PARALLEL)."""
+    sent, owned = [0] * exchange.n, [Counter() for _ in range(exchange.n)]
+    for matrix in exchange.matrices:
+        for other in range(exchange.n):
+            sent[other] += 2 * zero_muon.span(exchange.to_owner(matrix, other))
+            sent[matrix.owner] += 2 * zero_muon.span(exchange.to_holder(matrix, other))
+        split = 1 if any(part in matrix.name for part in ROW_PARALLEL) else 0
+        owned[matrix.owner][tuple(size * (tp if dim == split else 1) for dim, size in enumerate(matrix.shape))] += 1
+    return max(sent), owned
+
+
 def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int) -> dict:
     """Step time of pipeline rank `pp_rank` by cause (see plan_assumptions): m micro-batches of
     its work, lesson 03's bubble over that work, the data-parallel communication the step leaves
-    exposed, the optimizer's tail."""
+    exposed, the optimizer's tail (under Muon with its Newton-Schulz and its exchanges)."""
     m = shape.grad_accum
     micro = micro_batch_seconds(cfg, args, grid, ep, shape, precision, device, pp_rank)
     bubble = m * micro.total * pipeline_parallel.bubble_formula(args.schedule, grid.pp, m, args.virtual_stages)
     dp, optimizer = zero_seconds(cfg, args, grid, ep, precision, device, pp_rank, micro, m)
-    return {"compute": m * (micro.forward + micro.backward), "elementwise": m * micro.elementwise + optimizer,
-            "recompute": m * micro.recompute, "bubble": bubble, "tp": m * micro.tp, "cp ep": m * (micro.cp + micro.ep),
-            "pp": m * micro.pp, "dp": dp}
+    muon = muon_seconds(cfg, args, grid, ep, device, pp_rank)
+    return {"compute": m * (micro.forward + micro.backward) + muon["compute"],
+            "elementwise": m * micro.elementwise + optimizer, "recompute": m * micro.recompute, "bubble": bubble,
+            "tp": m * micro.tp + muon["tp"], "cp ep": m * (micro.cp + micro.ep), "pp": m * micro.pp,
+            "dp": dp + muon["dp"]}
 
 
 def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device) -> dict:
@@ -634,7 +816,7 @@ def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision,
                 for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
 
 
-def plan_assumptions(device, recipe: str = "none") -> list[str]:
+def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw") -> list[str]:
     intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
     fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
                 f"tensor cores and the shape rule keeps them in FP8 (07_fp8; the layout line says which stay bf16), "
@@ -642,12 +824,19 @@ def plan_assumptions(device, recipe: str = "none") -> list[str]:
                 f"backward) an elementwise pass, one fused kernel pair under --compile; tp's all-reduces of the "
                 f"amaxes counted"] \
         if recipe != "none" else []
+    muon_line = ["--optimizer muon: one float32 momentum per element of the blocks' matrices, AdamW's two "
+                 "moments for the rest; its step adds, unoverlapped, per group (dense units over dp x cp, experts "
+                 "over edp) the busiest owner's Newton-Schulz on its whole matrices (5 iterations of 3 bf16 GEMMs at "
+                 "the profile's rates) and joins over tp (all-gathers of the whole matrices in bf16), and the two "
+                 "all-to-alls of the rank that sends most (06_zero_muon's owners, from the layout); its elementwise "
+                 "passes are counted as AdamW's"] if optimizer == "muon" else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
             "chunks; forward, input and weight gradients) at the profile's measured rate for its shape, attention at "
             "its kernel's (the backward 2.5 x the forward's FLOPs), each operation at least one launch "
             f"({device.kernel_overhead_s * 1e6:.0f} us)",
             *fp8_line,
+            *muon_line,
             f"elementwise: norms, rotary, SwiGLU, residuals, the loss's passes over the logits, the optimizer's tail "
             f"by bytes over {device.memory_bandwidth / 1e12:.2f} TB/s",
             "recompute: full runs the blocks' forward again, selective the norms' and SwiGLU's elementwise share",
@@ -864,8 +1053,9 @@ def print_memory_plan(args, validate, expert_degree) -> None:
                                    device.capability is not None)
     fp8_part = (f"FP8 {args.fp8} matmuls, {fp8.bf16_linears_line(cfg, in_fp8, cfg.n_layers)}, "
                 if args.fp8 != "none" else "")
+    muon_part = "Muon (AdamW for the rest), " if args.optimizer == "muon" else ""
     print(f"layout: dp={grid.dp} x pp={grid.pp} x cp={grid.cp} x tp={grid.tp}, ep={ep}, {schedule}ZeRO-{args.zero_stage}, "
-          f"recompute {args.recompute}, {fp8_part}weights {str(precision.param_dtype).removeprefix('torch.')}, "
+          f"recompute {args.recompute}, {fp8_part}{muon_part}weights {str(precision.param_dtype).removeprefix('torch.')}, "
           f"gradients {str(precision.reduce_dtype).removeprefix('torch.')}, "
           f"seq {shape.seq_len} x micro-batch {shape.micro_batch_size} x {shape.grad_accum} micro-batches x dp "
           f"{grid.dp} = {shape.tokens_per_step:,} tokens per step")
@@ -879,12 +1069,16 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
     print(f"step time of this layout, estimated: {planned.step_seconds:.3f} s, "
           f"{planned.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {planned.mfu:.1%} MFU")
+    if args.optimizer == "muon":
+        muon = muon_seconds(cfg, args, grid, ep, device, planned.pp_rank)
+        print(f"of which Muon's step (stage {planned.pp_rank}): Newton-Schulz {1e3 * muon['compute']:.1f} ms on the "
+              f"busiest owner, its all-to-alls {1e3 * muon['dp']:.1f} ms, the joins over tp {1e3 * muon['tp']:.1f} ms")
     fitting = fitting_layouts(cfg, args, usable, precision, device, validate)
     print(f"\n{len(fitting)} layouts of {args.gpus} GPUs fit this batch ({shape.sequences_per_step} sequences of "
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
           f"by the estimate below:")
     print_layout_table(fastest_per_grid(fitting)[:args.plan_top])
-    assumptions = plan_assumptions(device, args.fp8)
+    assumptions = plan_assumptions(device, args.fp8, args.optimizer)
     print("assumptions:\n" + "\n".join(f"  - {line}" for line in assumptions))
 
 

@@ -35,13 +35,14 @@ from picotron_like.metrics import ActivationMeter, GatheredParameterMeter, Saved
 from picotron_like.published_profiles import published_profile
 from picotron_like.model import get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid
+from picotron_like import comm
+from picotron_like.topology import GridShape, ProcessGrid, group_rank
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
 MOE_CFG = replace(get_config("tiny-moe"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=64)
 SEQ, MICRO, GLOBAL_SEQUENCES, LR, SEED = 32, 2, 8, 3e-3, 7
 CPU = torch.device("cpu")
-STATES = ("parameters", "gradients", "master weights (fp32)", "Adam states (fp32)")
+STATES = ("parameters", "gradients", "master weights (fp32)", "optimizer states")
 # name: (grid, ep, model, flags)
 LAYOUTS = {
     "dp2 x tp2 SP ZeRO-1 selective": (GridShape(dp=2, tp=2), 1, CFG,
@@ -54,6 +55,10 @@ LAYOUTS = {
     "pp2 x dp2 interleaved ZeRO-1 selective": (GridShape(dp=2, pp=2), 1, replace(CFG, n_layers=4),
                                                ("--zero-stage", "1", "--recompute", "selective", "--schedule",
                                                 "interleaved", "--virtual-stages", "2")),
+    # Muon: one float32 momentum per element of the matrices this rank's shards hold, AdamW's two for the rest
+    "dp2 x tp2 ZeRO-2 muon": (GridShape(dp=2, tp=2), 1, CFG, ("--zero-stage", "2", "--optimizer", "muon")),
+    "moe dp2 x cp2 ep2 ZeRO-3 muon": (GridShape(dp=2, cp=2), 2, MOE_CFG,
+                                      ("--zero-stage", "3", "--recompute", "none", "--optimizer", "muon")),
 }
 # Live micro-batches at the peak on each pipeline rank, m = 2: 1F1B's first stage keeps both before
 # its first backward, the last one; interleaved (v = 2), rank 0's warm-up runs all four (chunk,
@@ -76,6 +81,12 @@ def layout_args(grid: GridShape, ep: int, flags) -> object:
                                 "--grad-accum", str(accum), "--seed", str(SEED), "--lr", str(LR), *flags])
 
 
+def by_state(planned: dict, args) -> dict:
+    """The plan's rows, its optimizer's row (Adam's, or Muon's and Adam's) under STATES' name."""
+    row = memory_plan().optimizer_states_row(args)
+    return {(STATES[-1] if key == row else key): value for key, value in planned.items()}
+
+
 def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     """Two steps of the layout on this rank: its model states after them, its kept activations
     (or ZeRO-3's gathered weights) at their peak in the first, the first steps' rows, and the plan."""
@@ -83,7 +94,7 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     zero = full_5d.zero
     grid, args = ProcessGrid(shape, ep=ep), layout_args(shape, ep, flags)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
-    optimizer = zero.build_sharded_optimizer(model, LR)
+    optimizer = full_5d.build_optimizer(model, grid, args)
     first_steps = load_lesson("07_report").FirstStepsMemory(model, optimizer, CPU, n_steps=2)
     settings = full_5d.step_settings(grid, CPU, model.precision, 1.0)
     data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, args.grad_accum, shape.dp), seed=SEED,
@@ -92,15 +103,22 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     meter = (GatheredParameterMeter if args.zero_stage == 3 else ActivationMeter)(model.module)
     step = first_steps.observe(partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer,
                                        settings=settings))
+    comm.meter.reset()
     for index in range(2):
         with SavedTensorMeters(meter) if index == 0 else nullcontext():
             step(cut(data.step_batch(index, grid.dp_rank)))
     states = zero.measured_model_states(model, optimizer)
+    place = group_rank(grid.dp_cp_group)
     planned, live = memory_plan().planned_memory(cfg, args, shape, ep, data.shape, model.precision, grid.pp_rank,
-                                                 memory_plan().plan_device(args))
+                                                 memory_plan().plan_device(args), place)
+    muon_traffic = (memory_plan().planned_muon_traffic(cfg, args, shape, ep, grid.pp_rank, place)
+                    if args.optimizer == "muon" else {})
     return {"states": dict(zip(STATES, (states.parameters, states.gradients, states.master_weights,
                                         states.optimizer_states))),
-            "meter": meter.peak_bytes, "first_steps": first_steps.rows, "planned": planned, "live": live}
+            "meter": meter.peak_bytes, "first_steps": first_steps.rows, "live": live,
+            "planned": by_state(planned, args),
+            "muon traffic": {key: comm.meter.traffic[key].payload_bytes for key in muon_traffic},
+            "planned muon traffic": {key: 2 * value for key, value in muon_traffic.items()}}
 
 
 def every_layout() -> dict:
@@ -123,7 +141,9 @@ def test_plan_equals_what_each_rank_holds_component_by_component():
             phases = dict(run["first_steps"])
             assert phases["built"]["Adam"] == phases["step 0: before optimizer.step"]["Adam"] == 0, where
             for phase in ("step 0: after", "step 1: before optimizer.step", "step 1: after"):
-                assert phases[phase]["Adam"] == planned["Adam states (fp32)"], f"{where} {phase}"
+                assert phases[phase]["Adam"] == planned["optimizer states"], f"{where} {phase}"
+            assert run["muon traffic"] == run["planned muon traffic"], where
+            assert ("muon" in name) == bool(run["planned muon traffic"]), where
             assert len({sample["parameters"] for sample in phases.values()}) == 1, where
 
 
@@ -175,8 +195,8 @@ def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, e
             master.grad = torch.zeros_like(master)
         optimizer.step()
         states = zero.measured_model_states(model, optimizer)
-        planned, _ = memory_plan().planned_memory(cfg, args, shape, ep, batch, precision, grid.pp_rank,
-                                                  memory_plan().plan_device(args))
+        planned = by_state(memory_plan().planned_memory(cfg, args, shape, ep, batch, precision, grid.pp_rank,
+                                                        memory_plan().plan_device(args))[0], args)
         measured = dict(zip(STATES, (states.parameters, states.gradients, states.master_weights,
                                      states.optimizer_states)))
         assert measured == {key: planned[key] for key in STATES}, f"rank {rank} ({grid})"

@@ -114,6 +114,30 @@ def test_zero_1s_weight_gathers_hide_behind_the_next_forward_unless_waited_for_a
     assert 0 < stage_0.seconds["dp"] < reductions
 
 
+def test_muon_adds_its_newton_schulz_and_exchanges_unoverlapped_and_more_ranks_share_the_work(monkeypatch):
+    """Under --optimizer muon the step adds, to compute, the busiest owner's Newton-Schulz (its
+    GEMMs' FLOPs 06_zero_muon's count: 10 m^2 (2n + m) per m x n matrix) and to dp its two
+    all-to-alls; with tp each owner also joins its matrices over tp, whole: Newton-Schulz does not
+    shrink with tp (Megatron's duplicated mode), and it does with dp (more owners)."""
+    zero_muon = load_lesson("06_zero_muon")
+    for grid in (GridShape(dp=8), GridShape(dp=4, tp=2)):
+        adamw, muon = planned(["--zero-stage", "1"], grid), planned(["--zero-stage", "1", "--optimizer", "muon"], grid)
+        added = plan().muon_seconds(get_config("1b"), muon.args, grid, 1, H100, 0)
+        for part in ("compute", "dp", "tp"):
+            assert muon.seconds[part] == pytest.approx(adamw.seconds[part] + added[part], rel=1e-12), (grid, part)
+        assert added["compute"] > 0 and added["dp"] > 0 and (added["tp"] > 0) == (grid.tp > 1), grid
+        assert muon.memory["Muon momentum, Adam states (fp32)"] < adamw.memory["Adam states (fp32)"], grid
+    # priced at one FLOP per second, each GEMM's seconds are its FLOPs: 06_zero_muon's count, either way round
+    monkeypatch.setattr(step_costs, "gemm_seconds", lambda device, m, n, k, dtype: 2 * m * n * k)
+    for shape in ((2048, 8192), (8192, 2048), (384, 128)):
+        assert plan().newton_schulz_seconds(H100, shape) == zero_muon.newton_schulz_flops(shape), shape
+    monkeypatch.undo()
+    work = {dp: plan().muon_seconds(get_config("1b"), planned(["--zero-stage", "1", "--optimizer", "muon"],
+                                                               GridShape(dp=dp)).args, GridShape(dp=dp), 1, H100, 0)
+            for dp in (2, 8)}
+    assert work[8]["compute"] < work[2]["compute"] / 2
+
+
 def test_tp_is_on_the_critical_path_and_a_tp_group_across_nodes_costs_more():
     inside = planned(["--tp", "8", "--sequence-parallel"], GridShape(tp=8, dp=2))
     across = planned(["--tp", "16", "--sequence-parallel"], GridShape(tp=16))
