@@ -357,13 +357,25 @@ class Pipeline:
         self.n_stages = self.pp * virtual_stages
         self.activation_shape = tuple(activation_shape)
         self.device, self.compute_dtype = device, compute_dtype
-        units = SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages)
-        self.program = communication_program(units, self.pp, self.pp_rank, virtual_stages)
-        self.forward_program = communication_program(forward_units(units), self.pp, self.pp_rank, virtual_stages)
+        self.build_programs(n_micro)
+
+    def build_programs(self, n_micro: int) -> None:
+        """This rank's communication program for n_micro micro-batches, and its forwards' alone
+        (validation), from the schedule's compute units."""
+        self.n_micro = n_micro
+        units = self.schedule_units(n_micro)
+        self.program = self.communication_program(units)
+        self.forward_program = self.communication_program(forward_units(units))
         # chunk -> the program index of its last backward: where the data-parallel reduction of its
         # gradients is switched on
         self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
                               if isinstance(step, Action) and step.kind == "B"}
+
+    def schedule_units(self, n_micro: int) -> list[tuple[Action, ...]]:
+        return SCHEDULES[self.schedule](self.pp, self.pp_rank, n_micro, self.virtual_stages)
+
+    def communication_program(self, units) -> list:
+        return communication_program(units, self.pp, self.pp_rank, self.virtual_stages)
 
     def forward_backward(self, batch: StepBatch) -> torch.Tensor:
         """Forward and backward of every micro-batch, in the schedule's order.

@@ -260,8 +260,8 @@ class ZeroBubblePipeline(pipeline_parallel.Pipeline):
 
     Each chunk's nn.Linear layers are converted here to defer their weight gradients
     (defer_weight_gradients), each chunk with a W queue of its own. ZB-H1 is 1F1B's order with each
-    backward split, so lesson 03's Pipeline is built for 1F1B (its forward-only program, for
-    validation, is ZB-H1's too) and then given this schedule's program. The data-parallel switch
+    backward split: its forwards, without B's and W's, are 1F1B's forward-only program (for
+    validation), and its program is lesson 03's with one more rule for W. The data-parallel switch
     is on for each chunk's last B (lesson 03's rule) and its last W: the norms' and embedding's
     gradients are complete after the one, the linears' after the other. The sends before a W
     travel while it computes (communication_program)."""
@@ -269,15 +269,19 @@ class ZeroBubblePipeline(pipeline_parallel.Pipeline):
     def __init__(self, chunks, grid, schedule: str, n_micro: int, virtual_stages: int, *args, **kwargs):
         for chunk in chunks:
             defer_weight_gradients(chunk.module)
-        super().__init__(chunks, grid, "1f1b", n_micro, virtual_stages, *args, **kwargs)
-        self.schedule = schedule
-        self.program = communication_program(SCHEDULES[schedule](self.pp, self.pp_rank, n_micro, virtual_stages),
-                                             self.pp, self.pp_rank, virtual_stages)
-        self.last_backward = {step.chunk: index for index, step in enumerate(self.program)
-                              if isinstance(step, Action) and step.kind == "B"}
+        super().__init__(chunks, grid, schedule, n_micro, virtual_stages, *args, **kwargs)
+        self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
+
+    def build_programs(self, n_micro: int) -> None:
+        super().build_programs(n_micro)
         self.last_weight_gradients = {step.chunk: step for step in self.program
                                       if isinstance(step, Action) and step.kind == "W"}
-        self.pending_weight_gradients = [chunk.module.pending_weight_gradients for chunk in chunks]
+
+    def schedule_units(self, n_micro: int) -> list[tuple[Action, ...]]:
+        return SCHEDULES[self.schedule](self.pp, self.pp_rank, n_micro, self.virtual_stages)
+
+    def communication_program(self, units) -> list:
+        return communication_program(units, self.pp, self.pp_rank, self.virtual_stages)
 
     def backward_step(self, action, is_chunks_last: bool, inputs, outputs, grads) -> None:
         pending = self.pending_weight_gradients[action.chunk]
