@@ -47,6 +47,9 @@ A = grad_accum):
 Because the rows come from the stream and only the cut depends on dp and A, a run with dp=4 and
 grad_accum=1 sees exactly the batch of a dp=1 run with grad_accum=4.
 
+A batch-size ramp (BatchRamp, lesson 07's --batch-ramp) changes A from step to step, nothing else:
+step s then starts at the stream position of the sequences trained before it, not at s*G.
+
 The built-in corpus needs no network: the Python language reference ships inside Python itself
 (pydoc_data.topics), ~460 KB of English prose, enough for a small model's loss to fall visibly.
 Larger runs use `python -m picotron_like.data prepare` on a text file, or llm.c shards.
@@ -54,6 +57,7 @@ Larger runs use `python -m picotron_like.data prepare` on a text file, or llm.c 
 
 import argparse
 import contextlib
+import copy
 import glob
 import json
 import os
@@ -363,6 +367,80 @@ class BatchShape:
         return cls(micro_batch_size, seq_len, global_batch_tokens // tokens_per_micro_step, dp)
 
 
+class BatchRamp:
+    """A global batch that grows with the tokens trained (lesson 07's --batch-ramp): the first step
+    trains about `start_tokens`, and the batch grows linearly in the tokens trained until, after
+    `ramp_tokens`, it is the full one (DeepSeek-V3 grew its batch so over its first 469 B tokens;
+    Megatron-LM's --rampup-batch-size grows it in samples).
+
+    It is realised by the number of micro-batches per step and rank, so every tensor keeps its
+    shape: a step's count is the target rounded up to `multiple` (a pipeline's rule: a multiple of
+    pp for the interleaved schedule), at least `min_micro_batches` (pp under a pipeline) and at most
+    the full batch's `full_micro_batches`; `micro_step_tokens` is one micro-batch on every dp rank.
+
+    A step's size depends on the tokens trained before it, so the ramp is walked from the first
+    step: `history` holds the global tokens of the steps a checkpoint's run trained, run-length
+    encoded ((tokens, steps), ...), so that a run resumed in another layout (another
+    micro_step_tokens) continues from the same stream position and the same tokens trained
+    (realised_history writes it)."""
+
+    def __init__(self, start_tokens: int, ramp_tokens: int, full_micro_batches: int, micro_step_tokens: int,
+                 min_micro_batches: int = 1, multiple: int = 1, history: tuple = ()):
+        self.start_tokens, self.ramp_tokens = start_tokens, ramp_tokens
+        self.full_micro_batches, self.micro_step_tokens = full_micro_batches, micro_step_tokens
+        self.min_micro_batches, self.multiple = min_micro_batches, multiple
+        self.full_tokens = full_micro_batches * micro_step_tokens
+        self.history = tuple((int(tokens), int(steps)) for tokens, steps in history)
+        # the global tokens of each step until the first full one, walked on demand; then every step is full
+        self.sizes = [tokens for tokens, steps in self.history for _ in range(steps)]
+        self.before = [0]
+        for size in self.sizes:
+            self.before.append(self.before[-1] + size)
+
+    def micro_batches_for(self, tokens_trained: int) -> int:
+        """Micro-batches per rank of a step after `tokens_trained`: the linear target, rounded up."""
+        if tokens_trained >= self.ramp_tokens:
+            return self.full_micro_batches
+        # target = start + (full - start) * trained / ramp, in integers: ceil(target / micro_step_tokens)
+        numerator = self.start_tokens * self.ramp_tokens + (self.full_tokens - self.start_tokens) * tokens_trained
+        count = -(-numerator // (self.ramp_tokens * self.micro_step_tokens))
+        count = -(-count // self.multiple) * self.multiple
+        return min(self.full_micro_batches, max(self.min_micro_batches, count))
+
+    def _walk_to(self, step: int) -> None:
+        while len(self.sizes) <= step and (not self.sizes or self.sizes[-1] != self.full_tokens):
+            self.sizes.append(self.micro_batches_for(self.before[-1]) * self.micro_step_tokens)
+            self.before.append(self.before[-1] + self.sizes[-1])
+
+    def step_tokens(self, step: int) -> int:
+        """The global tokens of step `step`."""
+        self._walk_to(step)
+        return self.sizes[step] if step < len(self.sizes) else self.full_tokens
+
+    def tokens_before(self, step: int) -> int:
+        """The tokens trained before step `step`."""
+        self._walk_to(step)
+        if step < len(self.before):
+            return self.before[step]
+        return self.before[-1] + (step - len(self.sizes)) * self.full_tokens
+
+    def full_from(self) -> int:
+        """The first step from which every step is full (the ramp's end)."""
+        self._walk_to(2**62)
+        return len(self.sizes) - 1
+
+    def realised_history(self, steps: int) -> list[list[int]]:
+        """The global tokens of steps [0, steps), run-length encoded: what a checkpoint records."""
+        runs = []
+        for step in range(steps):
+            tokens = self.step_tokens(step)
+            if runs and runs[-1][0] == tokens:
+                runs[-1][1] += 1
+            else:
+                runs.append([tokens, 1])
+        return runs
+
+
 @dataclass
 class StepBatch:
     """What one rank trains on in one optimizer step.
@@ -401,11 +479,12 @@ def _expand_paths(paths) -> list[Path]:
 class TokenBatches:
     """Deterministic batches of windows over token shards: see the module docstring for the layout."""
 
-    def __init__(self, paths, shape: BatchShape, seed: int, vocab_size: int | None = None):
+    def __init__(self, paths, shape: BatchShape, seed: int, vocab_size: int | None = None,
+                 ramp: BatchRamp | None = None):
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise DataError(f"seed must be a non-negative integer (numpy's seeding rule), got {seed!r}")
         self.paths = _expand_paths(paths)
-        self.shape = shape
+        self.shape, self.ramp = shape, ramp
         self.seed = int(seed)
         self.shards = [read_token_shard(path) for path in self.paths]
         # Token ids are checked against the model's vocabulary where they are read, not by reading
@@ -469,17 +548,41 @@ class TokenBatches:
                 f"(GPT-2 token shards need 50257, or 50304 padded) or shards of a smaller tokenizer"
             )
 
+    def with_ramp(self, ramp: BatchRamp | None) -> "TokenBatches":
+        """These batches, their steps sized by `ramp` (None: the shape's, as they are)."""
+        if ramp is None:
+            return self
+        ramped = copy.copy(self)
+        ramped.ramp = ramp
+        return ramped
+
+    def grad_accum_at(self, step: int) -> int:
+        """Micro-batches per rank of step `step`: the shape's, or the ramp's."""
+        return self.shape.grad_accum if self.ramp is None else self.step_tokens(step) // self.ramp.micro_step_tokens
+
+    def step_tokens(self, step: int) -> int:
+        """The global batch's tokens of step `step`."""
+        return self.shape.tokens_per_step if self.ramp is None else self.ramp.step_tokens(step)
+
+    def tokens_before(self, step: int) -> int:
+        """The tokens trained before step `step` (the learning rate's progress counts them)."""
+        return step * self.shape.tokens_per_step if self.ramp is None else self.ramp.tokens_before(step)
+
+    def full_from(self) -> int:
+        """The first step from which every step trains the full batch (0 without a ramp)."""
+        return 0 if self.ramp is None else self.ramp.full_from()
+
     def epoch_at(self, step: int) -> int:
         """The pass over the data that step `step` starts in (0: the first). The stream wraps: a run
         longer than the data sees it again, in a new order, and the loop says so when it does."""
-        return step * self.shape.sequences_per_step // self.n_windows
+        return self.tokens_before(step) // self.shape.seq_len // self.n_windows
 
     def global_batch(self, step: int) -> torch.Tensor:
-        """All windows of a step, [sequences_per_step, seq_len+1]: what one device would train on."""
+        """All windows of a step, [its sequences, seq_len+1]: what one device would train on."""
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
-        G = self.shape.sequences_per_step
-        return self._read_stream(step * G, G)
+        return self._read_stream(self.tokens_before(step) // self.shape.seq_len,
+                                 self.step_tokens(step) // self.shape.seq_len)
 
     def step_batch(self, step: int, dp_rank: int) -> "StepBatch":
         """This rank's micro-batches of a step, with the number of targets of the whole global batch.
@@ -488,17 +591,19 @@ class TokenBatches:
         the global count is known from the batch shape alone, without reading the other ranks' rows.
         (Masked batches, as fine-tuning brings, carry their own count: see testing.masked_step_batch.)
         """
-        return StepBatch(self.micro_batches(step, dp_rank), self.shape.sequences_per_step * self.shape.seq_len)
+        return StepBatch(self.micro_batches(step, dp_rank), self.step_tokens(step))
 
     def micro_batches(self, step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's grad_accum (inputs, targets) pairs, each [micro_batch_size, seq_len]."""
-        M, A, dp = self.shape.micro_batch_size, self.shape.grad_accum, self.shape.dp
+        """This rank's grad_accum (inputs, targets) pairs (the ramp's count of them at this step),
+        each [micro_batch_size, seq_len]."""
+        M, dp = self.shape.micro_batch_size, self.shape.dp
         if not 0 <= dp_rank < dp:
             raise DataError(f"dp_rank {dp_rank} is outside 0..{dp - 1} for dp = {dp}")
         if step < 0:
             raise DataError(f"step must be >= 0, got {step}")
+        A = self.grad_accum_at(step)
         # Read only this rank's rows of the global batch, not all of it.
-        windows = self._read_stream(step * self.shape.sequences_per_step + dp_rank * M * A, M * A)
+        windows = self._read_stream(self.tokens_before(step) // self.shape.seq_len + dp_rank * M * A, M * A)
         micro = [windows[a * M : (a + 1) * M] for a in range(A)]
         # contiguous(): the shifted slices are strided views; a loss that .view()s them would fail.
         return [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in micro]

@@ -59,7 +59,8 @@ class LaggedStepLog:
 
     def __init__(self, args, data: TokenBatches, device: torch.device, cfg: GPTConfig | None = None,
                  start_step: int = 0):
-        self.data, self.device, self.tokens = data, device, data.shape.tokens_per_step
+        self.data, self.device = data, device
+        self.tokens_trained = 0         # by the steps of this process (a ramp's steps differ in size)
         self.throughput = Throughput()
         self.throughput.peak_flops = peak_flops(device, getattr(args, "peak_tflops", None))
         self.model_flops = flops_per_token(cfg, data.shape.seq_len) if cfg is not None else None
@@ -89,13 +90,14 @@ class LaggedStepLog:
         started_s = seconds_since_process_start() if step == self.first_step else None
         self.current = (step, lr, started_s, StepFigures(self.device))
         self.steps += 1
+        self.tokens_trained += self.data.step_tokens(step)
 
     def queued(self, values: dict, metered: bool) -> None:
         """The step's work is queued: its `values` (a StepResult's) start for the host, and the
         step before's line is printed."""
         step, lr, started_s, figures = self.current
         figures.copy(values)
-        logged = LoggedStep(step, lr, figures, self.memory.read(), metered, started_s)
+        logged = LoggedStep(step, lr, figures, self.memory.read(), metered, self.data.step_tokens(step), started_s)
         self.flush()
         self.pending = logged
 
@@ -124,18 +126,19 @@ class LaggedStepLog:
         values, seconds = logged.figures.read()
         skipped = bool(values.pop("skipped"))
         loss, grad_norm = values.pop("loss"), values.pop("grad_norm")
-        self.throughput.record(self.tokens, seconds, logged.metered)
+        tokens = logged.tokens
+        self.throughput.record(tokens, seconds, logged.metered)
         self.throughput.skipped_steps += skipped
-        mfu = (model_flops_utilisation(self.tokens / seconds, self.n_ranks, self.model_flops,
+        mfu = (model_flops_utilisation(tokens / seconds, self.n_ranks, self.model_flops,
                                        self.throughput.peak_flops)
                if self.model_flops is not None and self.throughput.peak_flops else None)
-        log_step(logged.step, {"loss": loss, "grad_norm": grad_norm, **values}, self.tokens, seconds, logged.lr,
+        log_step(logged.step, {"loss": loss, "grad_norm": grad_norm, **values}, tokens, seconds, logged.lr,
                  skipped, mfu, logged.memory)
         if logged.started_s is not None:
             log0(f"time to the first step: {logged.started_s + seconds:.1f} s since this process started "
                  f"(imports, start-up, building and sharding the model, this step)")
         self.metrics.write({"step": logged.step, "loss": loss, "grad_norm": grad_norm, "lr": logged.lr,
-                            "tokens_per_s": self.tokens / seconds, "seconds": seconds, "skipped": skipped,
+                            "tokens_per_s": tokens / seconds, "seconds": seconds, "skipped": skipped,
                             **({"mfu": mfu} if mfu is not None else {}), **logged.memory, **values,
                             **({"val_loss": logged.val_loss} if logged.val_loss is not None else {})})
 
@@ -149,6 +152,7 @@ class LoggedStep:
     figures: StepFigures
     memory: dict                        # StepMemory's reading (the allocator's counters are the host's own)
     metered: bool                       # the meters watched it (Throughput keeps it apart)
+    tokens: int                         # its global batch's (a batch-size ramp's steps differ)
     started_s: float | None = None      # the run's first step: seconds since the process started, at its start
     val_loss: float | None = None       # the validation after it, if one ran
 
@@ -281,10 +285,10 @@ class RunControl:
     way to the minimum, WSD's with a 0.2 share only 84 %.) `timing(work)` times a validation or a checkpoint, the work the budget
     must keep room for at the end."""
 
-    def __init__(self, args, clock: Callable[[], float], val_batches: int):
-        self.args, self.stop = args, AgreedStop()
+    def __init__(self, args, clock: Callable[[], float], val_batches: int, data: TokenBatches):
+        self.args, self.stop, self.data = args, AgreedStop(), data
         self.budget = (TimeBudget(args.max_minutes, clock, val_batches,
-                                  planned=getattr(args, "planned_steps", None) is not None)
+                                  planned=getattr(args, "planned_steps", None) is not None, data=data)
                        if getattr(args, "max_minutes", None) is not None else None)
         self.decays_early = getattr(args, "lr_schedule", "cosine") == "wsd"
         self.checkpoint_s = 0.0
@@ -302,11 +306,12 @@ class RunControl:
         args, budget = self.args, self.budget
         self.checkpoint_s = 0.0
         if budget is not None:
-            budget.note_step()
+            budget.note_step(step)
             if budget.estimate_due():
-                place_decay(args, step + 1, budget.planned_steps(step + 1, args.steps))
+                place_decay(args, step + 1, budget.planned_steps(step + 1, args.steps), self.data.tokens_before)
+                full = " of the full batch" if self.data.ramp is not None else ""
                 log.say(f"time budget: {args.steps} steps fit in {args.max_minutes:g} minutes "
-                        f"({budget.slowest_step_s():.2f} s a step, {budget.end_s():.1f} s kept for the end); "
+                        f"({budget.slowest_step_s():.2f} s a step{full}, {budget.end_s():.1f} s kept for the end); "
                         f"the learning rate decays {self._decay_in_words()}")
             elif budget.spent():
                 self.stop.request_stop()
@@ -330,13 +335,15 @@ class RunControl:
         steps = max(int(self.stop.agreed_steps), step + 2)
         if steps < self.args.steps:
             planned = self.args.steps
-            place_decay(self.args, step + 1, steps)
+            place_decay(self.args, step + 1, steps, self.data.tokens_before)
             log.say(f"time budget: the steps slowed down: {steps} steps fit, not {planned}; the learning rate "
                     f"decays {self._decay_in_words()}")
 
     def _decay_in_words(self) -> str:
         last = self.args.steps - 1
-        return f"from step {first_decaying_step(self.args)} to step {last}" if self.decays_early else f"to step {last}"
+        if not self.decays_early:
+            return f"to step {last}"
+        return f"from step {first_decaying_step(self.args, self.data.tokens_before)} to step {last}"
 
     @property
     def signalled(self) -> bool:
@@ -358,7 +365,7 @@ class RunControl:
     def summary(self, log: "LaggedStepLog") -> None:
         """The time budget's last line: what fitted in it."""
         if self.budget is not None:
-            log0(f"time budget: {log.steps} steps, {log.steps * log.tokens:,} tokens in "
+            log0(f"time budget: {log.steps} steps, {log.tokens_trained:,} tokens in "
                  f"{self.budget.clock():.1f} s of {self.budget.budget_s:.0f} s"
                  + (f"; final val loss {log.final_val_loss:.4f}" if log.final_val_loss is not None else ""))
 
@@ -472,23 +479,66 @@ class TimeBudget:
     Under wsd it also forecasts, each step, how many steps still fit (steps_that_fit), so that the
     run can end sooner with its decay finished, before such a stop is needed (RunControl).
     `clock()` gives the seconds since the process started; tests pass their own.
+
+    Under a batch-size ramp (`data`'s BatchRamp) the first steps are smaller than the rest, and
+    time per token measured on them overstates a full step's (a step's fixed costs, the optimizer,
+    the gradient reduction and a pipeline's fill and drain, are shared by fewer tokens). So a step
+    is modelled as fixed seconds plus seconds per micro-batch (seconds_per_micro_batch: fitted to
+    the steps measured); each measured step, moved to another count by that slope, gives a step of
+    that count, and the slowest of them counts (step_seconds): for the full batch, for the end's
+    margin, and for each of the ramp's steps still to come. Without a ramp every count is the full
+    one and that is the slowest step measured, as above.
     """
 
     ESTIMATE_AFTER = 3
 
-    def __init__(self, minutes: float, clock: Callable[[], float], val_batches: int = 0, planned: bool = False):
+    def __init__(self, minutes: float, clock: Callable[[], float], val_batches: int = 0, planned: bool = False,
+                 data: TokenBatches | None = None):
         self.budget_s, self.clock = 60.0 * minutes, clock
         self.validation_s = None        # the slowest final validation's measured seconds (None: not yet run)
         self.val_batches = val_batches  # 0: the run does not validate
         self.save_s = 0.0               # the slowest checkpoint's measured seconds
         self.step_s: list[float] = []   # this process's step times, by the clock
+        self.step_micro_batches: list[int] = []     # and each step's micro-batches per rank
+        self.data = data                # the steps' sizes (None: every step the same)
+        self.full_micro_batches = 1 if data is None else data.shape.grad_accum
         self.planned = planned          # the estimate is made (or a resumed run follows its checkpoint's)
         self.last_mark = clock()
 
-    def note_step(self) -> None:
+    def note_step(self, step: int) -> None:
         now = self.clock()
         self.step_s.append(now - self.last_mark)
+        self.step_micro_batches.append(self.micro_batches(step))
         self.last_mark = now
+
+    def micro_batches(self, step: int) -> int:
+        return 1 if self.data is None else self.data.grad_accum_at(step)
+
+    def _measured(self) -> list[tuple[int, float]]:
+        """(micro-batches, seconds) of this process's steps but the first (one-off costs), or the first alone."""
+        measured = list(zip(self.step_micro_batches, self.step_s))
+        return measured[1:] or measured
+
+    def seconds_per_micro_batch(self) -> float:
+        """The slope of seconds over micro-batches per step, by least squares over the measured
+        steps, at least 0 and at most the least seconds per micro-batch measured (the fixed part
+        cannot be negative). With one count measured: that bound, all of a step's time per micro-batch."""
+        measured = self._measured()
+        bound = min(seconds / count for count, seconds in measured)
+        counts = [count for count, _ in measured]
+        mean_count = sum(counts) / len(counts)
+        spread = sum((count - mean_count) ** 2 for count in counts)
+        if spread == 0:
+            return bound
+        mean_s = sum(seconds for _, seconds in measured) / len(measured)
+        slope = sum((count - mean_count) * (seconds - mean_s) for count, seconds in measured) / spread
+        return min(bound, max(0.0, slope))
+
+    def step_seconds(self, micro_batches: int) -> float:
+        """A step of `micro_batches` per rank: the slowest measured step moved to that count."""
+        slope = self.seconds_per_micro_batch()
+        return max(seconds + slope * (micro_batches - count) if count != micro_batches else seconds
+                   for count, seconds in self._measured())
 
     @contextmanager
     def timing(self, work: str):
@@ -502,7 +552,8 @@ class TimeBudget:
             self.save_s = max(self.save_s, self.last_mark - started)
 
     def slowest_step_s(self) -> float:
-        return max(self.step_s[1:] or self.step_s)
+        """A full step's seconds (step_seconds)."""
+        return self.step_seconds(self.full_micro_batches)
 
     def end_s(self) -> float:
         """What must still fit after the last step: the final validation and checkpoint, two steps."""
@@ -519,10 +570,17 @@ class TimeBudget:
         return not self.planned and len(self.step_s) == self.ESTIMATE_AFTER
 
     def steps_that_fit(self, steps_done: int) -> int:
-        """How many steps the run can have, by this rank's clock: those done, and as many of the
-        slowest step as fit in the time left after the end's (end_s)."""
+        """How many steps the run can have, by this rank's clock: those done, and as many more as
+        fit in the time left after the end's (end_s): a ramp's smaller steps one by one, then full
+        steps."""
         left_s = self.budget_s - self.clock() - self.end_s()
-        return steps_done + max(0, math.floor(left_s / self.slowest_step_s()))
+        step = steps_done
+        while self.data is not None and step < self.data.full_from():
+            left_s -= self.step_seconds(self.micro_batches(step))
+            if left_s < 0:
+                return step
+            step += 1
+        return step + max(0, math.floor(left_s / self.slowest_step_s()))
 
     def planned_steps(self, steps_done: int, max_steps: int) -> int:
         """The run's number of steps, rank 0's estimate, the same on every rank; at least the steps

@@ -251,7 +251,7 @@ def masked_step_batch(batches, step: int, dp_rank: int, mask_targets):
     from picotron_like.loss import IGNORE_INDEX
 
     targets = mask_targets(step, batches.global_batch(step)[:, 1:].clone())
-    M, A = batches.shape.micro_batch_size, batches.shape.grad_accum
+    M, A = batches.shape.micro_batch_size, batches.grad_accum_at(step)     # a batch-size ramp's count
     first = dp_rank * M * A     # this rank's rows of the global batch, as TokenBatches cuts them
     # A copy per micro-batch, as TokenBatches hands out: a view would keep the whole global batch's
     # targets alive in what autograd saves (the activation meters count storages).

@@ -723,12 +723,12 @@ def train(args, optimizer, step_fn: Callable[[StepBatch], StepResult], batches: 
     if after_step is not None and not isinstance(after_step, AfterStep):
         after_step = AfterStep(lambda step, last: True, after_step)    # a plain function: after every step
     log = LaggedStepLog(args, batches.train, batches.device, cfg, start_step)
-    control = RunControl(args, clock, args.val_batches if validating else 0)
+    control = RunControl(args, clock, args.val_batches if validating else 0, batches.train)
     profiler = step_profiler(getattr(args, "profile", None), args.steps - start_step, batches.device)
     priority = attention_backends(batches.device.type, getattr(args, "attention_priority", "cudnn"))
     with control, log, profiler or nullcontext(), priority:
         for step in range(start_step, args.steps):      # a time budget may lower args.steps: `last` ends it
-            lr = run_learning_rate(args, step)          # --lr-schedule; a time budget may move its end
+            lr = run_learning_rate(args, step, batches.train.tokens_before)    # --lr-schedule, by tokens trained
             set_learning_rate(optimizer, lr)
             batch = batches.step_batch(step)            # dp: this rank's share of the global batch; cp: its cut
             log.start(step, lr)                         # the step's clock and memory

@@ -57,9 +57,9 @@ def test_the_estimate_fits_the_steps_the_time_left_allows():
     step of 17 s spends it."""
     clock = StepClock(10.0, 2.0, {0: 3.0, 5: 15.0})
     budget = run_control.TimeBudget(1.0, clock, val_batches=2)
-    for _ in range(3):
+    for step in range(3):
         clock.step()
-        budget.note_step()
+        budget.note_step(step)
     with budget.timing("checkpoint"):
         clock.now += 3.0
     assert budget.estimate_due() and budget.slowest_step_s() == 2.0 and budget.end_s() == 11.0
@@ -69,9 +69,9 @@ def test_the_estimate_fits_the_steps_the_time_left_allows():
         clock.now += 0.5
     assert budget.end_s() == 0.5 + 3.0 + 4.0
     spent = []
-    for _ in range(3, 8):
+    for step in range(3, 8):
         clock.step()
-        budget.note_step()
+        budget.note_step(step)
         spent.append(budget.spent())
     assert spent == [False, False, True, True, True]   # step 5 took 17 s: 43.5 + 0.5 + 3 + 2 * 17 > 60
 
@@ -170,8 +170,9 @@ def test_every_rank_stops_inside_the_budget_at_the_same_step_with_the_final_vali
 
 
 def test_wsd_decays_over_the_budgets_last_share_and_sooner_when_the_steps_slow(budgeted):
-    """wsd: the same 21 steps, the decay over their last 20 %: from 16.8, so step 16 is the first
-    below the peak (it ends at 17 > 16.8) and step 20 runs at the minimum, 0.1 x the peak.
+    """wsd: the same 21 steps, the decay over their last 20 % of tokens (256 a step): from 16.8
+    steps' worth, so step 16 is the first below the peak (it ends at 17 steps' > 16.8) and step
+    20 runs at the minimum, 0.1 x the peak.
     Sooner: rank 1's step 10 takes 1.75 s; after it, at 5 + 11 + 0.75 = 16.75 s, with the end
     kept at 4 x 1.75 = 7 s, (30 - 16.75 - 7) / 1.75 = 3.6: 14 steps fit. Agreed after step 11,
     the plan is 14 steps from step 12 on, whose last 20 % (from 11.2) has begun: the decay starts
@@ -179,22 +180,27 @@ def test_wsd_decays_over_the_budgets_last_share_and_sooner_when_the_steps_slow(b
     Mid-decay: rank 1's step 17 takes 1.2 s: at 23.2 s, (30 - 23.2 - 4.8) / 1.2 leaves 19 steps,
     at least one after step 18 when agreed: 20. The decay keeps its start and steepens: step 19,
     the last, at the minimum. Rank 0 prints each plan; the budget holds in every run."""
+    def tokens(step):
+        return step * SHAPE.tokens_per_step
+
     for rank in budgeted["wsd"]:
-        assert rank["steps"] == 21 and rank["decay_start"] == pytest.approx(16.8)
-        assert rank["rates"] == [wsd_learning_rate(step, 3e-3, 2, 21, 0.8 * 21) for step in range(21)]
+        assert rank["steps"] == 21 and rank["decay_start"] == 0.8 * tokens(21)
+        assert rank["rates"] == [wsd_learning_rate(step, 3e-3, 2, 21, 0.8 * tokens(21), tokens_before=tokens)
+                                 for step in range(21)]
         assert rank["rates"][15] == 3e-3 > rank["rates"][16] and rank["rates"][20] == pytest.approx(3e-4)
     assert "time budget: 21 steps fit in 0.5 minutes (1.00 s a step, 4.0 s kept for the end); the learning rate " \
            "decays from step 16 to step 20\n" in budgeted["wsd"][0]["printed"]
     for rank in budgeted["wsd sooner"]:
-        assert rank["steps"] == 14 and rank["decay_start"] == 12 and rank["end"] <= 30.0
+        assert rank["steps"] == 14 and rank["decay_start"] == tokens(12) and rank["end"] <= 30.0
         assert rank["rates"][:12] == budgeted["wsd"][0]["rates"][:12]
-        assert rank["rates"][12:] == [wsd_learning_rate(step, 3e-3, 2, 14, 12) for step in (12, 13)]
+        assert rank["rates"][12:] == [wsd_learning_rate(step, 3e-3, 2, 14, tokens(12), tokens_before=tokens)
+                                      for step in (12, 13)]
         assert rank["rates"][13] == pytest.approx(3e-4) and rank["saved"][-1] == (13, True)
     assert "time budget: the steps slowed down: 14 steps fit, not 21; the learning rate decays from step 12 to " \
            "step 13\n" in budgeted["wsd sooner"][0]["printed"]
     assert re.search(r"step   13 \| val loss \d\.\d{4}\n", budgeted["wsd sooner"][0]["printed"])
     for rank in budgeted["wsd mid-decay"]:
-        assert rank["steps"] == 20 and rank["decay_start"] == pytest.approx(16.8) and rank["end"] <= 30.0
+        assert rank["steps"] == 20 and rank["decay_start"] == 0.8 * tokens(21) and rank["end"] <= 30.0
         assert rank["rates"][:19] == budgeted["wsd"][0]["rates"][:19]
         assert rank["rates"][19] == pytest.approx(3e-4) and budgeted["wsd"][0]["rates"][19] > 3.1e-4
     assert "time budget: the steps slowed down: 20 steps fit, not 21; the learning rate decays from step 16 to " \

@@ -762,7 +762,8 @@ def test_the_loop_reads_a_steps_figures_a_step_late_and_prints_the_same_lines(tm
     same values (the loss, the norm, the extra value), in the same order."""
     results = run_ranks(2, lagged_loop, str(tmp_path / "metrics.jsonl"))
     lagged_read = ("tolist", "run_control.py:read")
-    agreement = ("item", "run_control.py:_wait")  # AgreedStop's flag: a CPU tensor that gloo carries, no device wait
+    # AgreedStop's flag and the budget's forecast, read at once: a CPU tensor that gloo carries, no device wait
+    agreement = ("tolist", "run_control.py:_wait")
     for rank, result in enumerate(results):
         sites, marks = result["sites"], result["marks"]
         reads_at = [count for count, _ in marks]
