@@ -46,7 +46,9 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
 Beside it: 07_report.py measures the run against each lesson's formulas (the tables below),
 07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
 measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
-07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py makes the blocks' matmuls FP8 (--fp8). What any real run needs is the package's: a rank's share built
+07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py makes the blocks' matmuls FP8 (--fp8). A batch that grows with the tokens trained (--batch-ramp)
+is this lesson's: each step's size is its number of micro-batches, which every technique above follows
+(the section on it says how). What any real run needs is the package's: a rank's share built
 on the meta device (materialise), checkpoints that resume in any layout (checkpoint: --save-dir,
 --resume), Hub weights in (hf: --init-from), samples during training (sample: --sample-every).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
@@ -60,6 +62,7 @@ Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
     torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --global-batch-tokens 8192 --batch-ramp 2048 60000 --lr-schedule wsd
     torchrun --nproc_per_node=2 07_full_5d.py --dp 2 --zero-stage 3 --save-dir ckpt --resume   # 4 -> 2 ranks
     python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu B300 --seq-len 8192 --micro-batch-size 1 --grad-accum 8
 
@@ -91,7 +94,7 @@ import picotron_like.checkpoint as checkpoints
 import picotron_like.hf as hub
 import picotron_like.sample as sampling
 from picotron_like import comm
-from picotron_like.data import StepBatch
+from picotron_like.data import BatchRamp, StepBatch
 from picotron_like.lessons import load_lesson
 from picotron_like.materialise import ReferenceTensors, materialise_held_parameters
 from picotron_like.metrics import BalancingLog, log0
@@ -399,11 +402,30 @@ class WeightsDtypeBoundary:
         self.boundary_dtype = boundary_dtype
 
 
-class ComposedPipeline(WeightsDtypeBoundary, pipeline_parallel.Pipeline):
+class MicroBatchesOfTheStep:
+    """Lesson 03's Pipeline, or its zero-bubble continuation, whose programs follow the batch in
+    hand: under a batch-size ramp (--batch-ramp) a step's micro-batch count changes as the batch
+    grows, and the schedule's order is built from it (lesson 03's build_programs), again whenever
+    the count changes (a validation batch is a full one)."""
+
+    def forward_backward(self, batch: StepBatch):
+        self.follow_micro_batches(len(batch.micro_batches))
+        return super().forward_backward(batch)
+
+    def forward_only(self, batch: StepBatch):
+        self.follow_micro_batches(len(batch.micro_batches))
+        return super().forward_only(batch)
+
+    def follow_micro_batches(self, n_micro: int) -> None:
+        if n_micro != self.n_micro:
+            self.build_programs(n_micro)
+
+
+class ComposedPipeline(MicroBatchesOfTheStep, WeightsDtypeBoundary, pipeline_parallel.Pipeline):
     pass
 
 
-class ComposedZeroBubblePipeline(WeightsDtypeBoundary, zero_bubble.ZeroBubblePipeline):
+class ComposedZeroBubblePipeline(MicroBatchesOfTheStep, WeightsDtypeBoundary, zero_bubble.ZeroBubblePipeline):
     pass
 
 
@@ -757,6 +779,87 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
     return model
 
 
+# ============================================================================ a batch that grows: --batch-ramp
+#
+# A small batch early in training makes as much progress per token as a large one: the gradient
+# noise scale, the batch beyond which more tokens per step no longer buy a larger step, grows as the
+# loss falls (McCandlish et al. 2018). So large runs start with a fraction of their batch and grow
+# it: GPT-3 over its first 4-12 B tokens, DeepSeek-V3 from 3,072 to 15,360 sequences over its first
+# 469 B tokens. picotron_like.data.BatchRamp grows the global batch linearly in the tokens trained,
+# and realises each step's size as a number of micro-batches per rank: every tensor keeps its shape
+# (no recompilation, no new buffers), only the loop over micro-batches runs longer. What depends on
+# that count follows the step's: 01's micro-batch loop (the gradient reduction on the last), 06's
+# per-micro-batch ZeRO-2/3 reductions and ZeRO-3 gathers, 03's schedules (MicroBatchesOfTheStep),
+# the loss's division by the global batch's targets (StepBatch.n_targets), the learning rate's
+# progress (counted in tokens: picotron_like.lr_schedule), the time budget's estimate (at the full
+# batch: run_control.TimeBudget), the log's tokens/s, the report's traffic. A pipeline needs at
+# least pp micro-batches per step to fill, and the interleaved schedule a multiple of pp: the ramp
+# rounds each step's count up to that, and says so.
+
+
+def ramp_rounding(grid, args) -> tuple[int, int]:
+    """(the least micro-batches per rank a ramp's step may have, the multiple its count rounds up to):
+    lesson 03's rules, pp and a multiple of pp for the interleaved schedule; 1 and 1 without a pipeline."""
+    if grid.pp == 1:
+        return 1, 1
+    return grid.pp, grid.pp if args.schedule == "interleaved" else 1
+
+
+def ramp_of_layout(args, grid, shape, manifest: dict | None = None) -> BatchRamp | None:
+    """--batch-ramp START_TOKENS RAMP_TOKENS as this layout realises it (None without the flag),
+    continued from the steps a resumed checkpoint recorded."""
+    if args.batch_ramp is None:
+        return None
+    least, multiple = ramp_rounding(grid, args)
+    start_tokens, ramp_tokens = args.batch_ramp
+    return BatchRamp(start_tokens, ramp_tokens, shape.grad_accum, shape.micro_batch_size * shape.seq_len * grid.dp,
+                     least, multiple, history=(manifest or {}).get("ramp_history", ()))
+
+
+def ramp_problems(cfg, grid, shape, args, world_size: int) -> list[str]:
+    """Bad --batch-ramp values, and every micro-batch count the ramp can take checked by lesson 03's rules."""
+    start, ramp = args.batch_ramp
+    least, multiple = ramp_rounding(grid, args)
+    micro_step = shape.micro_batch_size * shape.seq_len * grid.dp
+    if start < 1 or ramp < 1:
+        return [f"--batch-ramp {start} {ramp}: the first step's tokens and the tokens over which the batch grows "
+                f"must both be positive"]
+    problems = []
+    if start > shape.tokens_per_step:
+        problems.append(f"--batch-ramp {start} {ramp}: a first step of {start:,} tokens is larger than the full "
+                        f"batch of {shape.tokens_per_step:,}: the ramp grows the batch; start below it")
+    if start < least * micro_step:
+        pipeline = f" x pp {grid.pp}" if grid.pp > 1 else ""
+        problems.append(f"--batch-ramp {start} {ramp}: a first step of {start:,} tokens is less than one micro-batch "
+                        f"per dp rank{pipeline}: {shape.micro_batch_size} x {shape.seq_len} tokens x dp {grid.dp}"
+                        f"{pipeline} = {least * micro_step:,}; start at that or more")
+    if cfg.n_experts:
+        problems.append("--batch-ramp with experts: lesson 05's balancing loss counts a step's sequences from a fixed "
+                        "batch (prepare_balancing); drop --batch-ramp or use a dense preset")
+    if problems or grid.pp == 1:
+        return problems
+    for count in sorted({least, shape.grad_accum, *range(multiple, shape.grad_accum, multiple)} - set(range(least))):
+        try:
+            zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, count,
+                                                 f"a --batch-ramp step of {count} micro-batches")
+        except ConfigError as error:
+            problems.append(str(error).replace("\n  - ", "; "))
+    return problems
+
+
+def describe_ramp(ramp: BatchRamp, args, grid) -> str:
+    """The ramp as this layout realises it, in one line: what --batch-ramp asked, how it rounds."""
+    start, ramp_tokens = args.batch_ramp
+    least, multiple = ramp_rounding(grid, args)
+    first = ramp.step_tokens(0)
+    rounded = f" (asked {start:,}: rounded up to whole micro-batches)" if first != start else ""
+    rule = (f", a multiple of pp {grid.pp} for the interleaved schedule" if multiple > 1
+            else f", at least pp {grid.pp}" if least > 1 else "")
+    return (f"batch ramp: {first:,} tokens in the first step{rounded}, growing with the tokens trained to "
+            f"{ramp.full_tokens:,} after {ramp_tokens:,}: {ramp.full_from()} steps, in micro-batches of "
+            f"{ramp.micro_step_tokens:,} tokens over the dp ranks{rule}")
+
+
 # ============================================================================ configuration rules
 
 
@@ -792,6 +895,10 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
     # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
     zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum)
+    if args.batch_ramp is not None:
+        problems = ramp_problems(cfg, grid, shape, args, world_size)
+        if problems:
+            raise ConfigError("bad --batch-ramp:\n  - " + "\n  - ".join(problems))
     checkpoints.check_flags(args)
     checkpoints.checkpoint_to_resume(args, cfg, shape)
 
@@ -894,6 +1001,11 @@ def parse_args(argv=None):
                         help="torch.compile each block's forward and the loss's chunk bodies (the first step compiles: "
                              "~20 s or more on a CPU)")
     fp8.add_fp8_flag(parser)
+    parser.add_argument("--batch-ramp", nargs=2, type=int, default=None, metavar=("START_TOKENS", "RAMP_TOKENS"),
+                        help="grow the global batch linearly in the tokens trained: START_TOKENS in the first step, "
+                             "the full batch (--global-batch-tokens, or --grad-accum's) after RAMP_TOKENS; each "
+                             "step's micro-batches per rank rounded up (a pipeline: at least pp, interleaved: a "
+                             "multiple of pp)")
     parser.add_argument("--memory-snapshot", default=None, metavar="FILE",
                         help="CUDA: record the allocator's history over the first steps and write it to "
                              "FILE.rankN.pickle, for https://pytorch.org/memory_viz")
@@ -931,6 +1043,8 @@ def main(argv=None):
         return calibration.calibrate(args)
     plan = plan_run(args, validate, model_config)        # every rule checked before any process group
     manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
+    ramp = ramp_of_layout(args, plan.grid, plan.shape, manifest)     # --batch-ramp: None, or each step's size
+    data = plan.batches.with_ramp(ramp)
     device = init_distributed()
     snapshot = measurement.start_memory_history(args.memory_snapshot, device)
     grid = ProcessGrid(plan.grid, ep=expert_degree(args.ep, plan.cfg, plan.grid))     # the five axes' groups
@@ -943,10 +1057,14 @@ def main(argv=None):
          + (f" (lr {args.muon_lr} for the blocks' matrices, AdamW's {args.lr} for the rest)"
             if args.optimizer == "muon" else "") + ", "
          f"{count_parameters(plan.cfg)['total']:,} parameters, {plan.shape.tokens_per_step:,} tokens per step")
+    if ramp is not None:
+        log0(describe_ramp(ramp, args, grid.shape))
     start_step = checkpoints.resume(args, manifest, model, optimizer, grid)
     if manifest is None and args.init_from is not None:     # once a checkpoint exists, it comes first
         hub.init_from_hub(args.init_from, model, grid)
-    run = measurement.ComposedRun(model, pipeline, optimizer, plan.cfg, plan.shape, grid, args)
+    # the report predicts the metered step (this process's first) for its micro-batch count, the traffic for each step's
+    metered_shape = replace(plan.shape, grad_accum=data.grad_accum_at(start_step))
+    run = measurement.ComposedRun(model, pipeline, optimizer, plan.cfg, metered_shape, grid, args, data, start_step)
     meters = measurement.ReportMeters.of(run)
     first_steps = measurement.FirstStepsMemory(model, optimizer, device, snapshot=snapshot, first_step=start_step)
     model_or_pipeline = model if pipeline is None else pipeline
@@ -955,7 +1073,7 @@ def main(argv=None):
                                        balancing_log=balancing_log(model, pipeline, grid)))
     with meters.every_step or nullcontext():
         # dp: this rank's share of the global batch; cp: its cut of each sequence
-        batches = RankBatches(plan.batches, grid.dp_rank, device,
+        batches = RankBatches(data, grid.dp_rank, device,
                               cut=context_parallel.sequence_cut(grid, args.zigzag), val=plan.val_batches)
         throughput = train(args, optimizer, step, batches,
                            evaluate=partial(evaluate, model_or_pipeline, settings=settings),
@@ -964,8 +1082,10 @@ def main(argv=None):
                            after_step=one_after_another(
                                sampling.training_sampler(args, plan.cfg, grid, model, settings,
                                                          partial(outside_training, model)),
-                               checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer)))
+                               checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer, data)))
     model.wait_for_weights()        # the last step's gathers, before the report and the process group's end
+    if pipeline is not None:        # the report reads the metered step's schedule
+        pipeline.follow_micro_batches(metered_shape.grad_accum)
     measurement.report(run, meters, throughput, device)
     first_steps.report()
     shutdown()

@@ -430,9 +430,11 @@ class ComposedRun:
     pipeline: object
     optimizer: torch.optim.Optimizer
     cfg: object
-    shape: object
+    shape: object           # the metered step's: under a batch-size ramp, its micro-batch count
     grid: ProcessGrid
     args: object
+    data: object = None     # the run's TokenBatches: each step's micro-batch count (a ramp's differ)
+    first_step: int = 0     # this process's first step, the metered one
 
 
 @dataclass(frozen=True)
@@ -466,10 +468,14 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
     on every step's routing); the compute report."""
     model, pipeline, grid, args, shape = run.model, run.pipeline, run.grid, run.args, run.shape
     precision = model.precision
+    counts = micro_batches_of_steps(run, throughput.steps)
     with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
         predicted = predicted_kept_by_mode(model, pipeline, run.cfg, shape, args, grid, meters.routing)
-        forwards, extra = forwards_and_recompute_traffic(model, pipeline, run.cfg, shape, args, grid,
-                                                         meters.every_step, throughput.steps)
+        # each micro-batch count the steps ran (one, unless a batch-size ramp grew it): its forwards and recomputation
+        recomputed = {count: forwards_and_recompute_traffic(model, pipeline, run.cfg, replace(shape, grad_accum=count),
+                                                            args, grid, meters.every_step, throughput.steps)
+                      for count in counts}
+        extra = mean_over_steps({count: extra for count, (_, extra) in recomputed.items()}, counts)
     where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
     log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
          f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
@@ -494,10 +500,13 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
                           f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
                           units.model_states(model.stage, precision), meters.gathered,
                           units.gathered_peak(precision, args.reshard_after_forward, args.prefetch))
-    log0(f"\n== communication per step ({shape.grad_accum} micro-batches) ==")
+    counts = micro_batches_of_steps(run, throughput.steps)
+    log0(f"\n== communication per step ({counts_in_words(counts)}) ==")
     with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
-        predicted = predicted_step_traffic(model, pipeline, run.cfg, shape, args, grid, precision, forwards,
-                                           throughput.steps, extra)
+        predicted = mean_over_steps({count: predicted_step_traffic(model, pipeline, run.cfg,
+                                                                   replace(shape, grad_accum=count), args, grid,
+                                                                   precision, forwards, throughput.steps, extra)
+                                     for count, (forwards, extra) in recomputed.items()}, counts)
     log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
     log_compute_report(MeteredRun(model.module, run.optimizer, meters.activations, throughput, run.cfg,
                                   shape.seq_len, grid.shape.world_size, device, throughput.steps))
@@ -506,6 +515,33 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
                             device, throughput.peak_flops,
                             fp8.fp8_groups_of_run(run.cfg, args, shape.micro_batch_size * shape.seq_len // grid.cp_size,
                                                   grid.tp_size, device.type == "cuda"))
+
+
+def micro_batches_of_steps(run: ComposedRun, steps: int) -> dict[int, int]:
+    """{micro-batches per rank: the steps of that count} of this process's `steps` steps."""
+    counts = {}
+    for step in range(run.first_step, run.first_step + steps):
+        count = run.shape.grad_accum if run.data is None else run.data.grad_accum_at(step)
+        counts[count] = counts.get(count, 0) + 1
+    return counts
+
+
+def mean_over_steps(per_count: dict[int, dict], counts: dict[int, int]) -> dict:
+    """Traffic predicted per step for each micro-batch count, as the mean over the steps run
+    (`counts`: micro_batches_of_steps); one count's as it is."""
+    if len(counts) == 1:
+        return per_count[next(iter(counts))]
+    total = sum(counts.values())
+    return add_traffic(*({key: value * counts[count] / total for key, value in traffic.items()}
+                         for count, traffic in per_count.items()))
+
+
+def counts_in_words(counts: dict[int, int]) -> str:
+    """'4 micro-batches', or under a batch-size ramp the mean over steps of several counts."""
+    if len(counts) == 1:
+        return f"{next(iter(counts))} micro-batches"
+    runs = [f"{steps} of {count}" for count, steps in sorted(counts.items())]
+    return f"the mean of {sum(counts.values())} steps: {runs[0]} micro-batches, {', '.join(runs[1:])}"
 
 
 class FirstStepsMemory:

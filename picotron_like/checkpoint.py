@@ -95,6 +95,7 @@ import torch
 import torch.distributed as dist
 
 from picotron_like import comm
+from picotron_like.data import TokenBatches
 from picotron_like.metrics import log0
 from picotron_like.model import GPT, GPTConfig
 from picotron_like.moe import is_expert_parameter
@@ -670,8 +671,10 @@ def _load_optimizer_states(optimizer, states: dict[int, dict]) -> None:
 
 def run_identity(args, shape) -> dict:
     """What a checkpoint's run and the resuming run must share for the data to continue where it
-    stopped: TokenBatches reads step s's windows at [s G, (s+1) G) of a stream its seed orders."""
-    return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step}
+    stopped: TokenBatches reads step s's windows at [s G, (s+1) G) of a stream its seed orders, or
+    under a batch-size ramp (lesson 07's --batch-ramp) where the tokens trained before it end."""
+    return {"seed": args.seed, "seq_len": shape.seq_len, "sequences_per_step": shape.sequences_per_step,
+            "batch_ramp": getattr(args, "batch_ramp", None)}
 
 
 def run_settings(args, precision) -> dict:
@@ -744,9 +747,11 @@ def resume(args, manifest, model, optimizer, grid) -> int:
     return manifest["step"]
 
 
-def checkpoint_saver(args, cfg, shape, grid, model, optimizer) -> AfterStep | None:
+def checkpoint_saver(args, cfg, shape, grid, model, optimizer, data: TokenBatches | None = None) -> AfterStep | None:
     """train()'s after_step: a checkpoint every --save-every steps and after the last, the run's
-    or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir)."""
+    or the one all ranks agreed to stop after on a scheduler's signal (None without --save-dir).
+    Under a batch-size ramp (`data`'s) it records the global tokens of every step trained
+    ("ramp_history": BatchRamp.realised_history), where a resumed run's ramp continues."""
     if args.save_dir is None:
         return None
     try:
@@ -763,6 +768,8 @@ def checkpoint_saver(args, cfg, shape, grid, model, optimizer) -> AfterStep | No
 
     def save_step(step: int, last: bool) -> None:
         info["settings"] = run_settings(args, model.precision)     # a time budget plans its steps late
+        if data is not None and data.ramp is not None:
+            info["ramp_history"] = data.ramp.realised_history(step + 1)
         model.wait_for_weights()    # the weights' all-gathers a ZeRO step leaves running read the float32 master
         save(args.save_dir, step + 1, slices, optimizer, info, args.keep_last)
 

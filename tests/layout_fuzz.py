@@ -12,7 +12,7 @@ someone thought of; this draws the rest at random from everything 07's flags can
     model        dense or MoE (softmax or sigmoid router, shared expert, aux / z losses,
                  capacity, bias balancing, grouped or looped experts), 2-6 layers (uneven stages)
     data         every target, or targets masked as fine-tuning data is (a row all padding)
-    everywhere   recompute none / selective / full, micro-batch size and count
+    everywhere   recompute none / selective / full, micro-batch size and count, a batch-size ramp
 
 Each draw is one command line. 07's own checks (train.checked_plan with 07's validate, exactly
 what plan_run runs before any process group) sort it:
@@ -50,7 +50,7 @@ from functools import partial
 import torch
 
 import picotron_like.moe as moe_module
-from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.data import BatchRamp, BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import get_config
 from picotron_like.testing import (CollectiveMismatch, RankChecks, collective_sequences_checked, ignore_targets,
@@ -136,6 +136,13 @@ def draw(seed: int) -> Draw:
     argv += ["--recompute", rng.choice(("none", "selective", "full")), "--seq-len", str(SEQ),
              "--micro-batch-size", str(micro), "--grad-accum", str(grad_accum), "--seed", str(SEED),
              "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM), "--steps", str(STEPS)]
+    # A batch-size ramp in some dense draws, drawn from a generator of its own, so that every other
+    # choice of a seed stays what it was: a first step between the least a layout allows (a
+    # micro-batch per dp rank, pp of them under a pipeline) and the full batch, often rounded up.
+    ramp = random.Random(f"batch ramp {seed}")
+    least, full = micro * SEQ * dp * (pp if pp > 1 else 1), micro * SEQ * dp * grad_accum
+    if not moe and least < full and ramp.random() < 0.2:
+        argv += ["--batch-ramp", str(ramp.randrange(least, full)), str(ramp.choice((600, 1200)))]
     world = dp * pp * cp * tp
     if rng.random() < 0.05:
         world += 1                  # a launch that does not match the degrees
@@ -208,7 +215,8 @@ def features(layout: Draw) -> set[str]:
     ep = int(flag("--ep")) if flag("--ep") else (math.gcd(dp * cp, get_config("tiny-moe").n_experts) if moe else 1)
     words = {f"dp{dp}" if dp % 2 else "", f"pp{pp}", f"cp{cp}", f"tp{tp}", f"ZeRO-{flag('--zero-stage')}",
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
-             f"recompute {flag('--recompute')}", "masked" if layout.masked else ""}
+             f"recompute {flag('--recompute')}", "masked" if layout.masked else "",
+             "batch ramp" if "--batch-ramp" in argv else ""}
     words |= {word for word, present in (("sequence parallel", "--sequence-parallel" in argv),
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
@@ -292,8 +300,8 @@ def train_draw(layout: Draw) -> dict:
     step = partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer, settings=settings,
                    bias_update_rate=args.bias_update_rate, balancing_log=full_5d.balancing_log(model, pipeline, grid))
     cut = context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    step_batch = partial(masked_step_batch, plan.batches, mask_targets=mask_targets) if layout.masked \
-        else plan.batches.step_batch
+    data = plan.batches.with_ramp(full_5d.ramp_of_layout(args, plan.grid, plan.shape))
+    step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if layout.masked else data.step_batch
     results = []
     for index in range(STEPS):
         step_of[0] = index
@@ -304,6 +312,7 @@ def train_draw(layout: Draw) -> dict:
             "biases": {_reference_name(n): b.clone() for n, b in model.module.named_buffers()
                        if n.endswith("router_bias")},
             "choices": choices, "ep": grid.ep_size, "ep_rank": grid.ep_rank, "tp": grid.tp_size,
+            "ramp_history": data.ramp.realised_history(STEPS) if data.ramp is not None else None,
             "tp_rank": grid.tp_rank,
             "split_dims": {_reference_name(n): getattr(p, "tp_split_dim", None)
                            for n, p in model.module.named_parameters()}}
@@ -340,7 +349,11 @@ def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
     options = dict(adam_eps=ADAM_EPS, mask_targets=mask_targets if layout.masked else None,
                    bias_update_rate=args.bias_update_rate)
     if not cfg.n_experts:
-        return train_reference(cfg, SEED, reference_batches(), STEPS, LR, MAX_GRAD_NORM, **options)
+        batches = reference_batches()
+        if args.batch_ramp is not None:     # one device fed the steps the draw's layout sized
+            batches = batches.with_ramp(BatchRamp(*args.batch_ramp, SEQUENCES, SEQ,
+                                                  history=per_rank[0]["ramp_history"]))
+        return train_reference(cfg, SEED, batches, STEPS, LR, MAX_GRAD_NORM, **options)
     k = cfg.experts_per_token
     forced = {}
     for results in per_rank:

@@ -53,6 +53,11 @@ MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--z
 INTERLEAVED_BASE = ["--n-layers", "4", "--pp", "2", "--dp", "2", "--zero-stage", "1", "--schedule", "interleaved",
                     "--virtual-stages", "2"]
 INTERLEAVED_OTHER = ["--n-layers", "4", "--pp", "4", "--dp", "1", "--zero-stage", "0"]
+# A batch-size ramp (lesson 07's --batch-ramp) over a larger batch, 256 -> 1,024 tokens after 1,500:
+# its steps train 256, 512, 768, then 1,024 tokens; the checkpoint after step 1 is mid-ramp, resumed
+# in its own layout and in dp 4 with ZeRO-3 (one micro-batch per rank: 256 tokens).
+RAMP = ["--global-batch-tokens", "1024", "--batch-ramp", "256", "1500"]
+RAMP_OTHER = ["--dp", "4", "--zero-stage", "3"]
 KILL_RUN = ["--dp", "2", "--zero-stage", "2", "--steps", "8", "--save-every", "1", "--keep-last", "2"]
 # Muon (at AdamW's lr) written at dp 2 x tp 2 with ZeRO-1, its momentum resharded into pp 2 x dp 2
 MUON = ["--optimizer", "muon", "--muon-lr", "3e-3"]
@@ -77,6 +82,7 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
     args = full_5d.parse_args([*COMMON, *argv])
     plan = plan_run(args, full_5d.validate, full_5d.expert_parallel.moe_config)
     manifest = checkpoints.checkpoint_to_resume(args, plan.cfg, plan.shape)
+    data = plan.batches.with_ramp(full_5d.ramp_of_layout(args, plan.grid, plan.shape, manifest))
     for section, values in (written or {}).items():
         manifest[section].update(values)
     grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
@@ -97,10 +103,12 @@ def trainer(argv: list[str], world_size: int, router_bias: bool = False, written
         results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer, batch, settings))
         return results[-1]
 
-    batches = RankBatches(plan.batches, grid.dp_rank, CPU, cut=full_5d.context_parallel.sequence_cut(grid, args.zigzag))
+    batches = RankBatches(data, grid.dp_rank, CPU, cut=full_5d.context_parallel.sequence_cut(grid, args.zigzag))
     train(args, optimizer, first_steps.observe(step), batches, start_step=start_step,
-          after_step=checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer))
+          after_step=checkpoints.checkpoint_saver(args, plan.cfg, plan.shape, grid, model, optimizer, data))
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "start": start_step,
+            "step_tokens": [data.step_tokens(step) for step in range(start_step, args.steps)],
+            "tokens_before": data.tokens_before(start_step),
             "resume_log": resume_log.getvalue().splitlines(),
             "first_steps": [(phase, sample["Adam"]) for phase, sample in first_steps.rows]}
 
@@ -117,6 +125,10 @@ def four_rank_runs(directory: str) -> dict:
                                         interleaved], 4)
     for name, layout in (("interleaved same layout", INTERLEAVED_BASE), ("interleaved other", INTERLEAVED_OTHER)):
         runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{interleaved}/step_00000002"], 4)
+    ramp = f"{directory}/ramp"
+    runs["ramp base"] = trainer([*RAMP, *BASE, "--steps", "5", "--save-every", "2", "--save-dir", ramp], 4)
+    for name, layout in (("ramp same layout", BASE), ("ramp other", RAMP_OTHER)):
+        runs[name] = trainer([*RAMP, *layout, "--steps", "5", "--resume", f"{ramp}/step_00000002"], 4)
     runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
     runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
     muon = f"{directory}/muon"
@@ -170,6 +182,26 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     torch.testing.assert_close(torch.tensor(muon_other["losses"]), torch.tensor(muon_base["losses"][2:]), **CROSS_LAYOUT)
     torch.testing.assert_close(torch.tensor(muon_other["norms"]), torch.tensor(muon_base["norms"][2:]), rtol=1e-5,
                                atol=0)
+
+
+def test_a_checkpoint_taken_mid_ramp_resumes_on_the_ramp_in_any_layout(saved):
+    """The ramped run's steps train 256, 512, 768, 1,024, 1,024 tokens; its checkpoint after 512
+    records them, and a run resumed from it, in its own layout or in dp 4 with ZeRO-3, starts 768
+    tokens into the data with a step of 768 tokens, then full ones: its own layout's losses and
+    norms bit for bit the uninterrupted run's, the other's to rounding."""
+    directory, runs = saved
+    base = runs["ramp base"]
+    assert base["step_tokens"] == [256, 512, 768, 1024, 1024]
+    manifest = json.loads((directory / "ramp" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["ramp_history"] == [[256, 1], [512, 1]] and manifest["run"]["batch_ramp"] == [256, 1500]
+    for name in ("ramp same layout", "ramp other"):
+        resumed = runs[name]
+        assert resumed["start"] == 2 and resumed["tokens_before"] == 768, name
+        assert resumed["step_tokens"] == [768, 1024, 1024], name
+    assert runs["ramp same layout"]["losses"] == base["losses"][2:]
+    assert runs["ramp same layout"]["norms"] == base["norms"][2:]
+    torch.testing.assert_close(torch.tensor(runs["ramp other"]["losses"]), torch.tensor(base["losses"][2:]),
+                               **CROSS_LAYOUT)
 
 
 def test_export_loads_into_the_reference_gpt_with_the_same_loss(saved, tmp_path, monkeypatch):

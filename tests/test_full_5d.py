@@ -32,14 +32,14 @@ from torch.utils.checkpoint import checkpoint
 
 import picotron_like.checkpoint as checkpoints
 from picotron_like import comm
-from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.data import BatchRamp, BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.metrics import (ActivationMeter, BalancingLog, GatheredParameterMeter, RoutingMeter, SavedTensorMeters,
                                    add_traffic)
 from picotron_like.model import GPT, get_config
 from picotron_like.testing import masked_step_batch, run_ranks, train_reference
 from picotron_like.topology import GridShape, ProcessGrid
-from picotron_like.train import build_optimizer
+from picotron_like.train import batch_shape, build_optimizer
 from test_zero import ADAM_EPS, PARAM_TOLERANCE, TOLERANCE, gathered, observe_gradients
 
 CFG = replace(get_config("tiny"), n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn_hidden=128)
@@ -68,6 +68,15 @@ LAYOUTS = {"dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
                                                      (*INTERLEAVED, *AUX))}
 # --optimizer muon at AdamW's lr, so that the parameters' tolerance (1e-2 lr) means the same for both
 MUON = ("--optimizer", "muon", "--muon-lr", str(LR))
+# A batch-size ramp (--batch-ramp), run with --recompute none: a batch of 1,024 tokens reached after
+# 1,500 from 256, each step's micro-batches per rank rounded up by the layout (pp 2: at least 2;
+# interleaved: a multiple of 2), so three steps train three sizes, each layout's own: dp 2 (ZeRO-2's
+# and ZeRO-3's per-micro-batch reductions and gathers, over dp x cp), pp 2 (1F1B) and interleaved.
+RAMP = ("--global-batch-tokens", "1024", "--batch-ramp", "256", "1500")
+RAMP_LAYOUTS = {"dp2 x cp2 ZeRO-2 ramp": (GridShape(dp=2, cp=2), 1, 2, CFG, RAMP),
+                "dp2 x cp2 ZeRO-3 ramp": (GridShape(dp=2, cp=2), 1, 3, CFG, RAMP),
+                "pp2 x cp2 ZeRO-1 ramp": (GridShape(pp=2, cp=2), 1, 1, CFG, RAMP),
+                "pp2 x dp2 interleaved ZeRO-1 ramp": (GridShape(dp=2, pp=2), 1, 1, CFG4, (*INTERLEAVED, *RAMP))}
 # This layout also runs once with --ring-kernel plain (lesson 04's blocks spelled out) instead of fused.
 PLAIN_RING = "pp2 x cp2 ZeRO-1"
 # Lesson 05's flags once more on dp 4 (lesson 05 is data parallelism alone), run by 07 (--recompute
@@ -141,7 +150,8 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     """Three steps as 07's main runs them, step 0 metered (activations; with experts, every step's
     routing), with lesson 05's router and balancing flags applied to `cfg` (moe_config); on
     sequences of seq_len tokens, the targets masked by `mask_targets` if given (masked_step_batch);
-    under Muon stepped with the one-device run's gradients `replayed` (replay)."""
+    under Muon stepped with the one-device run's gradients `replayed` (replay); under --batch-ramp
+    each step of its own size (07's ramp_of_layout), predicted for its own count."""
     full_5d = lesson()
     args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra, seq_len))
     cfg = full_5d.expert_parallel.moe_config(cfg, args)
@@ -149,8 +159,9 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
     optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
-    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, seq_len, args.grad_accum, grid.dp_size),
-                        seed=SEED, vocab_size=cfg.vocab_size)
+    full = BatchShape(MICRO, seq_len, batch_shape(args, grid.dp_size).grad_accum, grid.dp_size)
+    data = TokenBatches(builtin_corpus_paths()[0], full, seed=SEED, vocab_size=cfg.vocab_size)
+    data = data.with_ramp(full_5d.ramp_of_layout(args, grid.shape, full))
     step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if mask_targets else data.step_batch
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     activations, weights = ActivationMeter(model.module), GatheredParameterMeter(model.module)
@@ -166,11 +177,15 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
         lambda step: ([SavedTensorMeters(activations, weights)] if step == 0 else []) + routings[step:step + 1])
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
     calls = {key: value.calls for key, value in comm.meter.traffic.items()}
-    shape, e = data.shape, model.precision.param_dtype.itemsize
+    shapes = [replace(data.shape, grad_accum=data.grad_accum_at(step)) for step in range(STEPS)]
+    shape = shapes[0]       # the metered step's
+    if pipeline is not None:
+        pipeline.follow_micro_batches(shape.grad_accum)     # its schedule, as 07's main() before the report
     # Each step's prediction as the report makes it (07's recomputed forward in lesson 06's table),
-    # with experts on that step's routing.
-    forwards_and_extra = [load_lesson("07_report").forwards_and_recompute_traffic(model, pipeline, cfg, shape, args, grid,
-                                                                 routings[step] if routings else None)
+    # with experts on that step's routing, for its micro-batch count.
+    forwards_and_extra = [load_lesson("07_report").forwards_and_recompute_traffic(model, pipeline, cfg, shapes[step],
+                                                                                  args, grid,
+                                                                                  routings[step] if routings else None)
                           for step in range(STEPS)]
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": gathered(model, lambda u: u.master),
             "losses": [r.loss for r in results], "norms": [r.grad_norm for r in results], "tp_rank": grid.tp_rank,
@@ -183,9 +198,10 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=(), seq_len: i
             if grid.cp_size > 1 and args.cp_mode == "ring" else set(),
             "predicted_kept": load_lesson("07_report").predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid, routing),
             "predicted_extra": add_traffic(*(extra for _, extra in forwards_and_extra)),
-            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(model, pipeline, cfg, shape, args, grid,
-                                                                           model.precision, forwards, 1, extra)
-                                               for forwards, extra in forwards_and_extra))}
+            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(
+                model, pipeline, cfg, step_shape, args, grid, model.precision, forwards, 1, extra)
+                for step_shape, (forwards, extra) in zip(shapes, forwards_and_extra))),
+            "ramp_history": data.ramp.realised_history(STEPS) if data.ramp is not None else None}
 
 
 def metered_steps(model, pipeline, optimizer, batch_of_step, settings, args, log, meters_of_step,
@@ -244,6 +260,8 @@ def every_layout() -> dict:
     shape, ep, stage, cfg, extra = LAYOUTS[PLAIN_RING]
     runs[PLAIN_RING, "plain ring"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg,
                                          (*extra, "--ring-kernel", "plain"))
+    for name, (shape, ep, stage, cfg, extra) in RAMP_LAYOUTS.items():
+        runs[name, "none"] = run(ProcessGrid(shape, ep=ep), stage, "none", cfg, extra)
     return runs
 
 
@@ -324,6 +342,29 @@ def test_layouts_equal_one_device_with_each_recompute_mode():
         assert_close(plain, reference, f"{where} plain ring kernel vs one device")
         torch.testing.assert_close(torch.tensor(plain["losses"]), torch.tensor(fused["losses"]), rtol=0, atol=1e-5,
                                    msg=where)
+        check_ramps(runs, rank)
+
+
+def check_ramps(runs: dict, rank: int) -> None:
+    """Each ramped layout equals one device fed the same batches, step by step (a ramp whose
+    history is the layout's: losses, norms, gradients before and after clipping, parameters after
+    3 steps); its three steps train three sizes; its kept activations (step 0's count) and every
+    row of its traffic table (each step's count) equal their formulas."""
+    for name, (_, _, _, cfg, _) in RAMP_LAYOUTS.items():
+        ramped, where = runs[name, "none"], f"rank={rank} {name}"
+        sizes = [tokens for tokens, steps in ramped["ramp_history"] for _ in range(steps)]
+        assert len(set(sizes)) == STEPS and sizes[0] == 256 and sizes == sorted(sizes), (where, sizes)
+        one_device = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, SEQ, 1024 // (MICRO * SEQ), 1),
+                                  seed=SEED, vocab_size=cfg.vocab_size)
+        one_device = one_device.with_ramp(BatchRamp(256, 1500, 1024 // (MICRO * SEQ), MICRO * SEQ,
+                                                    history=ramped["ramp_history"]))
+        reference = train_reference(cfg, SEED, one_device, STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
+        assert min(reference["norms"]) > MAX_GRAD_NORM, "clipping must act, or the clipped gradients prove nothing"
+        assert_close(ramped, reference, f"{where} vs one device")
+        assert ramped["kept"] == ramped["predicted_kept"]["none"], where
+        table = ramped["predicted_traffic"]
+        assert {key: ramped["traffic"].get(key, 0) for key in table} == table and set(ramped["traffic"]) <= set(table), \
+            where
 
 
 def measured_kept_bytes(recompute: str, dtype: torch.dtype) -> int:
