@@ -46,11 +46,12 @@ MLP's tensors /tp, the norms' only under sequence parallelism):
 Beside it: 07_report.py measures the run against each lesson's formulas (the tables below),
 07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
 measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
-07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py makes the blocks' matmuls FP8 (--fp8). A batch that grows with the tokens trained (--batch-ramp)
-is this lesson's: each step's size is its number of micro-batches, which every technique above follows
-(the section on it says how). What any real run needs is the package's: a rank's share built
-on the meta device (materialise), checkpoints that resume in any layout (checkpoint: --save-dir,
---resume), Hub weights in (hf: --init-from), samples during training (sample: --sample-every).
+07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py makes the blocks' matmuls FP8 (--fp8).
+A batch that grows with the tokens trained (--batch-ramp) is this lesson's: each step's size is its
+number of micro-batches, which every technique above follows (its section says how). What any real
+run needs is the package's: a rank's share built on the meta device (materialise), checkpoints that
+resume in any layout (checkpoint: --save-dir, --resume), Hub weights in (hf: --init-from), samples
+during training (sample: --sample-every).
 Out of scope here: fp16 with loss scaling (bf16 needs none).
 
 Run it:
@@ -62,7 +63,7 @@ Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
     torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
-    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --global-batch-tokens 8192 --batch-ramp 2048 60000 --lr-schedule wsd
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --global-batch-tokens 8192 --batch-ramp 2048 60000
     torchrun --nproc_per_node=2 07_full_5d.py --dp 2 --zero-stage 3 --save-dir ckpt --resume   # 4 -> 2 ranks
     python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu B300 --seq-len 8192 --micro-batch-size 1 --grad-accum 8
 
@@ -781,11 +782,11 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
 
 # ============================================================================ a batch that grows: --batch-ramp
 #
-# A small batch early in training makes as much progress per token as a large one: the gradient
-# noise scale, the batch beyond which more tokens per step no longer buy a larger step, grows as the
-# loss falls (McCandlish et al. 2018). So large runs start with a fraction of their batch and grow
-# it: GPT-3 over its first 4-12 B tokens, DeepSeek-V3 from 3,072 to 15,360 sequences over its first
-# 469 B tokens. picotron_like.data.BatchRamp grows the global batch linearly in the tokens trained,
+# Early in training a small batch makes nearly the progress per step of a large one, for a fraction
+# of its tokens: the critical batch (McCandlish et al. 2018's gradient noise scale), beyond which
+# more tokens per step stop buying a larger step, grows as the loss falls. So large runs start with
+# a fraction of their batch and grow it: GPT-3 from 32 k tokens over its first 4-12 B tokens,
+# DeepSeek-V3 from 3,072 to 15,360 sequences over its first 469 B tokens. picotron_like.data.BatchRamp grows the global batch linearly in the tokens trained,
 # and realises each step's size as a number of micro-batches per rank: every tensor keeps its shape
 # (no recompilation, no new buffers), only the loop over micro-batches runs longer. What depends on
 # that count follows the step's: 01's micro-batch loop (the gradient reduction on the last), 06's

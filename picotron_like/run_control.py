@@ -282,8 +282,8 @@ class RunControl:
     step, how many steps still fit; when the ranks agree that fewer do than planned, the run ends
     sooner and its decay moves with the end (place_decay): a wsd run never ends undecayed. (Cosine
     keeps its plan and may stop early: 94 % of the way through, its rate has fallen 99 % of the
-    way to the minimum, WSD's with a 0.2 share only 84 %.) `timing(work)` times a validation or a checkpoint, the work the budget
-    must keep room for at the end."""
+    way to the minimum, WSD's with a 0.2 share only 84 %.) `timing(work)` times a validation or a
+    checkpoint, the work the budget must keep room for at the end."""
 
     def __init__(self, args, clock: Callable[[], float], val_batches: int, data: TokenBatches):
         self.args, self.stop, self.data = args, AgreedStop(), data
@@ -575,11 +575,15 @@ class TimeBudget:
         steps."""
         left_s = self.budget_s - self.clock() - self.end_s()
         step = steps_done
-        while self.data is not None and step < self.data.full_from():
-            left_s -= self.step_seconds(self.micro_batches(step))
-            if left_s < 0:
-                return step
-            step += 1
+        if self.data is not None and step < self.data.full_from():
+            # step_seconds once, as a line: each of the ramp's steps at fixed + slope x its count
+            slope = self.seconds_per_micro_batch()
+            fixed = max(seconds - slope * count for count, seconds in self._measured())
+            while step < self.data.full_from():
+                left_s -= fixed + slope * self.micro_batches(step)
+                if left_s < 0:
+                    return step
+                step += 1
         return step + max(0, math.floor(left_s / self.slowest_step_s()))
 
     def planned_steps(self, steps_done: int, max_steps: int) -> int:
