@@ -12,7 +12,8 @@ someone thought of; this draws the rest at random from everything 07's flags can
     model        dense or MoE (softmax or sigmoid router, shared expert, aux / z losses,
                  capacity, bias balancing, grouped or looped experts), 2-6 layers (uneven stages)
     data         every target, or targets masked as fine-tuning data is (a row all padding)
-    everywhere   recompute none / selective / full, micro-batch size and count, a batch-size ramp
+    everywhere   recompute none / selective / full, micro-batch size and count, a batch-size ramp,
+                 AdamW or Muon
 
 Each draw is one command line. 07's own checks (train.checked_plan with 07's validate, exactly
 what plan_run runs before any process group) sort it:
@@ -20,7 +21,9 @@ what plan_run runs before any process group) sort it:
 - accepted: the layout trains STEPS steps on real gloo ranks through 07's parallelize() and
   lesson 06's step, as main() does, and every step's loss and gradient norm, the last step's
   gradients before and after clipping, the final parameters and router biases equal those of the
-  one-device reference (picotron_like.testing.train_reference) on the same data. With experts
+  one-device reference (picotron_like.testing.train_reference) on the same data; under Muon (at
+  the draw's lr) the ranks step with the reference's gradients (tests/test_full_5d.py's replay:
+  Newton-Schulz in bf16 would grow a float32 rounding into 0.06 lr in three steps). With experts
   the reference is teacher-forced to the distributed run's routing, and every place where its own
   choice differs must be a float32 tie (lesson 05's tests explain why). Tolerances are lesson
   06's: gradients 1e-6, losses and norms 1e-5, parameters 1e-2 lr with AdamW eps 1e-4. And every
@@ -57,6 +60,7 @@ from picotron_like.testing import (CollectiveMismatch, RankChecks, collective_se
                                    masked_step_batch, run_ranks, train_reference)
 from picotron_like.topology import ConfigError, ProcessGrid
 from picotron_like.train import checked_plan
+from test_full_5d import muon_optimizer, optimizer_of
 from test_zero import gathered
 
 SEQUENCES, SEQ, STEPS, LR, SEED, MAX_GRAD_NORM = 12, 48, 3, 3e-3, 3, 0.5
@@ -131,6 +135,9 @@ def draw(seed: int) -> Draw:
         argv += ["--sequence-parallel"]
     if moe:
         argv += _moe_flags(rng, dp * cp)
+    # A third of the draws step with Muon, decided by a stream of their own, as zero-bubble is.
+    if random.Random(f"muon {seed}").random() < 1 / 3:
+        argv += ["--optimizer", "muon", "--muon-lr", str(LR)]
     micro = rng.choice([m for m in (1, 2, 3) if SEQUENCES % (m * dp) == 0] or [1])
     grad_accum = max(1, SEQUENCES // (micro * dp))
     argv += ["--recompute", rng.choice(("none", "selective", "full")), "--seq-len", str(SEQ),
@@ -216,7 +223,7 @@ def features(layout: Draw) -> set[str]:
     words = {f"dp{dp}" if dp % 2 else "", f"pp{pp}", f"cp{cp}", f"tp{tp}", f"ZeRO-{flag('--zero-stage')}",
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
              f"recompute {flag('--recompute')}", "masked" if layout.masked else "",
-             "batch ramp" if "--batch-ramp" in argv else ""}
+             "batch ramp" if "--batch-ramp" in argv else "", "muon" if flag("--optimizer") == "muon" else ""}
     words |= {word for word, present in (("sequence parallel", "--sequence-parallel" in argv),
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
@@ -280,17 +287,16 @@ def observe_gradients(model, optimizer) -> dict:
     return seen
 
 
-def train_draw(layout: Draw) -> dict:
-    """The draw's STEPS steps on this rank, built and stepped as 07's main() builds and steps them."""
+def train_draw(layout: Draw, replayed: list[dict] | None = None) -> dict:
+    """The draw's STEPS steps on this rank, built and stepped as 07's main() builds and steps them;
+    under Muon stepped with the one-device run's gradients `replayed` (test_full_5d.replay says why)."""
     full_5d = load_lesson("07_full_5d")
-    zero, context_parallel = full_5d.zero, full_5d.context_parallel
+    context_parallel = full_5d.context_parallel
     args = full_5d.parse_args(list(layout.argv))
     plan = checked_plan(args, full_5d.validate, full_5d.expert_parallel.moe_config, layout.world_size)
     grid = ProcessGrid(plan.grid, ep=full_5d.expert_degree(args.ep, plan.cfg, plan.grid))
     model, pipeline = full_5d.parallelize(plan.cfg, grid, args, CPU)
-    optimizer = zero.build_sharded_optimizer(model, args.lr)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+    optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     choices, step_of = {}, [0]
     split = context_parallel.SequenceSplit(grid.cp_size, args.zigzag) if grid.cp_size > 1 else None
@@ -324,14 +330,14 @@ def _reference_name(name: str) -> str:
     return match.group(1) if match else name
 
 
-def train_draws(layouts: list[Draw]) -> list[dict]:
+def train_draws(layouts: list[Draw], replays: list) -> list[dict]:
     """Each draw's run, its collectives checked: every member of every group issued the same
     sequence (what NCCL would need and not check), from the grid's start-up to the last step."""
     runs = []
-    for layout in layouts:
+    for layout, replayed in zip(layouts, replays):
         try:
             with collective_sequences_checked():
-                runs.append(train_draw(layout))
+                runs.append(train_draw(layout, replayed))
         except CollectiveMismatch as error:
             raise CollectiveMismatch(f"{layout}\n{error}") from None
     return runs
@@ -340,20 +346,45 @@ def train_draws(layouts: list[Draw]) -> list[dict]:
 # ----------------------------------------------------------------------------- the one-device side
 
 
+def reference_options(layout: Draw) -> tuple:
+    """(the draw's flags, its plan, train_reference's options for it: AdamW's eps, the masked
+    targets, the router bias's rate, Muon's optimizer under --optimizer muon)."""
+    full_5d = load_lesson("07_full_5d")
+    args = full_5d.parse_args(list(layout.argv))
+    plan = checked_plan(args, full_5d.validate, full_5d.expert_parallel.moe_config, layout.world_size)
+    return args, plan, dict(adam_eps=ADAM_EPS, mask_targets=mask_targets if layout.masked else None,
+                            bias_update_rate=args.bias_update_rate,
+                            make_optimizer=muon_optimizer if args.optimizer == "muon" else None)
+
+
+def one_device_batches(args, ramp_history) -> TokenBatches:
+    """The reference's batches: with a ramp, one device fed the steps the draw's layout sized."""
+    batches = reference_batches()
+    if args.batch_ramp is None:
+        return batches
+    return batches.with_ramp(BatchRamp(*args.batch_ramp, SEQUENCES, SEQ, history=ramp_history))
+
+
+def replay_for(layout: Draw) -> list[dict] | None:
+    """Under Muon, the one-device run's clipped gradients of every step, which the ranks step with
+    (not teacher-forced: the forcing needs the ranks' routing, and without a routing choice at a
+    tie the forced run is the same run; a ramp as the layout realises it); None under AdamW."""
+    args, plan, options = reference_options(layout)
+    if options["make_optimizer"] is None:
+        return None
+    ramp = load_lesson("07_full_5d").ramp_of_layout(args, plan.grid, plan.shape)
+    batches = one_device_batches(args, ramp.realised_history(STEPS) if ramp is not None else None)
+    return train_reference(plan.cfg, SEED, batches, STEPS, LR, MAX_GRAD_NORM, **options)["every_clipped_grads"]
+
+
 def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
     """train_reference on the draw's model and data; with experts teacher-forced to the routing the
     ranks recorded, asserting that every choice it would have made otherwise was a float32 tie."""
-    full_5d = load_lesson("07_full_5d")
-    args = full_5d.parse_args(list(layout.argv))
-    cfg = checked_plan(args, full_5d.validate, full_5d.expert_parallel.moe_config, layout.world_size).cfg
-    options = dict(adam_eps=ADAM_EPS, mask_targets=mask_targets if layout.masked else None,
-                   bias_update_rate=args.bias_update_rate)
+    args, plan, options = reference_options(layout)
+    cfg = plan.cfg
     if not cfg.n_experts:
-        batches = reference_batches()
-        if args.batch_ramp is not None:     # one device fed the steps the draw's layout sized
-            batches = batches.with_ramp(BatchRamp(*args.batch_ramp, SEQUENCES, SEQ,
-                                                  history=per_rank[0]["ramp_history"]))
-        return train_reference(cfg, SEED, batches, STEPS, LR, MAX_GRAD_NORM, **options)
+        return train_reference(cfg, SEED, one_device_batches(args, per_rank[0]["ramp_history"]), STEPS, LR,
+                               MAX_GRAD_NORM, **options)
     k = cfg.experts_per_token
     forced = {}
     for results in per_rank:
@@ -429,7 +460,8 @@ def run_accepted(layouts: list[Draw], timeout_s: float = 600.0,
     outcomes = []
     for world, group in sorted(by_world.items()):
         try:
-            per_rank = run_ranks(world, train_draws, group, timeout_s=timeout_s, checks=checks)
+            per_rank = run_ranks(world, train_draws, group, [replay_for(layout) for layout in group],
+                                 timeout_s=timeout_s, checks=checks)
         except AssertionError as failure:
             raise AssertionError(f"a draw of world size {world} failed on its ranks; the draws:\n  "
                                  + "\n  ".join(map(str, group)) + f"\n{failure}") from None
