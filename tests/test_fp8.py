@@ -27,6 +27,7 @@ from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid, group_rank
 from picotron_like.train import build_optimizer, clip_grad_norm_
+from test_full_5d import MUON, muon_optimizer, optimizer_of
 from test_zero import ADAM_EPS, gathered, observe_gradients
 
 CPU = torch.device("cpu")
@@ -321,6 +322,7 @@ def train_tiny_preset(recipe) -> list[float]:
         loss = model(window[:, :-1], window[:, 1:])
         loss.backward()
         clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        result["every_clipped_grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -355,6 +357,7 @@ class Fp8Layout:
     cp: int = 1
     seq: int = SEQ
     micro: int = MICRO
+    optimizer: str = "adamw"        # muon: with MUON's flags, stepped with one device's gradients (replay)
 
 
 LAYOUTS = {"tensorwise ZeRO-3 selective": Fp8Layout("tensorwise", 3, "selective"),
@@ -366,7 +369,9 @@ LAYOUTS = {"tensorwise ZeRO-3 selective": Fp8Layout("tensorwise", 3, "selective"
            # attention whole, as one device does; the ring's float32 sums differ from one device's and put
            # FP8 rounding ties early (its layouts are proven with one device's codes replayed, below)
            "tensorwise cp Ulysses ZeRO-1 full":
-               Fp8Layout("tensorwise", 1, "full", ("--cp-mode", "ulysses"), dp=1, cp=2)}
+               Fp8Layout("tensorwise", 1, "full", ("--cp-mode", "ulysses"), dp=1, cp=2),
+           # Muon steps the FP8 layers' float32 master like any other (their FP8 copies live inside a matmul)
+           "rowwise ZeRO-1 muon": Fp8Layout("rowwise", 1, "none", MUON, optimizer="muon")}
 
 
 def data(dp: int, seq: int = SEQ, micro: int = MICRO) -> TokenBatches:
@@ -374,16 +379,18 @@ def data(dp: int, seq: int = SEQ, micro: int = MICRO) -> TokenBatches:
                         vocab_size=CFG.vocab_size)
 
 
-def one_device(recipe: str, seq: int = SEQ, micro: int = MICRO, in_fp8: dict | None = None) -> dict:
+def one_device(recipe: str, seq: int = SEQ, micro: int = MICRO, in_fp8: dict | None = None,
+               optimizer_name: str = "adamw") -> dict:
     """The reference GPT with FP8 by `recipe` (in the groups `in_fp8` names, else all), trained on
     the global batch's micro-batches one by one (each its summed loss over the global batch's
-    target count), clipped, AdamW."""
+    target count), clipped, AdamW (or Muon, `optimizer_name`: test_full_5d.muon_optimizer)."""
     torch.manual_seed(0)
     model = fp8().apply_fp8(GPT(CFG, seed=SEED), recipe, in_fp8=in_fp8)
-    optimizer = build_optimizer(model, LR)
+    optimizer = build_optimizer(model, LR) if optimizer_name == "adamw" else muon_optimizer(model)
     for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
-    batches, result = data(1, seq, micro), {"losses": [], "grads": None}
+        if "eps" in group:
+            group["eps"] = ADAM_EPS
+    batches, result = data(1, seq, micro), {"losses": [], "grads": None, "every_clipped_grads": []}
     for step in range(STEPS):
         batch = batches.step_batch(step, 0)
         loss = 0.0
@@ -394,6 +401,7 @@ def one_device(recipe: str, seq: int = SEQ, micro: int = MICRO, in_fp8: dict | N
         if step == 0:
             result["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        result["every_clipped_grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(loss)
@@ -401,7 +409,7 @@ def one_device(recipe: str, seq: int = SEQ, micro: int = MICRO, in_fp8: dict | N
     return result
 
 
-def layout_run(layout: Fp8Layout) -> dict:
+def layout_run(layout: Fp8Layout, replayed: list[dict] | None = None) -> dict:
     """`layout` through lesson 07's parallelize and train_step (cp's cut of each batch as its main
     makes it): losses, step 0's gradients, the parameters after STEPS steps, and the kept
     activations of the first step, measured, by lesson 07's formula plus FP8's, and planned."""
@@ -415,9 +423,7 @@ def layout_run(layout: Fp8Layout) -> dict:
                                "--seed", str(SEED), "--lr", str(LR), *layout.flags])
     full_5d.validate(CFG, grid.shape, batches.shape, args, grid.shape.world_size)
     model, _ = full_5d.parallelize(CFG, grid, args, CPU)
-    optimizer = full_5d.zero.build_sharded_optimizer(model, LR)
-    for group in optimizer.param_groups:
-        group["eps"] = ADAM_EPS
+    optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, full_5d.zero.Precision(), MAX_GRAD_NORM)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
@@ -443,8 +449,12 @@ def layout_run(layout: Fp8Layout) -> dict:
             "split_dims": {n: getattr(p, "tp_split_dim", None) for n, p in model.module.named_parameters()}}
 
 
-def every_layout() -> dict:
-    return {name: layout_run(layout) for name, layout in LAYOUTS.items()}
+def every_layout(replays: dict) -> dict:
+    return {name: layout_run(layout, replays.get(name)) for name, layout in LAYOUTS.items()}
+
+
+def reference_key(layout: Fp8Layout) -> tuple:
+    return layout.recipe, layout.seq, layout.micro, None, layout.optimizer
 
 
 def local(result: dict, full: torch.Tensor, name: str) -> torch.Tensor:
@@ -481,13 +491,16 @@ def test_dp_x_tp_x_cp_with_fp8_zero_and_recompute_equals_one_device_with_fp8():
     ZeRO stage and recompute mode, with and without sequence parallelism: losses, step 0's
     gradients and the parameters after 3 AdamW steps equal one device's with the same recipe and
     micro-batches. The kept activations of each rank's first step equal
-    lesson 07's formula plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags."""
-    shapes = {(layout.recipe, layout.seq, layout.micro) for layout in LAYOUTS.values()}
-    references = {shape: one_device(*shape) for shape in shapes}
-    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=400)):
+    lesson 07's formula plus FP8's difference, and the memory plan's (--plan --fp8) for the same flags.
+    Muon composes with FP8: dp 2 x tp 2 rowwise under Muon, stepped with one device's gradients
+    (test_full_5d.replay), equal to one device's FP8 run under Muon."""
+    references = {key: one_device(*key) for key in map(reference_key, LAYOUTS.values())}
+    replays = {name: references[reference_key(layout)]["every_clipped_grads"] for name, layout in LAYOUTS.items()
+               if layout.optimizer == "muon"}
+    for rank, runs in enumerate(run_ranks(4, every_layout, replays, timeout_s=400)):
         for name, layout in LAYOUTS.items():
             result = runs[name]
-            found = differences(result, references[(layout.recipe, layout.seq, layout.micro)])
+            found = differences(result, references[reference_key(layout)])
             assert all(found[key] <= TOLERANCES[key] for key in found), f"rank {rank} {name}: {found}"
             measured, predicted, planned = result["kept"]
             assert measured == predicted == planned, f"rank {rank} {name}: kept bytes {result['kept']}"
