@@ -607,11 +607,14 @@ class FirstStepsMemory:
         log0(f"{'phase':<34}" + "".join(f"{name:>12}" for name in columns))
         for phase, sample in self.rows:
             log0(f"{phase:<34}" + "".join(f"{sample[name] / 1e6:>12.3f}" for name in columns))
-        adam = ("Adam's two float32 moments appear inside the first optimizer.step(): AdamW creates its states "
-                "lazily, so\nuntil then a run holds 8 bytes per master element less than in every later step."
+        muon = isinstance(self.optimizer, zero_muon.MuonWithAdamW)
+        states, creator, per_element = (
+            ("Muon's momentum and Adam's two moments (float32)", "Muon and AdamW create their", "4 (Muon's) or 8 bytes")
+            if muon else ("Adam's two float32 moments", "AdamW creates its", "8 bytes"))
+        adam = (f"{states} appear inside the first optimizer.step(): {creator} states "
+                f"lazily, so\nuntil then a run holds {per_element} per master element less than in every later step."
                 if self.first_step == 0 else
-                "Adam's two float32 moments came back with the checkpoint, before the first step: every row "
-                "holds them.")
+                f"{states} came back with the checkpoint, before the first step: every row holds them.")
         log0(adam + " ZeRO allocates its\ngradient buffers when it builds its units (a plain PyTorch model gets "
                     "its .grad at the first backward);\nthe per-parameter gradients autograd writes live only "
                     "until their unit is flattened and reduced.")
