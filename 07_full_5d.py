@@ -1039,7 +1039,8 @@ def layout_defaults(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.plan and args.max_minutes is not None:      # 07_sizing: which model and tokens the minutes allow
-        return sizing.print_sizing(args, sys.argv[1:] if argv is None else argv, validate, expert_degree)
+        return sizing.print_sizing(args, sys.argv[1:] if argv is None else argv, validate, expert_degree,
+                                   ramp_of_layout)
     if args.plan:           # 07_memory_plan: no training, no torchrun
         return memory_plan.print_memory_plan(args, validate, expert_degree)
     if args.autotune:       # 07_autotune: the plan's best layouts, each trained by a child torchrun of this file

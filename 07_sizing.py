@@ -45,6 +45,7 @@ printed).
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import shlex
@@ -58,7 +59,7 @@ from picotron_like.device_profile import DeviceProfile
 from picotron_like.lessons import load_lesson
 from picotron_like.model import PRESETS, GPTConfig, count_parameters, flops_per_token
 from picotron_like.topology import ConfigError
-from picotron_like.train import MODEL_SHAPE_FLAGS, exit_with_error
+from picotron_like.train import MODEL_SHAPE_FLAGS, batch_shape, exit_with_error
 
 memory_plan = load_lesson("07_memory_plan")
 autotune = load_lesson("07_autotune")
@@ -98,28 +99,46 @@ class Candidate:
     cfg: GPTConfig
     layout: "memory_plan.PlannedLayout | None"
     steps: int
+    tokens: int
 
     @property
     def parameters(self) -> int:
         return count_parameters(self.cfg)["total"]
 
     @property
-    def tokens(self) -> int:
-        return self.steps * self.layout.tokens_per_step if self.layout else 0
-
-    @property
     def tokens_per_parameter(self) -> float:
         return self.tokens / self.parameters
 
 
-def priced(cfg: GPTConfig, kv_heads: int, args, sizing: Sizing, validate) -> Candidate:
-    """`cfg` at the plan's fastest layout of the flags' batch on --gpus GPUs, and its steps in the
-    minutes at that layout's estimated step time."""
+def priced(cfg: GPTConfig, kv_heads: int, args, sizing: Sizing, validate, ramp_of_layout) -> Candidate:
+    """`cfg` at the plan's fastest layout of the flags' batch on --gpus GPUs, and its steps and
+    tokens in the minutes at that layout's estimated step time (a batch ramp's first steps at theirs)."""
     fitting = memory_plan.fitting_layouts(cfg, args, sizing.usable_bytes, sizing.precision, sizing.device, validate)
     if not fitting:
-        return Candidate(kv_heads, cfg, None, 0)
+        return Candidate(kv_heads, cfg, None, 0, 0)
     fastest = fitting[0]
-    return Candidate(kv_heads, cfg, fastest, sizing.run_time.steps_in(sizing.budget_s, fastest.step_seconds))
+    ramp = ramp_of_layout(fastest.args, fastest.grid, batch_shape(fastest.args, fastest.grid.dp))
+    ramp_s = ramp_step_seconds(cfg, fastest, ramp, sizing) if ramp else ()
+    steps = sizing.run_time.steps_in(sizing.budget_s, fastest.step_seconds, ramp_s)
+    return Candidate(kv_heads, cfg, fastest, steps, ramp.tokens_before(steps) if ramp else
+                     steps * fastest.tokens_per_step)
+
+
+def ramp_step_seconds(cfg: GPTConfig, fastest, ramp, sizing: Sizing) -> tuple[float, ...]:
+    """The estimated seconds of each of a batch ramp's steps before the first full one, on the line
+    through the plan's step at the ramp's least micro-batch count and at the full count (a step's
+    fixed part, the optimizer and the last reductions, and a slope per micro-batch: the line
+    TimeBudget fits to a ramp's measured steps)."""
+    full, micro_step = fastest.args.grad_accum, ramp.micro_step_tokens
+    least = ramp.step_tokens(0) // micro_step      # the ramp's first step is its smallest
+    if least == full:
+        return ()
+    fewest = argparse.Namespace(**{**vars(fastest.args), "grad_accum": least})
+    smallest = memory_plan.plan_layout(cfg, fewest, fastest.grid, fastest.ep, batch_shape(fewest, fastest.grid.dp),
+                                       sizing.precision, sizing.device)
+    slope = (fastest.step_seconds - smallest.step_seconds) / (full - least)
+    return tuple(fastest.step_seconds - slope * (full - ramp.step_tokens(step) // micro_step)
+                 for step in range(ramp.full_from()))
 
 
 def guessed_kv_heads(reference: Candidate, sizing: Sizing, seq_len: int) -> int:
@@ -137,7 +156,7 @@ def guessed_kv_heads(reference: Candidate, sizing: Sizing, seq_len: int) -> int:
         kv_heads += 1
 
 
-def proposal(base: GPTConfig, args, sizing: Sizing, validate) -> tuple[Candidate, list[Candidate]]:
+def proposal(base: GPTConfig, args, sizing: Sizing, validate, ramp_of_layout) -> tuple[Candidate, list[Candidate]]:
     """(the proposal, the table's candidates: its neighbours and the flags' model, smallest first).
 
     The walk finds the largest member whose tokens per parameter reach the rule's (tokens per
@@ -147,7 +166,7 @@ def proposal(base: GPTConfig, args, sizing: Sizing, validate) -> tuple[Candidate
 
     def at(kv_heads: int) -> Candidate:
         if kv_heads not in members:
-            members[kv_heads] = priced(family_member(base, kv_heads), kv_heads, args, sizing, validate)
+            members[kv_heads] = priced(family_member(base, kv_heads), kv_heads, args, sizing, validate, ramp_of_layout)
         return members[kv_heads]
 
     def reaches(kv_heads: int) -> bool:
@@ -253,12 +272,13 @@ def add_sizing_flags(parser) -> None:
                              f"on a CPU, {COMPILE_S['cuda']:g} and {COMPILE_S['cpu']:g} more with --compile")
 
 
-def print_sizing(args, argv: list[str], validate, expert_degree) -> None:
+def print_sizing(args, argv: list[str], validate, expert_degree, ramp_of_layout) -> None:
     """--plan --max-minutes: the candidates around the proposal, the assumptions, and the command
     that trains the proposal. `argv`: the flags as typed, which the command keeps (less the
-    model's, the layout's and the planning's)."""
+    model's, the layout's and the planning's). `validate`, `expert_degree`, `ramp_of_layout`:
+    lesson 07's rules, --ep's default and --batch-ramp as a layout realises it, which 07 passes."""
     base, shape, sizing = checked_sizing_flags(args, validate, expert_degree)
-    chosen, shown = proposal(base, args, sizing, validate)
+    chosen, shown = proposal(base, args, sizing, validate, ramp_of_layout)
     if chosen.layout is None or chosen.steps == 0:
         exit_with_error(ConfigError(
             f"no member of the {args.preset} family trains a step in {args.max_minutes:g} minutes on {args.gpus} x "
@@ -337,6 +357,9 @@ def sizing_assumptions(args, sizing: Sizing, base: GPTConfig, shape) -> list[str
              f"{run_time.first_step_s:g} s to the first step's end, assumed for a {sizing.device.device_type} run"
              + (" with --compile" if args.compile else "") + " (07_sizing.FIRST_STEP_S; a run prints its own as "
              "`time to the first step`: give it with --time-to-first-step S)")
+    ramp = (f", reached by --batch-ramp {args.batch_ramp[0]} {args.batch_ramp[1]} as each layout realises it, its "
+            f"steps priced on the line through the plan's step at its least and its full micro-batch count"
+            if args.batch_ramp is not None else "")
     validation = (f"; a validation every {run_time.val_every} steps and after the last, each {run_time.val_batches} "
                   f"global batches' forward at a third of a step" if run_time.val_every else "")
     return [f"rule: {sizing.rule.source}; the proposal is the candidate whose tokens per parameter are nearest "
@@ -351,7 +374,7 @@ def sizing_assumptions(args, sizing: Sizing, base: GPTConfig, shape) -> list[str
             f"the minutes: {sizing.budget_s:g} s from the process's start (--max-minutes): {first}; then steps at "
             f"the estimated step time; TimeBudget's two steps of margin at the end{validation}; checkpoints "
             f"(--save-dir) not priced: TimeBudget times the first and keeps to the budget",
-            f"the batch: the flags' {shape.tokens_per_step:,} tokens per step for every candidate; the rule says "
-            f"nothing of it (a small model may train better on a smaller one)",
+            f"the batch: the flags' {shape.tokens_per_step:,} tokens per step for every candidate{ramp}; the rule "
+            f"says nothing of it (a small model may train better on a smaller one)",
             f"step time: the plan's estimate on {sizing.device.name} (python 07_full_5d.py --plan with the "
             f"proposal's flags prints its parts and assumptions; --autotune measures them)"]

@@ -89,19 +89,22 @@ class RunTime:
     val_batches: int = 0
     validation_share: float = 1 / 3     # a validation batch is a global batch's forward: a third of a step's FLOPs
 
-    def seconds(self, steps: int, step_s: float) -> float:
-        """Steps 1.. at `step_s` after the first, the validations (every val_every steps and after
-        the last), and TimeBudget's two steps of margin at the end."""
+    def seconds(self, steps: int, step_s: float, ramp_s: tuple[float, ...] = ()) -> float:
+        """Steps 1.. after the first, each at `step_s` or, the first len(ramp_s) of them, a batch
+        ramp's ramp_s[step]; the validations (every val_every steps and after the last), and
+        TimeBudget's two steps of margin at the end."""
         validations = steps // self.val_every + 1 if self.val_every else 0
-        return (self.first_step_s + (steps - 1) * step_s + validations * self.val_batches * self.validation_share
-                * step_s + 2 * step_s)
+        ramped = min(steps, len(ramp_s))
+        return (self.first_step_s + sum(ramp_s[1:ramped]) + (steps - max(ramped, 1)) * step_s
+                + validations * self.val_batches * self.validation_share * step_s + 2 * step_s)
 
-    def steps_in(self, budget_s: float, step_s: float) -> int:
+    def steps_in(self, budget_s: float, step_s: float, ramp_s: tuple[float, ...] = ()) -> int:
         """The most steps whose run fits in `budget_s` (0 when not even one does)."""
         per_step = step_s * (1 + (self.val_batches * self.validation_share / self.val_every if self.val_every else 0))
-        steps = max(0, math.floor((budget_s - self.seconds(1, step_s)) / per_step) + 1)
-        while steps and self.seconds(steps, step_s) > budget_s:
+        start = max(1, len(ramp_s))
+        steps = max(0, math.floor((budget_s - self.seconds(start, step_s, ramp_s)) / per_step) + start)
+        while steps and self.seconds(steps, step_s, ramp_s) > budget_s:
             steps -= 1
-        while self.seconds(steps + 1, step_s) <= budget_s:
+        while self.seconds(steps + 1, step_s, ramp_s) <= budget_s:
             steps += 1
         return steps

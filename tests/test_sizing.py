@@ -74,7 +74,7 @@ def test_more_minutes_never_propose_a_smaller_model_and_the_proposal_is_nearest_
     for minutes in (0.25, 1, 4, 16, 64):
         args = full_5d.parse_args(cpu_flags(cpu_profile, minutes))
         base, _, priced_for = sizing.checked_sizing_flags(args, full_5d.validate, full_5d.expert_degree)
-        chosen, shown = sizing.proposal(base, args, priced_for, full_5d.validate)
+        chosen, shown = sizing.proposal(base, args, priced_for, full_5d.validate, full_5d.ramp_of_layout)
         assert chosen in shown and all(CHINCHILLA.distance(chosen.tokens_per_parameter)
                                        <= CHINCHILLA.distance(other.tokens_per_parameter) for other in shown)
         proposed.append(chosen.parameters)
@@ -83,7 +83,7 @@ def test_more_minutes_never_propose_a_smaller_model_and_the_proposal_is_nearest_
     args = full_5d.parse_args(cpu_flags(cpu_profile, 64) + ["--tokens-per-parameter", "80"])
     base, _, priced_for = sizing.checked_sizing_flags(args, full_5d.validate, full_5d.expert_degree)
     assert priced_for.rule.tokens_per_parameter == 80 and "--tokens-per-parameter 80" in priced_for.rule.source
-    assert sizing.proposal(base, args, priced_for, full_5d.validate)[0].parameters < proposed[4]
+    assert sizing.proposal(base, args, priced_for, full_5d.validate, full_5d.ramp_of_layout)[0].parameters < proposed[4]
 
 
 def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed(cpu_profile, capsys, tmp_path):
@@ -109,6 +109,32 @@ def test_the_proposal_prints_every_assumption_and_a_command_that_runs_as_printed
     # a quarter of a minute holds too few tokens even for the family's smallest member: said so
     full_5d.main(cpu_flags(cpu_profile, 0.25))
     assert "note: the family's smallest member, and still short of the rule's" in capsys.readouterr().out
+
+
+def test_a_batch_ramp_trains_more_smaller_steps_in_the_same_minutes(cpu_profile, capsys):
+    """--batch-ramp: the ramp's first steps are priced at their own micro-batch counts (cheaper than a
+    full step, dearer per token: each pays the step's fixed part), the tokens counted through the ramp,
+    and the command carries the ramp."""
+    full_5d = load_lesson("07_full_5d")
+    sizing = full_5d.sizing
+    flags = cpu_flags(cpu_profile, 1) + ["--preset", "tiny", "--n-layers", "2", "--hidden", "64", "--n-heads", "2",
+                                         "--n-kv-heads", "1", "--ffn-hidden", "192", "--grad-accum", "8"]
+    candidates = []
+    for ramp in ([], ["--batch-ramp", "2048", "200000"]):
+        args = full_5d.parse_args(flags + ramp)
+        base, _, priced_for = sizing.checked_sizing_flags(args, full_5d.validate, full_5d.expert_degree)
+        candidates.append(sizing.priced(base, base.n_kv_heads, args, priced_for, full_5d.validate,
+                                        full_5d.ramp_of_layout))
+    plain, ramped = candidates
+    assert plain.layout.step_seconds == ramped.layout.step_seconds
+    assert ramped.steps > plain.steps and ramped.tokens < plain.tokens, (plain, ramped)
+    layout = ramped.layout
+    ramp = full_5d.ramp_of_layout(layout.args, layout.grid, full_5d.batch_shape(layout.args, layout.grid.dp))
+    assert ramped.tokens == ramp.tokens_before(ramped.steps) and ramp.full_from() < ramped.steps
+    full_5d.main(flags + ["--batch-ramp", "2048", "200000"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "--batch-ramp 2048 200000" in lines[-1] and any("reached by --batch-ramp 2048 200000" in line
+                                                           for line in lines), lines
 
 
 @pytest.mark.parametrize("flags, message", [
