@@ -680,8 +680,12 @@ def run_identity(args, shape) -> dict:
 def run_settings(args, precision) -> dict:
     """What a resuming run may change, but is told about when it does (resume's notes): the
     learning-rate schedule (with a time budget's planned steps and wsd's decay: follow_time_budget),
+    Muon's own settings under Muon (the optimizer itself is pinned: check_optimizer_kind),
     clipping, the dtypes the weights and gradients are held in, the data."""
-    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps,
+    muon = ({"muon_lr": args.muon_lr, "muon_weight_decay": args.muon_weight_decay,
+             "muon_momentum": args.muon_momentum, "muon_adjust_lr": args.muon_adjust_lr}
+            if args.optimizer == "muon" else {})
+    return {"lr": args.lr, "warmup_steps": args.warmup_steps, "steps": args.steps, **muon,
             "lr_schedule": args.lr_schedule, "decay_share": args.decay_share,
             "max_minutes": args.max_minutes, **time_budget_settings(args),
             "max_grad_norm": args.max_grad_norm, "bias_update_rate": args.bias_update_rate,

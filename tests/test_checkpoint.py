@@ -179,6 +179,7 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(interleaved["losses"][2:]), **CROSS_LAYOUT)
     torch.testing.assert_close(torch.tensor(other["norms"]), torch.tensor(interleaved["norms"][2:]), rtol=1e-5, atol=0)
     muon_base, muon_other = runs["muon base"], runs["muon other"]
+    assert len(muon_other["resume_log"]) == 1, muon_other["resume_log"]     # Muon's settings as written: no note
     torch.testing.assert_close(torch.tensor(muon_other["losses"]), torch.tensor(muon_base["losses"][2:]), **CROSS_LAYOUT)
     torch.testing.assert_close(torch.tensor(muon_other["norms"]), torch.tensor(muon_base["norms"][2:]), rtol=1e-5,
                                atol=0)
