@@ -863,7 +863,7 @@ def describe_ramp(ramp: BatchRamp, args, grid) -> str:
     rule = (f", a multiple of pp {grid.pp} for the interleaved schedule" if multiple > 1
             else f", at least pp {grid.pp}" if least > 1 else "")
     return (f"batch ramp: {first:,} tokens in the first step{rounded}, growing with the tokens trained to "
-            f"{ramp.full_tokens:,} after {ramp_tokens:,}: {ramp.full_from()} steps, in micro-batches of "
+            f"{ramp.full_tokens:,} after {ramp_tokens:,} (full from step {ramp.full_from()}), in micro-batches of "
             f"{ramp.micro_step_tokens:,} tokens over the dp ranks{rule}")
 
 

@@ -154,5 +154,5 @@ def test_a_good_ramp_plans_and_says_how_it_rounds():
     assert [ramp.step_tokens(step) for step in range(4)] == [512, 512, 768, 1024]
     assert full_5d.describe_ramp(ramp, args, plan.grid) == (
         "batch ramp: 512 tokens in the first step (asked 300: rounded up to whole micro-batches), growing with the "
-        "tokens trained to 1,024 after 2,000: 3 steps, in micro-batches of 128 tokens over the dp ranks, a multiple "
-        "of pp 2 for the interleaved schedule")
+        "tokens trained to 1,024 after 2,000 (full from step 3), in micro-batches of 128 tokens over the dp ranks, a "
+        "multiple of pp 2 for the interleaved schedule")
