@@ -69,6 +69,7 @@ moe="--preset mixtral-8x7b --n-layers 2 --seq-len 2048 --micro-batch-size 2 --gr
 declare -A flags=(
   [07-1b-compile]="$b1 --zero-stage 0 --recompute none --compile"
   [07-1b-compile-mb8]="$b1 --micro-batch-size 8 --zero-stage 0 --recompute none --compile"   # the later flag wins
+  [07-1b-compile-muon]="$b1 --zero-stage 0 --recompute none --compile --optimizer muon --muon-lr 0.01"
   [07-1b-fp8-rowwise-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 rowwise"
   [07-1b-fp8-rowwise-all-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 rowwise --no-fp8-shape-rule"
   [07-1b-fp8-mxfp8-compile]="$b1 --zero-stage 0 --recompute none --compile --fp8 mxfp8"
@@ -123,6 +124,9 @@ if [ -s "$out/device_profile.json" ]; then
 fi
 # 8. A larger micro-batch: the GEMMs' M doubles (the step-time model prices that; here it is measured).
 one_gpu 07-1b-compile-mb8 240 07_full_5d.py ${flags[07-1b-compile-mb8]}
+# 8b. Muon (06_zero_muon) on the same step: one rank owns every matrix, so the step line's time
+#    less 07-1b-compile's is the whole Newton-Schulz in bf16, against the plan's `of which Muon's step`.
+one_gpu 07-1b-compile-muon 240 07_full_5d.py ${flags[07-1b-compile-muon]}
 # 9. NCCL's silent failures: a short run whose every collective is recorded and checked at the end
 #    (the same sequence on every member, and no step collective on a CPU tensor of this CUDA run).
 PICOTRON_LIKE_CHECK_COLLECTIVES=1 one_gpu 07-collectives-checked 120 07_full_5d.py --preset 125m --seq-len 1024 \
