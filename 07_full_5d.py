@@ -653,16 +653,17 @@ def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float, ta
 def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
                balancing_log=None) -> StepResult:
     """The micro-batches through lesson 03's schedule on this rank's chunks, or lesson 01's loop;
-    then lesson 06's sharded tail; with experts lesson 05's: the router biases move unless the
-    optimizer step was skipped (a non-finite norm, the same on every rank), and the aux and z
-    losses go to the log."""
-    if isinstance(model_or_pipeline, pipeline_parallel.Pipeline):
-        model = model_or_pipeline.chunks[0].sharded
+    then lesson 06's sharded tail; with experts lesson 05's: the balancing losses count the step's
+    sequences (count_the_steps_sequences), the router biases move unless the optimizer step was
+    skipped (a non-finite norm, the same on every rank), and the aux and z losses go to the log."""
+    pipelined = isinstance(model_or_pipeline, pipeline_parallel.Pipeline)
+    model = model_or_pipeline.chunks[0].sharded if pipelined else model_or_pipeline
+    count_the_steps_sequences(model, batch)         # experts: the step's sequences (a ramp's steps differ)
+    if pipelined:
         loss = model_or_pipeline.forward_backward(batch)
         # only the last stage computes the loss: its share is summed over pp, then 06 sums it over dp x cp
         comm.call(dist.all_reduce, loss, group=model_or_pipeline.pp_group)
     else:
-        model = model_or_pipeline
         loss = data_parallel.forward_backward(model, batch, settings)
     result = zero.finish_step(model, optimizer, loss, settings)
     if bias_update_rate:
@@ -797,11 +798,25 @@ def compile_blocks(model: torch.nn.Module, enabled: bool, backend: str | Callabl
 # (no recompilation, no new buffers), only the loop over micro-batches runs longer. What depends on
 # that count follows the step's: 01's micro-batch loop (the gradient reduction on the last), 06's
 # per-micro-batch ZeRO-2/3 reductions and ZeRO-3 gathers, 03's schedules (MicroBatchesOfTheStep),
-# the loss's division by the global batch's targets (StepBatch.n_targets), the learning rate's
+# the loss's division by the global batch's targets (StepBatch.n_targets), 05's balancing losses'
+# division by the step's sequences (count_the_steps_sequences; the router biases move on the
+# step's load, whose sign does not depend on its size; capacity is per sequence), the learning rate's
 # progress (counted in tokens: picotron_like.lr_schedule), the time budget's estimate (at the full
 # batch: run_control.TimeBudget), the log's tokens/s, the report's traffic. A pipeline needs at
 # least pp micro-batches per step to fill, and the interleaved schedule a multiple of pp: the ramp
 # rounds each step's count up to that, and says so.
+
+
+def count_the_steps_sequences(model, batch: StepBatch) -> None:
+    """05 x the ramp: lesson 05's balancing losses are shares of the step's means over its sequences,
+    a count prepare_balancing fixes; a ramp's steps each have their own, so every step sets it before
+    its forward: this rank's rows times the ranks that hold other sequences (the dp x cp group over
+    the cp ranks, which hold pieces of the same ones). From the batch's shapes: no device read."""
+    layers = moe_layers(model.module)
+    if layers:
+        rows = sum(micro_batch[0].shape[0] for micro_batch in batch.micro_batches)
+        dp = group_size(model.dp_group) // layers[0].batch_share.sequence_shards
+        expert_parallel.prepare_balancing(model.module, rows * dp)
 
 
 def ramp_rounding(grid, args) -> tuple[int, int]:
@@ -840,9 +855,6 @@ def ramp_problems(cfg, grid, shape, args, world_size: int) -> list[str]:
         problems.append(f"--batch-ramp {start} {ramp}: a first step of {start:,} tokens is less than one micro-batch "
                         f"per dp rank{pipeline}: {shape.micro_batch_size} x {shape.seq_len} tokens x dp {grid.dp}"
                         f"{pipeline} = {least * micro_step:,}; start at that or more")
-    if cfg.n_experts:
-        problems.append("--batch-ramp with experts: lesson 05's balancing loss counts a step's sequences from a fixed "
-                        "batch (prepare_balancing); drop --batch-ramp or use a dense preset")
     if problems or grid.pp == 1:
         return problems
     for count in sorted({least, shape.grad_accum, *range(multiple, shape.grad_accum, multiple)} - set(range(least))):

@@ -148,12 +148,12 @@ def draw(seed: int) -> Draw:
     argv += ["--recompute", rng.choice(("none", "selective", "full")), "--seq-len", str(SEQ),
              "--micro-batch-size", str(micro), "--grad-accum", str(grad_accum), "--seed", str(SEED),
              "--lr", str(LR), "--max-grad-norm", str(MAX_GRAD_NORM), "--steps", str(STEPS)]
-    # A batch-size ramp in some dense draws, drawn from a generator of its own, so that every other
+    # A batch-size ramp in some draws, drawn from a generator of its own, so that every other
     # choice of a seed stays what it was: a first step between the least a layout allows (a
     # micro-batch per dp rank, pp of them under a pipeline) and the full batch, often rounded up.
     ramp = random.Random(f"batch ramp {seed}")
     least, full = micro * SEQ * dp * (pp if pp > 1 else 1), micro * SEQ * dp * grad_accum
-    if not moe and least < full and ramp.random() < 0.2:
+    if least < full and ramp.random() < 0.2:
         argv += ["--batch-ramp", str(ramp.randrange(least, full)), str(ramp.choice((600, 1200)))]
     world = dp * pp * cp * tp
     if rng.random() < 0.05:
@@ -239,7 +239,8 @@ def features(layout: Draw) -> set[str]:
                                                                          (("pp", pp), ("tp", tp), ("cp", cp)) if degree > 1)}
         words |= {word for word, option in (("shared expert", "--shared-experts"), ("aux loss", "--aux-loss-coef"),
                                             ("z loss", "--z-loss-coef"), ("capacity", "--capacity-factor"),
-                                            ("bias balancing", "--bias-update-rate")) if option in argv}
+                                            ("bias balancing", "--bias-update-rate"),
+                                            ("experts with a batch ramp", "--batch-ramp")) if option in argv}
     return words - {"", "dp1", "pp1", "cp1", "tp1", "ep1"}
 
 
@@ -251,11 +252,12 @@ def reference_batches(micro: int = 1) -> TokenBatches:
                         vocab_size=256)
 
 
-def record_routing(module, data_shape, grid, split, choices: dict, step_of: list) -> None:
+def record_routing(module, data, grid, split, choices: dict, step_of: list) -> None:
     """Record, per (step, layer), the experts each token of the global batch chose in a training
-    forward: (rows, positions, expert ids [rows, positions, k]). The recomputed forward of
-    --recompute full runs inside backward, where autograd has a current graph task: not recorded."""
-    M, A = data_shape.micro_batch_size, data_shape.grad_accum
+    forward: (rows, positions, expert ids [rows, positions, k]), the rows as `data` (TokenBatches,
+    a ramp's steps each of their own count) cuts them. The recomputed forward of --recompute full
+    runs inside backward, where autograd has a current graph task: not recorded."""
+    M = data.shape.micro_batch_size
     for name, layer in module.named_modules():
         if not isinstance(layer, moe_module.MixtureOfExperts):
             continue
@@ -265,7 +267,7 @@ def record_routing(module, data_shape, grid, split, choices: dict, step_of: list
             if torch._C._current_graph_task_id() == -1:
                 micro = calls.get(step_of[0], 0)
                 calls[step_of[0]] = micro + 1
-                rows = torch.arange(M) + grid.dp_rank * M * A + micro * M
+                rows = torch.arange(M) + grid.dp_rank * M * data.grad_accum_at(step_of[0]) + micro * M
                 positions = split.positions(grid.cp_rank, SEQ) if split is not None else torch.arange(SEQ)
                 choices.setdefault((step_of[0], layer_id), []).append(
                     (rows, positions, routing.expert_ids.view(M, len(positions), -1).clone()))
@@ -305,13 +307,13 @@ def train_draw(layout: Draw, replayed: list[dict] | None = None) -> dict:
     seen = observe_gradients(model, optimizer)
     choices, step_of = {}, [0]
     split = context_parallel.SequenceSplit(grid.cp_size, args.zigzag) if grid.cp_size > 1 else None
+    data = plan.batches.with_ramp(full_5d.ramp_of_layout(args, plan.grid, plan.shape))
     if plan.cfg.n_experts:
-        record_routing(model.module, plan.shape, grid, split, choices, step_of)
+        record_routing(model.module, data, grid, split, choices, step_of)
     settings = full_5d.step_settings(grid, CPU, model.precision, args.max_grad_norm)
     step = partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer, settings=settings,
                    bias_update_rate=args.bias_update_rate, balancing_log=full_5d.balancing_log(model, pipeline, grid))
     cut = context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
-    data = plan.batches.with_ramp(full_5d.ramp_of_layout(args, plan.grid, plan.shape))
     step_batch = partial(masked_step_batch, data, mask_targets=mask_targets) if layout.masked else data.step_batch
     results = []
     for index in range(STEPS):
@@ -386,15 +388,15 @@ def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
     """train_reference on the draw's model and data; with experts teacher-forced to the routing the
     ranks recorded, asserting that every choice it would have made otherwise was a float32 tie."""
     args, plan, options = reference_options(layout)
-    cfg = plan.cfg
+    cfg, batches = plan.cfg, one_device_batches(args, per_rank[0]["ramp_history"])
     if not cfg.n_experts:
-        return train_reference(cfg, SEED, one_device_batches(args, per_rank[0]["ramp_history"]), STEPS, LR,
-                               MAX_GRAD_NORM, **options)
+        return train_reference(cfg, SEED, batches, STEPS, LR, MAX_GRAD_NORM, **options)
     k = cfg.experts_per_token
     forced = {}
     for results in per_rank:
         for key, calls in results["choices"].items():
-            whole = forced.setdefault(key, torch.full((SEQUENCES, SEQ, k), -1, dtype=torch.int64))
+            sequences = batches.step_tokens(key[0]) // SEQ       # a ramp's steps differ
+            whole = forced.setdefault(key, torch.full((sequences, SEQ, k), -1, dtype=torch.int64))
             for rows, positions, ids in calls:
                 whole[rows[:, None], positions[None, :]] = ids
     queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(cfg.n_layers)]
@@ -410,7 +412,7 @@ def reference_for(layout: Draw, per_rank: list[dict]) -> dict:
 
     moe_module.top_k_experts = teacher_forced
     try:
-        reference = train_reference(cfg, SEED, reference_batches(), STEPS, LR, MAX_GRAD_NORM, **options)
+        reference = train_reference(cfg, SEED, batches, STEPS, LR, MAX_GRAD_NORM, **options)
     finally:
         moe_module.top_k_experts = original
     assert not queue, f"{layout}: the reference routed fewer layers than the ranks"

@@ -136,12 +136,18 @@ def plan_07(*flags: str, world_size: int = 4):
     (("--batch-ramp", "100", "-5"), "must both be positive"),
     (("--pp", "2", "--batch-ramp", "100", "1000"), "a first step of 100 tokens is less than one micro-batch per dp "
                                                    "rank x pp 2: 2 x 32 tokens x dp 2 x pp 2 = 256"),
-    (("--preset", "tiny-moe", "--batch-ramp", "512", "1000"), "--batch-ramp with experts"),
 ])
 def test_bad_ramps_are_refused_before_any_process_group(flags, message):
     with pytest.raises(ConfigError, match="bad --batch-ramp") as refused:
         plan_07(*flags)
     assert message in str(refused.value)
+
+
+def test_a_ramp_with_experts_plans():
+    """Experts compose with a ramp (each step's balancing losses count its own sequences: 07's
+    count_the_steps_sequences; proven in tests/test_full_5d_expert_composition.py): no refusal."""
+    plan, args = plan_07("--preset", "tiny-moe", "--aux-loss-coef", "1e-2", "--batch-ramp", "512", "1000")
+    assert load_lesson("07_full_5d").ramp_of_layout(args, plan.grid, plan.shape).step_tokens(0) == 512
 
 
 def test_a_good_ramp_plans_and_says_how_it_rounds():

@@ -225,7 +225,7 @@ def record_choices(parts, grid, data, choices: dict, step_of: list):
     """Wrap every MoE layer's expert_compute to record, per (step, layer), the experts each token
     chose with its place in the global batch: (rows, positions, expert_ids [rows, positions, k])."""
     split = context_parallel.SequenceSplit(grid.cp_size, True)
-    M, A = data.shape.micro_batch_size, data.shape.grad_accum
+    M = data.shape.micro_batch_size
     for part in parts:
         for name, layer in part.module.named_modules():
             if isinstance(layer, moe_module.MixtureOfExperts):
@@ -236,7 +236,8 @@ def record_choices(parts, grid, data, choices: dict, step_of: list):
                     step = step_of[0]
                     micro = calls.setdefault(step, 0)
                     calls[step] += 1
-                    rows = torch.arange(M) + grid.dp_rank * M * A + micro * M
+                    # a batch-size ramp's step holds its own micro-batches per rank (07's --batch-ramp)
+                    rows = torch.arange(M) + grid.dp_rank * M * data.grad_accum_at(step) + micro * M
                     positions = split.positions(grid.cp_rank, SEQ)
                     choices.setdefault((step, layer_id), []).append(
                         (rows, positions, routing.expert_ids.view(M, len(positions), -1).clone(),
@@ -329,16 +330,20 @@ def four_rank_training():
     return run_ranks(4, several_variants, VARIANTS + MUTANTS, timeout_s=400)
 
 
-def forced_reference(variant: Variant, per_rank, check_margins: bool = True, make_optimizer=None) -> dict:
+def forced_reference(variant: Variant, per_rank, check_margins: bool = True, make_optimizer=None,
+                     reference_batches: TokenBatches | None = None) -> dict:
     """train_reference with every token routed where the distributed run routed it; asserts that
     wherever the reference's own top-k differs, its margin was a rounding-level tie (a mutant's run
     routes from wrong weights after its first step: there only its gradients are compared).
-    `make_optimizer`: train_reference's (default AdamW)."""
+    `make_optimizer`: train_reference's (default AdamW); `reference_batches`: one device's steps
+    (default batches(1); a batch-size ramp's steps differ in size)."""
     k = CFG.experts_per_token
+    reference_batches = batches(1) if reference_batches is None else reference_batches
     forced = {}
     for results in per_rank:
         for key, calls in results[variant]["choices"].items():
-            full = forced.setdefault(key, torch.full((GLOBAL_SEQUENCES, SEQ, k), -1, dtype=torch.int64))
+            sequences = reference_batches.step_tokens(key[0]) // SEQ
+            full = forced.setdefault(key, torch.full((sequences, SEQ, k), -1, dtype=torch.int64))
             for rows, positions, ids, _ in calls:
                 full[rows[:, None], positions[None, :]] = ids
     queue = [forced[(step, layer)].view(-1, k) for step in range(STEPS) for layer in range(variant.cfg.n_layers)]
@@ -359,7 +364,7 @@ def forced_reference(variant: Variant, per_rank, check_margins: bool = True, mak
 
     moe_module.top_k_experts, moe_module.capacity_mask = teacher_forced, counting_drops
     try:
-        reference = train_reference(variant.cfg, SEED, batches(1), STEPS, LR, MAX_GRAD_NORM,
+        reference = train_reference(variant.cfg, SEED, reference_batches, STEPS, LR, MAX_GRAD_NORM,
                                     mask_targets=mask_targets if variant.masked else None,
                                     bias_update_rate=variant.bias_update_rate, adam_eps=ADAM_EPS,
                                     make_optimizer=make_optimizer)

@@ -17,11 +17,12 @@ Tolerances are lesson 05's.
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import pytest
 
 from picotron_like import comm
+from picotron_like.data import BatchRamp
 from picotron_like.lessons import load_lesson
 from picotron_like.metrics import ActivationMeter, RoutingMeter, add_traffic
 from picotron_like.testing import SEQUENCES_CHECKED, HostReads, masked_step_batch, run_ranks, train_reference
@@ -39,6 +40,7 @@ class ComposedVariant(Variant):
     zero_stage: int = 1
     virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, several chunks per pipeline rank
     optimizer: str = "adamw"         # muon: test_full_5d's MUON flags, stepped with one device's gradients (replay)
+    ramp: tuple = ()                 # --batch-ramp START_TOKENS RAMP_TOKENS: each step of its own size
 
 
 SIGMOID_AUX = (("router", "sigmoid"), ("aux_loss_coef", 1e-2))
@@ -58,6 +60,12 @@ VARIANTS = [
     ComposedVariant(GridShape(dp=2, cp=2), 2, (*SIGMOID_AUX, ("n_shared_experts", 1)), bias_update_rate=1e-3,
                     optimizer="muon"),
     ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=2, optimizer="muon"),
+    # A batch-size ramp (--batch-ramp): each step's balancing losses are shares of its own sequences.
+    # dp2 x tp2 (1 then 2 micro-batches per rank): aux and z losses, the router bias, capacity per
+    # sequence; pp2 x cp2 1F1B (2, 3, then 4): the sigmoid router, its bias, the aux loss counted over cp.
+    ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("capacity_factor", 1.0)), bias_update_rate=1e-3,
+                    ramp=(128, 200)),
+    ComposedVariant(GridShape(pp=2, cp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, ramp=(128, 300)),
 ]
 
 
@@ -77,7 +85,10 @@ def composed_run(variant: ComposedVariant, replayed: list[dict] | None = None) -
         "--lr", str(LR), "--bias-update-rate", str(variant.bias_update_rate),
         *(["--schedule", "interleaved", "--virtual-stages", str(variant.virtual_stages)]
           if variant.virtual_stages > 1 else []),
-        *([] if variant.grouped else ["--no-grouped-mm"]), *(MUON if variant.optimizer == "muon" else [])])
+        *([] if variant.grouped else ["--no-grouped-mm"]), *(MUON if variant.optimizer == "muon" else []),
+        *(["--batch-ramp", *map(str, variant.ramp)] if variant.ramp else [])])
+    data = data.with_ramp(full_5d.ramp_of_layout(args, grid.shape, data.shape))
+    shapes = [replace(data.shape, grad_accum=data.grad_accum_at(step)) for step in range(STEPS)]
     model, pipeline = full_5d.parallelize(variant.cfg, grid, args, CPU)
     optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
@@ -100,23 +111,38 @@ def composed_run(variant: ComposedVariant, replayed: list[dict] | None = None) -
     results, biases = metered_steps(model, pipeline, optimizer, batch_of_step, settings, args, log,
                                     lambda step: ([activations] if step == 0 else []) + [routings[step]], STEPS)
     traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}   # before the gathers below
+    if pipeline is not None:
+        pipeline.follow_micro_batches(shapes[0].grad_accum)     # step 0's schedule, as 07's main() before the report
     return {"grads": seen["before"], "clipped_grads": seen["after"], "losses": [r.loss for r in results],
             "norms": [r.grad_norm for r in results], "aux": [r.extra.get("aux", 0.0) for r in results],
             "z": [r.extra.get("z", 0.0) for r in results], "biases": biases, "choices": choices,
             "ep_rank": grid.ep_rank, "tp_rank": grid.tp_rank,
             "split_dims": {name: getattr(p, "tp_split_dim", None) for name, p in model.module.named_parameters()},
             "kept": activations.peak_bytes,
-            "predicted_kept": load_lesson("07_report").predicted_kept_by_mode(model, pipeline, variant.cfg, data.shape, args, grid,
+            "predicted_kept": load_lesson("07_report").predicted_kept_by_mode(model, pipeline, variant.cfg, shapes[0], args, grid,
                                                              routings[0])["none"],
             "traffic": traffic,
-            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(model, pipeline, variant.cfg, data.shape,
+            "predicted_traffic": add_traffic(*(load_lesson("07_report").predicted_step_traffic(model, pipeline, variant.cfg, shape,
                                                                               args, grid, model.precision, routing)
-                                               for routing in routings)),
+                                               for shape, routing in zip(shapes, routings))),
+            "ramp_history": data.ramp.realised_history(STEPS) if data.ramp is not None else None,
             "states": asdict(zero.measured_model_states(model, optimizer)),
             "predicted_states": asdict(load_lesson("07_report").ZeroUnits.of(model, grid, args.optimizer).model_states(
                                                                                       model.stage,
                                                                                       model.precision)),
             "params": gathered(model, lambda unit: unit.master)}
+
+
+def reference_batches(variant: ComposedVariant, run: dict):
+    """One device's steps: under a ramp, sized as the layout realised them (its history), each step
+    a different number of sequences; checked to train more than one size."""
+    if not variant.ramp:
+        return batches(1)
+    sizes = [tokens for tokens, steps in run["ramp_history"] for _ in range(steps)]
+    assert sizes[0] == variant.ramp[0] and len(set(sizes)) > 1 and sizes == sorted(sizes), (variant, sizes)
+    one_device = batches(1)
+    return one_device.with_ramp(BatchRamp(*variant.ramp, one_device.shape.grad_accum, MICRO * SEQ,
+                                          history=run["ramp_history"]))
 
 
 def every_variant(replays: dict) -> dict:
@@ -149,7 +175,8 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
     teacher-forced one-device reference's (this rank's slices); the kept activations at step 0's
     peak, every collective's bytes and ZeRO's model states equal lesson 07's predictions."""
     for variant in VARIANTS:
-        reference = forced_reference(variant, composed_training, make_optimizer=make_optimizer(variant))
+        reference = forced_reference(variant, composed_training, make_optimizer=make_optimizer(variant),
+                                     reference_batches=reference_batches(variant, composed_training[0][variant]))
         print(f"{variant}: {reference['flips']} routing choices forced at rounding-level ties")
         for rank, results in enumerate(composed_training):
             run, where = results[variant], f"rank {rank} {variant}"
