@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import astuple, dataclass, replace
+from functools import partial
 
 import torch
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, GatheredParameterMeter, MeteredRun, ModelStates, RoutingMeter,
-                                   SavedTensorMeters, add_traffic, log0, log_compute_report, predicted_activation_bytes,
-                                   step_bookkeeping_traffic)
+from picotron_like.metrics import (ActivationMeter, GatheredParameterMeter, MeteredRun, ModelStates, RoutedCall,
+                                   RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
+                                   predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ProcessGrid
 from picotron_like.train import traffic_not_counted
@@ -437,6 +438,36 @@ class ComposedRun:
     first_step: int = 0     # this process's first step, the metered one
 
 
+class RoutingOfEachStep(RoutingMeter):
+    """Every step's routing, folded by the step as RoutingMeter's period folds it, where a step's
+    calls are its own: a batch-size ramp changes a step's micro-batch count. A layer's call is
+    numbered by its place in its step and kept apart by the step's count, so that routing_at finds
+    its action in that count's schedule (under --recompute full: whether it was recomputed).
+    `micro_batches_at(step)`: a step's count; a layer's calls walk the steps from `first_step`,
+    `calls_per_micro_batch` per micro-batch (2 under full recomputation)."""
+
+    def __init__(self, parts, micro_batches_at, calls_per_micro_batch: int, first_step: int):
+        super().__init__(parts)
+        self.micro_batches_at, self.calls_per_micro_batch = micro_batches_at, calls_per_micro_batch
+        self._places = [(first_step, 0)] * len(self.layers)    # per layer: its step, and its calls in it
+
+    def _record(self, index: int, counts: torch.Tensor, dropped: torch.Tensor) -> None:
+        step, place = self._places[index]
+        count = self.micro_batches_at(step)
+        last = place + 1 == count * self.calls_per_micro_batch
+        self._places[index] = (step + 1, 0) if last else (step, place + 1)
+        slot = (index, count, place)
+        known = self._slots.get(slot)
+        self._slots[slot] = RoutedCall(index, place, counts, dropped) if known is None else replace(
+            known, counts=known.counts + counts, dropped=known.dropped + dropped, n_calls=known.n_calls + 1)
+
+    def of_count(self, count: int) -> RoutingMeter:
+        """The calls of the steps of `count` micro-batches (once the meter is left)."""
+        meter = copy.copy(self)
+        meter.calls = [call for (_, of_count, _), call in zip(self._slots, self.calls) if of_count == count]
+        return meter
+
+
 @dataclass(frozen=True)
 class ReportMeters:
     """What the report measures of the training steps: the kept activations and ZeRO-3's gathered
@@ -445,14 +476,15 @@ class ReportMeters:
     activations: ActivationMeter
     gathered: GatheredParameterMeter
     routing: RoutingMeter | None = None
-    every_step: RoutingMeter | None = None
+    every_step: RoutingOfEachStep | None = None
 
     @classmethod
     def of(cls, run: ComposedRun) -> "ReportMeters":
         parts = model_parts(run.model, run.pipeline)
-        # every_step folds a layer's calls by the step (its forwards per step: twice under full recompute)
-        calls_per_step = run.shape.grad_accum * (2 if run.args.recompute == "full" else 1)
-        routing = (RoutingMeter(parts), RoutingMeter(parts, calls_per_step)) if run.cfg.n_experts else (None, None)
+        # every_step folds a layer's calls by the step (its forwards per micro-batch: two under full recompute)
+        routing = (RoutingMeter(parts), RoutingOfEachStep(parts, partial(micro_batches_at, run),
+                                                          2 if run.args.recompute == "full" else 1, run.first_step)
+                   ) if run.cfg.n_experts else (None, None)
         return cls(ActivationMeter(run.model.module), GatheredParameterMeter(run.model.module), *routing)
 
     def of_the_metered_step(self) -> tuple:
@@ -468,14 +500,9 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
     on every step's routing); the compute report."""
     model, pipeline, grid, args, shape = run.model, run.pipeline, run.grid, run.args, run.shape
     precision = model.precision
-    counts = micro_batches_of_steps(run, throughput.steps)
     with traffic_not_counted():     # the predictions' gathers of routing counts are no training traffic
         predicted = predicted_kept_by_mode(model, pipeline, run.cfg, shape, args, grid, meters.routing)
-        # each micro-batch count the steps ran (one, unless a batch-size ramp grew it): its forwards and recomputation
-        recomputed = {count: forwards_and_recompute_traffic(model, pipeline, run.cfg, replace(shape, grad_accum=count),
-                                                            args, grid, meters.every_step, throughput.steps)
-                      for count in counts}
-        extra = mean_over_steps({count: extra for count, (_, extra) in recomputed.items()}, counts)
+        extra, predicted_traffic = predicted_run_traffic(run, meters.every_step, throughput.steps)
     where = f"pipeline stage {grid.pp_rank} of {grid.pp_size}, " if pipeline is not None else ""
     log0(f"\n== activations kept for backward (one rank, {where}at their peak in the measured step; "
          f"compute dtype {str(precision.param_dtype).removeprefix('torch.')}) ==")
@@ -500,14 +527,8 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
                           f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
                           units.model_states(model.stage, precision), meters.gathered,
                           units.gathered_peak(precision, args.reshard_after_forward, args.prefetch))
-    counts = micro_batches_of_steps(run, throughput.steps)
-    log0(f"\n== communication per step ({counts_in_words(counts)}) ==")
-    with traffic_not_counted():     # the prediction's gathers of routing counts are no training traffic
-        predicted = mean_over_steps({count: predicted_step_traffic(model, pipeline, run.cfg,
-                                                                   replace(shape, grad_accum=count), args, grid,
-                                                                   precision, forwards, throughput.steps, extra)
-                                     for count, (forwards, extra) in recomputed.items()}, counts)
-    log0(comm.meter.table(predicted, per=throughput.steps))   # fewer steps when resumed
+    log0(f"\n== communication per step ({counts_in_words(micro_batches_of_steps(run, throughput.steps))}) ==")
+    log0(comm.meter.table(predicted_traffic, per=throughput.steps))   # fewer steps when resumed
     log_compute_report(MeteredRun(model.module, run.optimizer, meters.activations, throughput, run.cfg,
                                   shape.seq_len, grid.shape.world_size, device, throughput.steps))
     if args.fp8 != "none":
@@ -517,11 +538,36 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
                                                   grid.tp_size, device.type == "cuda"))
 
 
+def predicted_run_traffic(run: ComposedRun, every_step: RoutingOfEachStep | None, steps: int) -> tuple[dict, dict]:
+    """(the recomputed forward's traffic, every row of the traffic table), per step, over this
+    process's `steps` steps: each micro-batch count the steps ran (one, unless a batch-size ramp
+    grew it) predicted for its steps, on their routing (experts) and in their schedule (pipeline),
+    and the mean over the steps taken. The pipeline is left following the metered step's count."""
+    model, pipeline, shape = run.model, run.pipeline, run.shape
+    counts, extras, predicted = micro_batches_of_steps(run, steps), {}, {}
+    for count, count_steps in counts.items():
+        if pipeline is not None:
+            pipeline.follow_micro_batches(count)    # routing_at reads the schedule of the count
+        count_shape, routing = replace(shape, grad_accum=count), every_step and every_step.of_count(count)
+        forwards, extras[count] = forwards_and_recompute_traffic(model, pipeline, run.cfg, count_shape, run.args,
+                                                                 run.grid, routing, count_steps)
+        predicted[count] = predicted_step_traffic(model, pipeline, run.cfg, count_shape, run.args, run.grid,
+                                                  model.precision, forwards, count_steps, extras[count])
+    if pipeline is not None:
+        pipeline.follow_micro_batches(shape.grad_accum)
+    return mean_over_steps(extras, counts), mean_over_steps(predicted, counts)
+
+
+def micro_batches_at(run: ComposedRun, step: int) -> int:
+    """Micro-batches per rank of step `step` (a batch-size ramp's grow)."""
+    return run.shape.grad_accum if run.data is None else run.data.grad_accum_at(step)
+
+
 def micro_batches_of_steps(run: ComposedRun, steps: int) -> dict[int, int]:
     """{micro-batches per rank: the steps of that count} of this process's `steps` steps."""
     counts = {}
     for step in range(run.first_step, run.first_step + steps):
-        count = run.shape.grad_accum if run.data is None else run.data.grad_accum_at(step)
+        count = micro_batches_at(run, step)
         counts[count] = counts.get(count, 0) + 1
     return counts
 

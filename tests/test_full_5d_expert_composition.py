@@ -10,6 +10,7 @@ choice the reference would have made differently allowed only at a float32 tie).
 checks lesson 07's formulas against its meters on every rank: the activations kept at step 0's
 peak (on that step's routing counts), every row of the traffic table over the run (the
 all-to-all's and the experts' tp all-reduces on each step's counts) and ZeRO's model states.
+Two run under a batch-size ramp, and the report's own prediction for a ramped run is checked too.
 
 Tolerances are lesson 05's.
 """
@@ -145,8 +146,42 @@ def reference_batches(variant: ComposedVariant, run: dict):
                                           history=run["ramp_history"]))
 
 
+def ramped_report_traffic() -> dict:
+    """07's report under a batch-size ramp with experts, pipelined and fully recomputed (pp2 x cp2
+    1F1B: 2, 3, then 4 micro-batches per step, each layer's forward routed twice per micro-batch):
+    its every-step routing meter (ReportMeters.every_step) entered around the steps as 07's main
+    enters it, and the traffic table's prediction (predicted_run_traffic) over the steps, beside the
+    bytes the meter counted."""
+    full_5d, report = load_lesson("07_full_5d"), load_lesson("07_report")
+    grid = ProcessGrid(GridShape(pp=2, cp=2), ep=2)
+    data = batches(grid.dp_size)
+    args = full_5d.parse_args(["--pp", "2", "--cp", "2", "--ep", "2", "--seq-len", str(SEQ), "--micro-batch-size",
+                               str(MICRO), "--grad-accum", str(data.shape.grad_accum), "--seed", str(SEED),
+                               "--recompute", "full", "--bias-update-rate", "1e-3", "--batch-ramp", "128", "300"])
+    cfg = ComposedVariant(grid.shape, 2, BALANCED).cfg
+    data = data.with_ramp(full_5d.ramp_of_layout(args, grid.shape, data.shape))
+    model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
+    optimizer = full_5d.build_optimizer(model, grid, args)
+    settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
+    run = report.ComposedRun(model, pipeline, optimizer, cfg, replace(data.shape, grad_accum=data.grad_accum_at(0)),
+                             grid, args, data)
+    meters = report.ReportMeters.of(run)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag)
+    comm.meter.reset()
+    with meters.every_step:
+        for step in range(STEPS):
+            full_5d.train_step(pipeline, optimizer, cut(data.step_batch(step, grid.dp_rank)), settings,
+                               args.bias_update_rate, full_5d.balancing_log(model, pipeline, grid))
+    traffic = {key: value.payload_bytes for key, value in comm.meter.traffic.items()}
+    with train_module.traffic_not_counted():
+        _, predicted = report.predicted_run_traffic(run, meters.every_step, STEPS)
+    return {"traffic": traffic, "predicted": {key: value * STEPS for key, value in predicted.items()},
+            "counts": report.micro_batches_of_steps(run, STEPS)}
+
+
 def every_variant(replays: dict) -> dict:
-    return {variant: composed_run(variant, replays.get(variant)) for variant in VARIANTS}
+    return {**{variant: composed_run(variant, replays.get(variant)) for variant in VARIANTS},
+            "ramped report": ramped_report_traffic()}
 
 
 def make_optimizer(variant: ComposedVariant):
@@ -169,11 +204,13 @@ def composed_training():
 def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_training):
     """ep = 2 and 4 over dp x cp = 2 x 2 (ZeRO-1 and ZeRO-3), ep = 2 with two pipeline stages
     (1F1B, and interleaved with two chunks per rank), ep = 2 with every expert split over tp = 2,
-    of dp = 2 (ZeRO-2) and of cp = 2: softmax and sigmoid routers, aux / z losses, the shared
-    expert (split over tp too), router bias, masked targets. On every rank: gradients before and
-    after clipping, losses, norms, balancing losses, router biases and parameters equal the
-    teacher-forced one-device reference's (this rank's slices); the kept activations at step 0's
-    peak, every collective's bytes and ZeRO's model states equal lesson 07's predictions."""
+    of dp = 2 (ZeRO-2) and of cp = 2, and two under a batch-size ramp: softmax and sigmoid routers,
+    aux / z losses, the shared expert (split over tp too), router bias, capacity, masked targets.
+    On every rank: gradients before and after clipping, losses, norms, balancing losses, router
+    biases and parameters equal the teacher-forced one-device reference's (this rank's slices);
+    the kept activations at step 0's peak, every collective's bytes and ZeRO's model states equal
+    lesson 07's predictions; and the report's own prediction for a ramped, pipelined, fully
+    recomputed run (ramped_report_traffic) equals its bytes."""
     for variant in VARIANTS:
         reference = forced_reference(variant, composed_training, make_optimizer=make_optimizer(variant),
                                      reference_batches=reference_batches(variant, composed_training[0][variant]))
@@ -190,6 +227,12 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
                 assert ("isend", "pp") in run["traffic"], "the stages must run lesson 03's schedule"
         if variant.bias_update_rate:
             assert any(b.abs().sum() > 0 for b in reference["router_biases"][-1].values())
+    for rank, results in enumerate(composed_training):
+        run = results["ramped report"]
+        assert run["counts"] == {2: 1, 3: 1, 4: 1}, run["counts"]
+        assert ("all_to_all_single", "ep") in run["traffic"] and set(run["traffic"]) <= set(run["predicted"]), rank
+        for key, predicted in run["predicted"].items():
+            assert run["traffic"].get(key, 0) == pytest.approx(predicted, rel=1e-12, abs=1e-9), (rank, key)
 
 
 
