@@ -122,11 +122,20 @@ def test_the_time_budget_estimates_a_full_step_not_from_the_ramps_small_ones():
 
 
 def plan_07(*flags: str, world_size: int = 4):
+    """07's plan of a 4-layer tiny model under `flags` on `world_size` ranks; WORLD_SIZE set only
+    meanwhile (a later test's subprocess must not inherit it)."""
     full_5d = load_lesson("07_full_5d")
+    before = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)
-    args = full_5d.parse_args(["--n-layers", "4", "--seq-len", "32", "--micro-batch-size", "2",
-                               "--global-batch-tokens", "1024", *flags])
-    return checked_plan(args, full_5d.validate, full_5d.model_config, world_size), args
+    try:
+        args = full_5d.parse_args(["--n-layers", "4", "--seq-len", "32", "--micro-batch-size", "2",
+                                   "--global-batch-tokens", "1024", *flags])
+        return checked_plan(args, full_5d.validate, full_5d.model_config, world_size), args
+    finally:
+        if before is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = before
 
 
 @pytest.mark.parametrize("flags, message", [
