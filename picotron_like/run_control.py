@@ -477,7 +477,12 @@ class TimeBudget:
     asks AgreedStop to stop every rank after the same step: the budget holds, and the run ends
     before the schedule's last step (its final learning rate not yet at the minimum; it says so).
     Under wsd it also forecasts, each step, how many steps still fit (steps_that_fit), so that the
-    run can end sooner with its decay finished, before such a stop is needed (RunControl).
+    run can end sooner with its decay finished, before such a stop is needed (RunControl). That
+    forecast prices the steps still to come at the pace of the last PACE_STEPS (their mean, once
+    that many are measured), not at the slowest step so far: the slowest only grows, so one stall
+    (a checkpoint's flush, a busy neighbour) would cut the plan for good, and on a shared machine a
+    run lost a fifth of its minutes that way (benchmarks/time_budget_recipes.py); the end's margin
+    of two steps stays at the slowest, and spent() still stops a run the pace misjudged.
     `clock()` gives the seconds since the process started; tests pass their own.
 
     Under a batch-size ramp (`data`'s BatchRamp) the first steps are smaller than the rest, and
@@ -491,6 +496,7 @@ class TimeBudget:
     """
 
     ESTIMATE_AFTER = 3
+    PACE_STEPS = 10
 
     def __init__(self, minutes: float, clock: Callable[[], float], val_batches: int = 0, planned: bool = False,
                  data: TokenBatches | None = None):
@@ -540,6 +546,15 @@ class TimeBudget:
         return max(seconds + slope * (micro_batches - count) if count != micro_batches else seconds
                    for count, seconds in self._measured())
 
+    def pace_s(self, micro_batches: int) -> float:
+        """A step of `micro_batches` still to come: the mean of the last PACE_STEPS measured steps,
+        each moved to that count; before that many are measured, the slowest (step_seconds)."""
+        measured = self._measured()[-self.PACE_STEPS:]
+        if len(measured) < self.PACE_STEPS:
+            return self.step_seconds(micro_batches)
+        slope = self.seconds_per_micro_batch()
+        return sum(seconds + slope * (micro_batches - count) for count, seconds in measured) / len(measured)
+
     @contextmanager
     def timing(self, work: str):
         """Time a validation or a checkpoint, for the cost of the end; the next step's time starts after it."""
@@ -571,20 +586,20 @@ class TimeBudget:
 
     def steps_that_fit(self, steps_done: int) -> int:
         """How many steps the run can have, by this rank's clock: those done, and as many more as
-        fit in the time left after the end's (end_s): a ramp's smaller steps one by one, then full
-        steps."""
+        fit in the time left after the end's (end_s), each at the pace (pace_s): a ramp's smaller
+        steps one by one, then full steps."""
         left_s = self.budget_s - self.clock() - self.end_s()
         step = steps_done
         if self.data is not None and step < self.data.full_from():
-            # step_seconds once, as a line: each of the ramp's steps at fixed + slope x its count
+            # the pace once, as a line: each of the ramp's steps at fixed + slope x its count
             slope = self.seconds_per_micro_batch()
-            fixed = max(seconds - slope * count for count, seconds in self._measured())
+            fixed = self.pace_s(0)
             while step < self.data.full_from():
                 left_s -= fixed + slope * self.micro_batches(step)
                 if left_s < 0:
                     return step
                 step += 1
-        return step + max(0, math.floor(left_s / self.slowest_step_s()))
+        return step + max(0, math.floor(left_s / self.pace_s(self.full_micro_batches)))
 
     def planned_steps(self, steps_done: int, max_steps: int) -> int:
         """The run's number of steps, rank 0's estimate, the same on every rank; at least the steps

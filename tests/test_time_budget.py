@@ -132,7 +132,7 @@ def budgeted_runs() -> dict:
 
     wsd = {"lr_schedule": "wsd", "decay_share": 0.2}
     outcome = {"steady": budgeted_run({}, {}), "stall": budgeted_run({8: 12.0}, {}),
-               "wsd": budgeted_run({}, wsd), "wsd sooner": budgeted_run({10: 0.75}, wsd),
+               "wsd": budgeted_run({}, wsd), "wsd sooner": budgeted_run({10: 1.25}, wsd),
                "wsd mid-decay": budgeted_run({17: 0.2}, wsd)}
     for name, run, step in [("resumed stable", "wsd", 9), ("resumed mid-decay", "wsd", 17),
                             ("resumed moved", "wsd sooner", 12)]:
@@ -173,11 +173,13 @@ def test_wsd_decays_over_the_budgets_last_share_and_sooner_when_the_steps_slow(b
     """wsd: the same 21 steps, the decay over their last 20 % of tokens (256 a step): from 16.8
     steps' worth, so step 16 is the first below the peak (it ends at 17 steps' > 16.8) and step
     20 runs at the minimum, 0.1 x the peak.
-    Sooner: rank 1's step 10 takes 1.75 s; after it, at 5 + 11 + 0.75 = 16.75 s, with the end
-    kept at 4 x 1.75 = 7 s, (30 - 16.75 - 7) / 1.75 = 3.6: 14 steps fit. Agreed after step 11,
-    the plan is 14 steps from step 12 on, whose last 20 % (from 11.2) has begun: the decay starts
-    at step 12 and reaches the minimum at step 13, the last; every rank ends there, validated.
-    Mid-decay: rank 1's step 17 takes 1.2 s: at 23.2 s, (30 - 23.2 - 4.8) / 1.2 leaves 19 steps,
+    Sooner: rank 1's step 10 takes 2.25 s; after it, at 5 + 11 + 1.25 = 17.25 s, with the end
+    kept at 4 x 2.25 = 9 s (the margin at the slowest step) and the steps to come at the pace of
+    the last ten, 1.125 s: (30 - 17.25 - 9) / 1.125 = 3.3, so 14 steps fit (priced at the slowest
+    step, as the end is, one stall would have cut the plan to 13). Agreed after step 11, the plan
+    is 14 steps from step 12 on, whose last 20 % (from 11.2) has begun: the decay starts at step
+    12 and reaches the minimum at step 13, the last; every rank ends there, validated.
+    Mid-decay: rank 1's step 17 takes 1.2 s: at 23.2 s, (30 - 23.2 - 4.8) / 1.02 leaves 19 steps,
     at least one after step 18 when agreed: 20. The decay keeps its start and steepens: step 19,
     the last, at the minimum. Rank 0 prints each plan; the budget holds in every run."""
     def tokens(step):
