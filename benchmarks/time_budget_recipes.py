@@ -373,6 +373,8 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="a check of the script: 24-second budgets, 1 seed, the baseline and one other recipe, "
                              "2 validation batches")
+    parser.add_argument("--budget-only", action="store_true",
+                        help="the budget comparison alone (to measure again what a change to the time budget moves)")
     parser.add_argument("--data-dir", type=Path, default=REPO_ROOT / "data",
                         help="where the corpus is prepared once (default: data/ in the repository)")
     parser.add_argument("--out", type=Path, default=None,
@@ -425,6 +427,8 @@ def print_tables(args, runs: list[Run], recipes: list[str], target: int, one_pas
           + ("no run saw a token twice" if largest <= one_pass else "MORE THAN ONE PASS: the corpus is too small for it"))
     titles = {"budget": f"in a budget of {args.minutes:g} minutes per run (start-up included): the loss per minute",
               "tokens": f"at equal tokens ({target:,} per run): the loss per token"}
+    if args.budget_only:
+        del titles["tokens"]
     tables = {}
     for comparison, title in titles.items():
         tables[comparison] = summarise(runs, comparison, recipes)
@@ -435,6 +439,22 @@ def print_tables(args, runs: list[Run], recipes: list[str], target: int, one_pas
     print(f"\nThis ranks recipes at small scale on a CPU ({parameters:,} parameters, {target:,} tokens, one core per "
           f"run); it supports no claim about GPU-scale runs.")
     return tables
+
+
+def equal_token_runs(args, budget_runs: list[Run], recipes: list[str], data_flags: list[str], one_pass: int,
+                     target: int, runs_dir: Path) -> list[Run]:
+    """The second comparison: each recipe and seed trained for the baseline's median tokens."""
+    # A recipe's steps for the target come from its own budget run of the same seed (a ramp's steps
+    # grow); without one (it failed) the recipe has no run at equal tokens.
+    measured = {(run.recipe, run.seed): run.step_tokens for run in budget_runs if run.error is None}
+    print(f"\n2. tokens: {target:,} tokens per run (the baseline's median in the budget), {target / one_pass:.1%} "
+          f"of a pass", flush=True)
+    token_runs = runs_of(args, "tokens", recipes, data_flags,
+                         lambda recipe, seed: ["--steps", str(steps_for_tokens(measured[recipe, seed], target))]
+                         if (recipe, seed) in measured else None)
+    execute_all([run for run in token_runs if run.error is None], args.cores, runs_dir,
+                timeout_s=4 * 60 * args.minutes + 120)
+    return token_runs
 
 
 def main(argv=None):
@@ -463,18 +483,9 @@ def main(argv=None):
                          f"recipes to; see the logs in {runs_dir}")
     target = int(statistics.median(baseline_tokens))
 
-    # A recipe's steps for the target come from its own budget run of the same seed (a ramp's steps
-    # grow); without one (it failed) the recipe has no run at equal tokens.
-    measured = {(run.recipe, run.seed): run.step_tokens for run in budget_runs if run.error is None}
     one_pass = tokens_per_pass(corpus)
-    print(f"\n2. tokens: {target:,} tokens per run (the baseline's median in the budget), {target / one_pass:.1%} "
-          f"of a pass", flush=True)
-    token_runs = runs_of(args, "tokens", recipes, data_flags,
-                         lambda recipe, seed: ["--steps", str(steps_for_tokens(measured[recipe, seed], target))]
-                         if (recipe, seed) in measured else None)
-    execute_all([run for run in token_runs if run.error is None], args.cores, runs_dir,
-                timeout_s=4 * 60 * args.minutes + 120)
-
+    token_runs = [] if args.budget_only else equal_token_runs(args, budget_runs, recipes, data_flags, one_pass,
+                                                               target, runs_dir)
     runs = budget_runs + token_runs
     tables = print_tables(args, runs, recipes, target, one_pass, parameters)
     args.out.parent.mkdir(parents=True, exist_ok=True)
