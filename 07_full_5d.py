@@ -963,6 +963,11 @@ def composition_problems(cfg, grid, args) -> list[str]:
     if cfg.n_experts and args.sequence_parallel:
         problems.append("--sequence-parallel with experts is not composed: the experts are split over tp for "
                         "tokens every tp rank holds whole; drop --sequence-parallel")
+    if args.offload_blocks is not None and "activations" not in args.offload:
+        problems.append(f"--offload-blocks {args.offload_blocks} without --offload activations: it chooses the "
+                        f"blocks whose activations go to the host; add --offload activations or drop it")
+    if "activations" in args.offload:
+        problems.append("--offload activations is not composed yet in this trainer (issue 39): drop it")
     if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
         problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
                         f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
@@ -1020,6 +1025,14 @@ def parse_args(argv=None):
                         help="torch.compile each block's forward and the loss's chunk bodies (the first step compiles: "
                              "~20 s or more on a CPU)")
     fp8.add_fp8_flag(parser)
+    parser.add_argument("--offload", nargs="+", choices=("activations",), default=[],
+                        help="move to host memory, off the device: activations, the tensors chosen blocks keep for "
+                             "backward (copied out during forward, fetched back one block ahead of their backward, "
+                             "over the host link: --plan prints the bandwidth it needs)")
+    parser.add_argument("--offload-blocks", type=int, default=None, metavar="N",
+                        help="with --offload activations: the first N blocks of each pipeline chunk offload their "
+                             "kept tensors (a chunk with fewer offloads all); default all but each chunk's last, "
+                             "whose backward follows its forward at once, leaving no compute to hide its copies")
     parser.add_argument("--batch-ramp", nargs=2, type=int, default=None, metavar=("START_TOKENS", "RAMP_TOKENS"),
                         help="grow the global batch linearly in the tokens trained: START_TOKENS in the first step, "
                              "the full batch (--global-batch-tokens, or --grad-accum's) after RAMP_TOKENS; each "
