@@ -57,18 +57,20 @@ from picotron_like.topology import AXES, ConfigError, GridShape, collective_time
 
 
 def build_optimizer(model, lr: float, weight_decay: float = 0.1,
-                    betas=(0.9, 0.95)) -> torch.optim.AdamW:
+                    betas=(0.9, 0.95), device: torch.device | None = None) -> torch.optim.AdamW:
     """AdamW; weight decay applies to matrices (linear and embedding weights), not to norm gains.
 
     The split is decided by each parameter's name, not its shape, so that a shard of a matrix is
     decayed exactly like the full matrix on one device. `model` is a module, or (name, tensor)
     pairs (lesson 06 hands over the pieces of its shards, each named after its parameter).
+    `device`: the run's device, whose implementation steps them (adamw_implementation); by default
+    the parameters' own (they differ where the optimizer's tensors live in host memory).
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters() if isinstance(model, torch.nn.Module) else model:
         (no_decay if name.endswith("norm.weight") else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    device = next(iter(decay + no_decay), torch.empty(0)).device
+    device = device or next(iter(decay + no_decay), torch.empty(0)).device
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, **adamw_implementation(device))
 
 
