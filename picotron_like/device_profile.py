@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 FORMAT = "picotron_like device profile 1"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -47,6 +47,10 @@ class DeviceProfile:
     links: dict[str, dict[str, list[float]]]  # "intra" / "inter" -> collective -> [latency_s, bus bytes/s]
     overlap: float = 1.0                    # share of an overlapped collective's time that compute hides
     extra: dict = field(default_factory=dict)  # what the measuring run recorded beside (host, cores, ranks, commit)
+    # The host beside the device (0: none apart, as on a CPU, where the device's memory is the host's):
+    host_link_bandwidth: float = 0.0        # bytes/s per direction between one rank's device and host memory (PCIe, C2C)
+    host_memory_bandwidth: float = 0.0      # bytes/s (read + written) the node's CPUs reach in host memory, all ranks'
+    host_memory_gib: float = 0.0            # host memory per node
 
 
 class ProfileError(ValueError):
@@ -74,7 +78,9 @@ def load_profile(path: str) -> DeviceProfile:
                            f"write one with --calibrate")
     raw.pop("format")
     names = set(DeviceProfile.__dataclass_fields__)
-    missing = sorted(name for name in names if name not in raw and name not in ("overlap", "extra"))
+    optional = {spec.name for spec in fields(DeviceProfile)
+                if spec.default is not MISSING or spec.default_factory is not MISSING}
+    missing = sorted(name for name in names if name not in raw and name not in optional)
     if missing or set(raw) - names:
         raise ProfileError(f"--device-profile {path}: " + (f"missing {', '.join(missing)}" if missing else
                                                            f"unknown fields {', '.join(sorted(set(raw) - names))}"))
@@ -100,6 +106,9 @@ def profile_problem(profile: DeviceProfile) -> str | None:
     if not positive(profile.memory_bandwidth) or not (positive(profile.kernel_overhead_s)
                                                       or profile.kernel_overhead_s == 0):
         return "memory_bandwidth must be positive and kernel_overhead_s not negative"
+    host = (profile.host_link_bandwidth, profile.host_memory_bandwidth, profile.host_memory_gib)
+    if not all(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0 for value in host):
+        return "host_link_bandwidth, host_memory_bandwidth and host_memory_gib must be 0 (no host apart) or more"
     if not 0 <= profile.overlap <= 1:
         return f"overlap {profile.overlap} is not a share between 0 and 1"
     if not profile.gemm or any(len(point) != 4 or not all(positive(value) for value in point)

@@ -21,7 +21,10 @@ figure or a time, fitted once on the Ultra-Scale Playbook's measured H100 runs o
 
 and, from measurements others publish: NVLink's bus bandwidth at 80% of its per-direction figure
 (nccl-tests on an HGX H100: ~360 GB/s of 450), 2 us per NVLink hop (NCCL's tuning model), 5 us to
-launch a kernel.
+launch a kernel. The host beside each GPU (for offloading, to host memory): the DGX system's
+memory, its CPUs' PCIe generation and DDR channels, each at an assumed share (HOST_LINK_SHARE,
+HOST_MEMORY_SHARE: nothing published here offloads to fit them on). A GH200's host link is its C2C
+(450 GB/s per direction), not PCIe: a calibrated profile, or a table row of its own, would say so.
 
 A GEMM's rate is then share x peak x w / (w + w_half), w its work at that rate, and never above
 what its operands' bytes allow over the HBM bandwidth (the roofline); the profile carries it as
@@ -43,22 +46,31 @@ class PublishedGPU(NamedTuple):
     hbm_tbps: float                 # HBM bandwidth, TB/s
     nvlink_gbps: float              # per direction and GPU, within a node (HGX board)
     network_gbps: float             # per direction and GPU, to other nodes (one NIC per GPU)
+    host_link_gbps: float           # per direction and GPU, to host memory: the host CPU's PCIe x16 (Gen5: 64, Gen4: 32)
+    host_memory_tib: float          # the DGX system's host memory per node
+    host_memory_gbps: float         # its DDR bandwidth per node: sockets x channels x transfer rate x 8 bytes
     source: str
 
 
 PUBLISHED_GPUS = {
-    "B300": PublishedGPU(288, (10, 3), 2250, 4500, 8.0, 900, 100,
-                         "NVIDIA HGX B300 data sheet; ConnectX-8 800 Gb/s per GPU"),
-    "B200": PublishedGPU(180, (10, 0), 2250, 4500, 8.0, 900, 50,
-                         "NVIDIA HGX B200 data sheet; ConnectX-7 400 Gb/s per GPU"),
-    "H200": PublishedGPU(141, (9, 0), 989, 1979, 4.8, 450, 50,
-                         "NVIDIA H200 SXM data sheet; ConnectX-7 400 Gb/s per GPU"),
-    "H100": PublishedGPU(80, (9, 0), 989, 1979, 3.35, 450, 50,
-                         "NVIDIA H100 SXM data sheet; 400 Gb/s per GPU"),
-    "A100-80GB": PublishedGPU(80, (8, 0), 312, None, 2.039, 300, 25,
-                              "NVIDIA A100 SXM 80GB data sheet; HDR 200 Gb/s per GPU"),
-    "A100-40GB": PublishedGPU(40, (8, 0), 312, None, 1.555, 300, 25,
-                              "NVIDIA A100 SXM 40GB data sheet; HDR 200 Gb/s per GPU"),
+    "B300": PublishedGPU(288, (10, 3), 2250, 4500, 8.0, 900, 100, 64, 2, 2 * 8 * 6.4 * 8,
+                         "NVIDIA HGX B300 data sheet; ConnectX-8 800 Gb/s per GPU; DGX B300: 2 TB, 2 Xeon 6776P "
+                         "(PCIe Gen5, 8 channels of DDR5-6400 each)"),
+    "B200": PublishedGPU(180, (10, 0), 2250, 4500, 8.0, 900, 50, 64, 2, 2 * 8 * 5.6 * 8,
+                         "NVIDIA HGX B200 data sheet; ConnectX-7 400 Gb/s per GPU; DGX B200 user guide: 2 TB, 2 Xeon "
+                         "8570 (PCIe Gen5, 8 channels of DDR5-5600 each)"),
+    "H200": PublishedGPU(141, (9, 0), 989, 1979, 4.8, 450, 50, 64, 2, 2 * 8 * 4.8 * 8,
+                         "NVIDIA H200 SXM data sheet; ConnectX-7 400 Gb/s per GPU; DGX H200: 2 TB, 2 Xeon 8480C "
+                         "(PCIe Gen5, 8 channels of DDR5-4800 each)"),
+    "H100": PublishedGPU(80, (9, 0), 989, 1979, 3.35, 450, 50, 64, 2, 2 * 8 * 4.8 * 8,
+                         "NVIDIA H100 SXM data sheet; 400 Gb/s per GPU; DGX H100: 2 TB, 2 Xeon 8480C (PCIe Gen5, "
+                         "8 channels of DDR5-4800 each)"),
+    "A100-80GB": PublishedGPU(80, (8, 0), 312, None, 2.039, 300, 25, 32, 2, 2 * 8 * 3.2 * 8,
+                              "NVIDIA A100 SXM 80GB data sheet; HDR 200 Gb/s per GPU; DGX A100 640GB: 2 TB, 2 EPYC "
+                              "7742 (PCIe Gen4, 8 channels of DDR4-3200 each)"),
+    "A100-40GB": PublishedGPU(40, (8, 0), 312, None, 1.555, 300, 25, 32, 1, 2 * 8 * 3.2 * 8,
+                              "NVIDIA A100 SXM 40GB data sheet; HDR 200 Gb/s per GPU; DGX A100 320GB: 1 TB, 2 EPYC "
+                              "7742 (PCIe Gen4, 8 channels of DDR4-3200 each)"),
 }
 
 # Fitted on the Playbook's cells of up to 8 nodes (benchmarks/step_time_vs_published.py --fit,
@@ -75,6 +87,11 @@ HBM_SHARE = 0.622
 NVLINK_BUS_SHARE = 0.8
 NVLINK_STEP_LATENCY_S = 2e-6
 KERNEL_LAUNCH_S = 5e-6              # CUDA's launch of one kernel from an eager host (GPU side busy meanwhile)
+# The host, assumed rather than fitted (no published run here offloads): a pinned copy reaches about
+# 80 % of PCIe's per-direction figure (CUDA's bandwidthTest on Gen5 hosts: ~53 of 64 GB/s), and
+# streaming kernels about 70 % of the DDR channels' (STREAM triad on two-socket Xeon servers).
+HOST_LINK_SHARE = 0.8
+HOST_MEMORY_SHARE = 0.7
 # The grid of shapes the profile's points cover, in powers of 4 (the plan interpolates between them).
 GRID = [4**i for i in range(2, 10)]
 
@@ -135,4 +152,7 @@ def published_profile(name: str, constants: Constants = Constants()) -> DevicePr
         memory_bandwidth=hbm, kernel_overhead_s=KERNEL_LAUNCH_S,
         links={link: {kind: list(figures) for kind in COLLECTIVES} for link, figures in (("intra", intra),
                                                                                           ("inter", inter))},
-        overlap=constants.overlap)
+        overlap=constants.overlap,
+        host_link_bandwidth=gpu.host_link_gbps * 1e9 * HOST_LINK_SHARE,
+        host_memory_bandwidth=gpu.host_memory_gbps * 1e9 * HOST_MEMORY_SHARE,
+        host_memory_gib=gpu.host_memory_tib * 1024)
