@@ -121,6 +121,7 @@ context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 zero_muon = load_lesson("06_zero_muon")
+zero_offload = load_lesson("06_zero_offload")
 fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
 memory_plan = load_lesson("07_memory_plan")
@@ -165,10 +166,12 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                                             grid.tp_size, device.type == "cuda"))
     # picotron_like.materialise: each parameter the reference's values of what this rank holds of it, on the device
     materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
-    # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum
+    # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum;
+    # 06_zero_offload: --offload optimizer, the master and AdamW's states in host memory, the step on the host
+    wrap = zero_offload.wrap_zero_offloaded if "optimizer" in args.offload else zero.wrap_zero
     model = (wrap_zero_with_experts(one_module(chunks, grid), grid, args, precision) if cfg.n_experts else
-             zero.wrap_zero(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
-                            args.reshard_after_forward, args.prefetch, args.overlap_weight_gather))
+             wrap(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
+                  args.reshard_after_forward, args.prefetch, args.overlap_weight_gather))
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     # 03: the schedule over this rank's chunks
@@ -320,9 +323,12 @@ class ExpertUnitsOverEdp:
 
 
 def wrap_zero_with_experts(module, grid, args, precision):
-    """Lesson 06's wrap_zero over dp x cp, its stage's class with ExpertUnitsOverEdp mixed in."""
+    """Lesson 06's wrap_zero over dp x cp, its stage's class (offloaded: 06_zero_offload's) with
+    ExpertUnitsOverEdp mixed in."""
     stage_class = {0: zero.ZeroDataParallel, 1: zero.ZeroDataParallel, 2: zero.ZeroStage2,
                    3: zero.ZeroStage3}[args.zero_stage]
+    if "optimizer" in args.offload:
+        stage_class = zero_offload.offloaded(stage_class)
     with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class), {"edp_group": grid.edp_group})
     if args.zero_stage == 3:
         return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
@@ -629,8 +635,11 @@ def balancing_log(model, pipeline, grid: ProcessGrid):
 
 
 def build_optimizer(model, grid: ProcessGrid, args) -> torch.optim.Optimizer:
-    """--optimizer adamw: lesson 06's AdamW over this rank's master pieces; muon: lesson 06_zero_muon's
-    Muon for the blocks' matrices (with tp's seam: TensorParallelMuon) and AdamW for the rest."""
+    """--optimizer adamw: lesson 06's AdamW over this rank's master pieces (--offload optimizer: on
+    the host, 06_zero_offload's); muon: lesson 06_zero_muon's Muon for the blocks' matrices (with
+    tp's seam: TensorParallelMuon) and AdamW for the rest."""
+    if args.optimizer == "adamw" and "optimizer" in args.offload:
+        return zero_offload.build_offloaded_optimizer(model, args.lr)
     if args.optimizer == "adamw":
         return zero.build_sharded_optimizer(model, args.lr)
     muon = TensorParallelMuon(model, zero_muon.muon_settings(args), grid)
@@ -925,7 +934,7 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
 def composition_problems(cfg, grid, args) -> list[str]:
     """The pairs of techniques this trainer does not combine, and the rules two gain together (Ulysses
     over a tp rank's heads, sequence parallelism over a cp rank's tokens), each with its reason.
-    Muon (--optimizer muon) combines with everything: with --fp8, whose layers keep their weights
+    Muon (--optimizer muon) combines with everything but --offload optimizer: with --fp8, whose layers keep their weights
     (a float32 master, weights in the compute dtype; FP8 copies live inside a matmul only), so Muon
     steps the same master with the same gradients; with zero-bubble, whose W's all run before the
     step's tail, where the optimizer steps, as AdamW does."""
@@ -968,6 +977,10 @@ def composition_problems(cfg, grid, args) -> list[str]:
                         f"blocks whose activations go to the host; add --offload activations or drop it")
     if "activations" in args.offload:
         problems.append("--offload activations is not composed yet in this trainer (issue 39): drop it")
+    if "optimizer" in args.offload and args.optimizer == "muon":
+        problems.append("--offload optimizer with --optimizer muon: Muon's Newton-Schulz is matmuls, tens of "
+                        "times slower on a host's cores than on the GPU, and its all-to-alls of the master's "
+                        "pieces would run on host tensors; use --optimizer adamw or drop --offload optimizer")
     if cfg.n_experts and cfg.capacity_factor is not None and grid.cp > 1:
         problems.append(f"--capacity-factor with --cp {grid.cp} is not supported: capacity is counted per "
                         f"sequence in token order, which would need a prefix sum across the cp chunks; use --cp 1 "
@@ -1025,10 +1038,12 @@ def parse_args(argv=None):
                         help="torch.compile each block's forward and the loss's chunk bodies (the first step compiles: "
                              "~20 s or more on a CPU)")
     fp8.add_fp8_flag(parser)
-    parser.add_argument("--offload", nargs="+", choices=("activations",), default=[],
-                        help="move to host memory, off the device: activations, the tensors chosen blocks keep for "
-                             "backward (copied out during forward, fetched back one block ahead of their backward, "
-                             "over the host link: --plan prints the bandwidth it needs)")
+    parser.add_argument("--offload", nargs="+", choices=("optimizer", "activations"), default=[],
+                        help="move to host memory, off the device: optimizer, the float32 master and AdamW's states "
+                             "of this rank's shard, stepped on the host's CPU (06_zero_offload); activations, the "
+                             "tensors chosen blocks keep for backward (copied out during forward, fetched back one "
+                             "block ahead of their backward, over the host link: --plan prints the bandwidth it "
+                             "needs)")
     parser.add_argument("--offload-blocks", type=int, default=None, metavar="N",
                         help="with --offload activations: the first N blocks of each pipeline chunk offload their "
                              "kept tensors (a chunk with fewer offloads all); default all but each chunk's last, "

@@ -152,7 +152,8 @@ def clip_grad_norm_(params, max_norm: float, sharded_over=(), counts_toward_norm
         device = params[0].grad.device
     total_norm = global_grad_norm(counted, device, sharded_over, foreach)
     if params:
-        torch._foreach_mul_([p.grad for p in params], clip_factor(total_norm, max_norm))
+        # on the gradients' device: an optimizer offloaded to the host holds them in host memory
+        torch._foreach_mul_([p.grad for p in params], clip_factor(total_norm, max_norm).to(params[0].grad.device))
     return total_norm
 
 

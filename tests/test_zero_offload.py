@@ -14,16 +14,23 @@ moves nothing, must fail that prediction.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 import torch.distributed as dist
 
+import picotron_like.checkpoint as checkpoints
 from picotron_like import train
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
 from picotron_like.model import GPT
 from picotron_like.testing import run_ranks
 from picotron_like.topology import GridShape, ProcessGrid
-from test_zero import ADAM_EPS, BF16, BF16_FP32_GRADS, CFG, FP32, LR, MAX_GRAD_NORM, SEED, STEPS, batches, gathered
+from picotron_like.train import batch_shape
+from test_full_5d import MICRO as MICRO_07, MOE_CFG, SEQ as SEQ_07, optimizer_of
+from test_full_5d import flags as full_5d_flags
+from test_zero import ADAM_EPS, BF16, BF16_FP32_GRADS, CFG, CPU, FP32, LR, MAX_GRAD_NORM, SEED, STEPS, batches, gathered
 
 
 def lessons():
@@ -145,3 +152,82 @@ def test_offload_equals_zero_and_moves_the_optimizer_states(dp):
         else:
             assert runs[("fused", True)]["fused"] and runs[("fused", False)]["fused"]
             assert_same_run(runs[("fused", True)], runs[("fused", False)], f"dp={dp} rank={rank} fused tail")
+
+
+# ----------------------------------------------------------------------------- lesson 07: --offload optimizer
+
+
+# name: (grid, ep, ZeRO stage, model, extra flags): each of 07's seams once, run with and without
+# --offload optimizer; "dp2 x tp2 ZeRO-1" also resumes, offloaded, a checkpoint written without.
+FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
+                   "dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
+                   "pp2 x dp2 ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG, ()),
+                   "pp2 x dp2 zero-bubble ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG, ("--schedule", "zero-bubble")),
+                   "dp2 x cp2 ZeRO-2 bf16": (GridShape(dp=2, cp=2), 1, 2, CFG, ("--dtype", "bfloat16")),
+                   "dp4 moe ep2 ZeRO-2": (GridShape(dp=4), 2, 2, MOE_CFG, ()),
+                   "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise"))}
+RESUMED = "dp2 x tp2 ZeRO-1"
+SAVED_AT = 2
+
+
+def full_5d_run(name: str, offload: bool, save_dir=None, resume_from=None) -> dict:
+    """STEPS steps of 07's train_step on the layout `name` (FULL_5D_LAYOUTS), as its main builds it;
+    with save_dir a checkpoint after step SAVED_AT; with resume_from, a run that loads it and
+    trains on from there."""
+    full_5d = load_lesson("07_full_5d")
+    shape, ep, stage, cfg, extra = FULL_5D_LAYOUTS[name]
+    grid = ProcessGrid(shape, ep=ep)
+    args = full_5d.parse_args(full_5d_flags(shape, stage, "none", (*extra, *(("--offload", "optimizer") * offload))))
+    cfg = full_5d.expert_parallel.moe_config(cfg, args)
+    model, pipeline = full_5d.parallelize(cfg, grid, args, CPU, values_to_load=resume_from is not None)
+    optimizer = optimizer_of(model, grid, args)
+    settings = full_5d.step_settings(grid, CPU, model.precision, MAX_GRAD_NORM)
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO_07, SEQ_07, batch_shape(args, grid.dp_size).grad_accum,
+                                                              grid.dp_size), seed=SEED, vocab_size=cfg.vocab_size)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
+    start = 0
+    if resume_from is not None:
+        manifest = checkpoints.read_manifest(checkpoints.step_directory(resume_from, SAVED_AT), cfg)
+        checkpoints.load(manifest, checkpoints.reference_slices(model, grid), optimizer)
+        model.publish_master()
+        start = SAVED_AT
+    log = full_5d.balancing_log(model, pipeline, grid)
+    results = []
+    for step in range(start, STEPS):
+        results.append(full_5d.train_step(model if pipeline is None else pipeline, optimizer,
+                                          cut(data.step_batch(step, grid.dp_rank)), settings, args.bias_update_rate,
+                                          log))
+        if save_dir is not None and step + 1 == SAVED_AT:
+            model.wait_for_weights()
+            info = {"model": asdict(cfg), "layout": {}, "run": {}, "settings": {}}
+            checkpoints.save(save_dir, SAVED_AT, checkpoints.reference_slices(model, grid), optimizer, info)
+    model.wait_for_weights()
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "params": gathered(model, lambda unit: unit.master),
+            "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+            "offloaded": isinstance(model, load_lesson("06_zero_offload").OptimizerOffload)}
+
+
+def every_full_5d_layout(save_dir) -> dict:
+    runs = {(name, offload): full_5d_run(name, offload, save_dir if name == RESUMED and not offload else None)
+            for name in FULL_5D_LAYOUTS for offload in (False, True)}
+    runs["resumed"] = full_5d_run(RESUMED, True, resume_from=save_dir)
+    return runs
+
+
+def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(tmp_path):
+    """Bit for bit, as in lesson 06's test: each seam of 07 (tp, pp's 1F1B and zero-bubble, cp,
+    experts over edp, FP8) with its optimizer on the host against the same layout without; a
+    checkpoint of a run without offload resumed with it, equal to the run that never stopped."""
+    for rank, runs in enumerate(run_ranks(4, every_full_5d_layout, tmp_path, timeout_s=300)):
+        for name in FULL_5D_LAYOUTS:
+            offloaded, alone, where = runs[(name, True)], runs[(name, False)], f"rank={rank} {name}"
+            assert offloaded["offloaded"] and not alone["offloaded"], where
+            assert offloaded["losses"] == alone["losses"] and offloaded["norms"] == alone["norms"], where
+            for key in ("params", "weights"):
+                for param, tensor in alone[key].items():
+                    assert torch.equal(offloaded[key][param], tensor), f"{where} {key} {param}"
+        resumed, through = runs["resumed"], runs[(RESUMED, True)]
+        assert resumed["losses"] == through["losses"][SAVED_AT:], f"rank={rank} resumed"
+        for param, tensor in through["params"].items():
+            assert torch.equal(resumed["params"][param], tensor), f"rank={rank} resumed {param}"
