@@ -297,31 +297,36 @@ class HostStepTimer:
             hook.remove()
 
 
+def log_placement(model, optimizer, title: str, predicted: tuple[ModelStates, ModelStates],
+                  gathered: GatheredParameterMeter, predicted_peak: int) -> None:
+    """The model states this rank holds on each side, measured next to `predicted` (device, host);
+    at ZeRO-3 the peak of gathered weights next to `predicted_peak` (lesson 06's rows)."""
+    device, host = measured_placement(model, optimizer)
+    log0(f"\n== memory (one rank; {title}) ==")
+    log0(memory_table(device, predicted[0], "device side"))
+    log0(memory_table(host, predicted[1], "host side"))
+    if model.stage == 3:
+        log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, "
+             f"{predicted_peak / 1e6:.3f} MB predicted")
+
+
 def report(model, run: MeteredRun, gathered: GatheredParameterMeter, n_micro: int, timer: HostStepTimer) -> None:
     """Lesson 06's report with the model states split by where they live, the host link's bytes
-    and the host step's time."""
+    and the optimizer step's time."""
     n, stage, precision = group_size(model.dp_group), model.stage, model.precision
     counts, group = [unit.numel for unit in model.units], comm.group_name(model.dp_group)
     offload = isinstance(model, OptimizerOffload)
-    device, host = measured_placement(model, run.optimizer)
-    predicted_device, predicted_host = predicted_placement(counts, n, stage, precision, offload)
-    log0(f"\n== memory (one rank; ZeRO-{stage} over {n} ranks, weights {precision.param_dtype}, gradients "
-         f"{precision.reduce_dtype}, optimizer {'offloaded to the host' if offload else 'on the device'}) ==")
-    log0(memory_table(device, predicted_device, "device side"))
-    log0(memory_table(host, predicted_host, "host side"))
-    if stage == 3:
-        reshard, prefetch = model.reshard_after_forward, model.prefetch
-        peak = zero.predicted_gathered_peak([zero.padded(c, n) * precision.param_dtype.itemsize for c in counts],
-                                            reshard, prefetch)
-        log0(f"gathered weights at the peak: {gathered.peak_bytes / 1e6:.3f} MB measured, {peak / 1e6:.3f} MB "
-             f"predicted")
-    step_ms = 1e3 * timer.seconds / max(timer.steps, 1)
+    reshard, prefetch = (model.reshard_after_forward, model.prefetch) if stage == 3 else (True, True)
+    peak = zero.predicted_gathered_peak([zero.padded(c, n) * precision.param_dtype.itemsize for c in counts],
+                                        reshard, prefetch)
+    log_placement(model, run.optimizer, f"ZeRO-{stage} over {n} ranks, weights {precision.param_dtype}, gradients "
+                  f"{precision.reduce_dtype}, optimizer {'offloaded to the host' if offload else 'on the device'}",
+                  predicted_placement(counts, n, stage, precision, offload), gathered, peak)
     if offload:
         link = predicted_link_bytes(counts, n, stage, precision)
         log0("host link per step (predicted): " + ", ".join(f"{way} {b / 1e6:.3f} MB" for way, b in link.items()))
-    log0(f"optimizer step: {step_ms:.2f} ms per step (measured, {'host' if offload else 'device'}; "
-         f"{timer.steps} steps)")
-    reshard = model.reshard_after_forward if stage == 3 else True
+    log0(f"optimizer step: {1e3 * timer.seconds / max(timer.steps, 1):.2f} ms per step (measured, "
+         f"{'host' if offload else 'device'}; {timer.steps} steps)")
     log_traffic_rows(run, f"{n_micro} micro-batches", technique={},
                      gradients=zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard, group),
                      loss_groups=(group,), norm_groups=(group,) if stage else ())

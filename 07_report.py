@@ -37,6 +37,7 @@ context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 zero_muon = load_lesson("06_zero_muon")
+zero_offload = load_lesson("06_zero_offload")
 fp8 = load_lesson("07_fp8")
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -366,6 +367,13 @@ class ZeroUnits:
         states = ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
         return replace(states, optimizer_states=states.optimizer_states - 4 * self.muon)
 
+    def placement(self, stage: int, precision) -> tuple[ModelStates, ModelStates]:
+        """Under --offload optimizer: (device side, host side), 06_zero_offload's formula on each group's units."""
+        sides = [zero_offload.predicted_placement(counts, n, stage, precision, True)
+                 for counts, n in ((self.dense, self.n), (self.experts, self.edp)) if any(counts)]
+        return tuple(ModelStates(*(sum(values) for values in zip(*(astuple(side[i]) for side in sides))))
+                     for i in (0, 1))
+
     def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
         """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
         return add_traffic(*(zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard_after_forward,
@@ -523,10 +531,15 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
     units = ZeroUnits.of(model, grid, args.optimizer)
     experts = f", experts over edp = {units.edp}" if any(units.experts) else ""
     experts += f", Muon's momentum for {units.muon:,} of its elements" if units.muon else ""
-    zero.log_model_states(model, run.optimizer, f"{where}ZeRO-{model.stage} over {units.n} ranks{experts}; weights "
-                          f"{precision.param_dtype}, gradients {precision.reduce_dtype}",
-                          units.model_states(model.stage, precision), meters.gathered,
-                          units.gathered_peak(precision, args.reshard_after_forward, args.prefetch))
+    title = (f"{where}ZeRO-{model.stage} over {units.n} ranks{experts}; weights {precision.param_dtype}, gradients "
+             f"{precision.reduce_dtype}")
+    peak = units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
+    if isinstance(model, zero_offload.OptimizerOffload):     # --offload optimizer: each side apart
+        zero_offload.log_placement(model, run.optimizer, f"{title}; optimizer offloaded to the host",
+                                   units.placement(model.stage, precision), meters.gathered, peak)
+    else:
+        zero.log_model_states(model, run.optimizer, title, units.model_states(model.stage, precision),
+                              meters.gathered, peak)
     log0(f"\n== communication per step ({counts_in_words(micro_batches_of_steps(run, throughput.steps))}) ==")
     log0(comm.meter.table(predicted_traffic, per=throughput.steps))   # fewer steps when resumed
     log_compute_report(MeteredRun(model.module, run.optimizer, meters.activations, throughput, run.cfg,
