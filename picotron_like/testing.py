@@ -55,7 +55,7 @@ class RankFailure(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's report."""
 
 
-def _rank_entry(fn, rank, world_size, workdir, timeout_s, args, kwargs, results, checks):
+def _rank_entry(call: bytes, rank, world_size, workdir, timeout_s, results, checks):
     import torch
 
     from picotron_like.topology import init_distributed
@@ -74,6 +74,7 @@ def _rank_entry(fn, rank, world_size, workdir, timeout_s, args, kwargs, results,
             dist.set_debug_level(dist.DebugLevel.DETAIL)
         init_distributed(f"file://{workdir}/store", rank, world_size, timeout_s=max(timeout_s - 10.0, 5.0),
                          device_type="cpu")
+        fn, args, kwargs = pickle.loads(call)
         with collective_sequences_checked() if checks.sequences else nullcontext():
             value = fn(*args, **kwargs)
         # Pickle here with the plain pickler: the queue's pickler would move tensors through shared
@@ -105,12 +106,18 @@ SEQUENCES_CHECKED = RankChecks(sequences=True)
 
 def run_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, checks: RankChecks = RankChecks(),
               **kwargs) -> list:
-    """Run fn(*args, **kwargs) on `world_size` gloo ranks; return the results in rank order."""
+    """Run fn(*args, **kwargs) on `world_size` gloo ranks, each with its own copy of the arguments;
+    return the results in rank order."""
+    # The call goes to the ranks pickled by value, as their results come back. Handed to Process as
+    # it is, multiprocessing's pickler would share each tensor's storage through a file descriptor
+    # of its own, and the forkserver passes fewer than 252 to a new process ("ValueError: too many
+    # fds": three of the fuzzer's Muon draws on six ranks, every step's gradients of each, were 459).
+    call = pickle.dumps((fn, args, kwargs))
     workdir = tempfile.mkdtemp(prefix="picotron_ranks_")
     results = _context.Queue()
     processes = [
-        _context.Process(target=_rank_entry,
-                         args=(fn, rank, world_size, workdir, timeout_s, args, kwargs, results, checks), daemon=True)
+        _context.Process(target=_rank_entry, args=(call, rank, world_size, workdir, timeout_s, results, checks),
+                         daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

@@ -12,10 +12,10 @@ from picotron_like.loss import IGNORE_INDEX
 from picotron_like.testing import RankFailure, ignore_targets, masked_step_batch, run_ranks
 
 
-def sum_of_ranks():
+def sum_of_ranks(tensors):
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
-    return dist.get_rank(), torch.get_num_threads(), total.item()
+    return dist.get_rank(), torch.get_num_threads(), total.item() + float(sum(tensors))
 
 
 def rank_one_raises():
@@ -34,7 +34,10 @@ def rank_zero_hangs():
 
 
 def test_results_in_rank_order_one_thread_each():
-    assert run_ranks(3, sum_of_ranks, timeout_s=60) == [(0, 1, 3.0), (1, 1, 3.0), (2, 1, 3.0)]
+    """And arguments of many tensors reach the ranks: multiprocessing would pass each through a
+    file descriptor, and a new process takes fewer than 252 ("ValueError: too many fds")."""
+    tensors = [torch.ones(1) for _ in range(300)]
+    assert run_ranks(3, sum_of_ranks, tensors, timeout_s=60) == [(0, 1, 303.0), (1, 1, 303.0), (2, 1, 303.0)]
 
 
 def test_failing_rank_reaches_pytest_with_its_traceback():
