@@ -123,6 +123,7 @@ zero = load_lesson("06_zero")
 zero_muon = load_lesson("06_zero_muon")
 zero_offload = load_lesson("06_zero_offload")
 fp8 = load_lesson("07_fp8")
+activation_offload = load_lesson("07_activation_offload")
 measurement = load_lesson("07_report")
 memory_plan = load_lesson("07_memory_plan")
 autotune = load_lesson("07_autotune")
@@ -174,6 +175,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
                   args.reshard_after_forward, args.prefetch, args.overlap_weight_gather))
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
+    if "activations" in args.offload:               # 07_activation_offload: chosen blocks' kept tensors on the host
+        activation_offload.offload_activations(chunks, args.offload_blocks, device)
     # 03: the schedule over this rank's chunks
     pipeline = build_pipeline(model, grid, args.schedule, shape, cfg, device, precision, args.sequence_parallel,
                               args.zigzag, args.async_pp_sends)
@@ -976,7 +979,7 @@ def composition_problems(cfg, grid, args) -> list[str]:
         problems.append(f"--offload-blocks {args.offload_blocks} without --offload activations: it chooses the "
                         f"blocks whose activations go to the host; add --offload activations or drop it")
     if "activations" in args.offload:
-        problems.append("--offload activations is not composed yet in this trainer (issue 39): drop it")
+        problems += activation_offload_problems(args)
     if "optimizer" in args.offload and args.optimizer == "muon":
         problems.append("--offload optimizer with --optimizer muon: Muon's Newton-Schulz is matmuls, tens of "
                         "times slower on a host's cores than on the GPU, and its all-to-alls of the master's "
@@ -1006,6 +1009,22 @@ def zero_bubble_problems(grid, args) -> list[str]:
         problems.append("--compile with --schedule zero-bubble: the deferred layers fill the W queue from inside "
                         "backward, which a compiled block's backward would not run; drop --compile or use "
                         "--schedule 1f1b")
+    return problems
+
+
+def activation_offload_problems(args) -> list[str]:
+    """What --offload activations does not compose with here, each with its reason."""
+    problems = []
+    if args.offload_blocks is not None and args.offload_blocks < 1:
+        problems.append(f"--offload-blocks {args.offload_blocks}: the count of each chunk's first blocks to offload "
+                        f"must be at least 1; drop --offload activations to offload none")
+    if args.schedule == "zero-bubble":
+        problems.append("--offload activations with --schedule zero-bubble: B fetches the linears' inputs back and "
+                        "they wait on the device in the W queue until W, giving back the memory offload saves; use "
+                        "--schedule 1f1b")
+    if args.compile:
+        problems.append("--offload activations with --compile: a compiled block saves what the compiler's "
+                        "partitioner chooses, which the offload's hooks are not proven on; drop --compile")
     return problems
 
 

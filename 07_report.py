@@ -24,8 +24,8 @@ import torch
 
 from picotron_like import comm
 from picotron_like.lessons import load_lesson
-from picotron_like.metrics import (ActivationMeter, GatheredParameterMeter, MeteredRun, ModelStates, RoutedCall,
-                                   RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
+from picotron_like.metrics import (ActivationMeter, CallObserver, GatheredParameterMeter, MeteredRun, ModelStates,
+                                   RoutedCall, RoutingMeter, SavedTensorMeters, add_traffic, log0, log_compute_report,
                                    predicted_activation_bytes, step_bookkeeping_traffic)
 from picotron_like.pipeline_tools import is_transfer_batch, peak_live_micro_batches
 from picotron_like.topology import ProcessGrid
@@ -39,6 +39,7 @@ zero = load_lesson("06_zero")
 zero_muon = load_lesson("06_zero_muon")
 zero_offload = load_lesson("06_zero_offload")
 fp8 = load_lesson("07_fp8")
+activation_offload = load_lesson("07_activation_offload")
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -115,6 +116,31 @@ def predicted_kept_activation_bytes(cfg, micro_batch: int, seq_len: int, recompu
     return outside + layers * (e * elements + (4 - e) * in_float32)
 
 
+def offloaded_activation_bytes(cfg, micro_batch: int, seq_len: int, recompute: str, tp: int = 1,
+                               sequence_parallel: bool = False, cp: int = 1, stage=None,
+                               compute_dtype: torch.dtype = torch.float32, offloaded: int = 0) -> tuple[int, int]:
+    """(the bytes a chunk's first `offloaded` blocks take off the device, the bytes they put in host
+    memory) for one micro-batch with dense MLPs (07_activation_offload; with experts each offloaded
+    MoE layer's routed bytes move too). Each block's kept bytes (predicted_kept_activation_bytes's
+    block) move, and each block copies the rotary tables it saves, which leave the device only with
+    the chunk's last block. A chunk that receives its input (a pipeline stage but the first's) keeps
+    it where its first block saves it as it is: under recomputation (the checkpoint's input), and
+    in float32, where the norm's float32 copy is the input itself."""
+    if not offloaded:
+        return 0, 0
+    kept = partial(predicted_kept_activation_bytes, micro_batch=micro_batch, seq_len=seq_len, recompute=recompute,
+                   tp=tp, sequence_parallel=sequence_parallel, cp=cp, compute_dtype=compute_dtype)
+    block = kept(replace(cfg, n_layers=2)) - kept(replace(cfg, n_layers=1))
+    rotary = 4 * seq_len // cp * cfg.head_dim
+    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+    received = stage is not None and stage.tok_embeddings is None and (recompute != "none" or
+                                                                      compute_dtype == torch.float32)
+    input_bytes = compute_dtype.itemsize * cfg.hidden * micro_batch * seq_len // cp // (
+        tp if sequence_parallel else 1) if received else 0
+    off_device = offloaded * block - input_bytes + (rotary if offloaded == layers else 0)
+    return off_device, offloaded * (block + rotary) - input_bytes
+
+
 def dense_activation_bytes(cfg, micro_batch: int, seq_len: int, cp: int, tp: int, stage=None,
                            sequence_parallel: bool = False) -> int:
     """One micro-batch of this rank's model or pipeline stage with a dense MLP, in float32, over
@@ -161,36 +187,60 @@ def on_cuda(model) -> bool:
     return next(model.module.parameters()).device.type == "cuda"
 
 
+def offloaded_of_chunk(chunk, args) -> int:
+    """How many of a chunk's first blocks --offload activations moves to the host (0 without it)."""
+    return (activation_offload.offloaded_blocks(len(chunk.layers), args.offload_blocks)
+            if "activations" in args.offload else 0)
+
+
+def offloaded_blocks_of(chunk, args) -> list:
+    return list(chunk.layers)[:offloaded_of_chunk(chunk, args)]
+
+
 def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
     """This rank's kept activations at their peak in the metered step under `recompute`: each
     micro-batch's bytes (with experts, lesson 05's on the step's routing counts, for the experts
     as a tp rank holds them; under full a block keeps its input only, whatever the routing), then
     their peak over lesson 03's program."""
 
-    def dense(stage):
+    def dense(stage, chunk):
         kept = predicted_kept_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
                                                args.sequence_parallel, grid.cp_size, stage,
                                                model.precision.param_dtype)
         layers = cfg.n_layers if stage is None else len(stage.layer_ids)
         tokens = shape.micro_batch_size * shape.seq_len // grid.cp_size
-        return kept + fp8.kept_bytes_difference(cfg, args.fp8, tokens, grid.tp_size, model.precision.param_dtype,
-                                                layers, recompute, args.sequence_parallel,
-                                                fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size, on_cuda(model)))
+        offloaded = offloaded_of_chunk(chunk, args)
+        off_device, _ = offloaded_activation_bytes(cfg, shape.micro_batch_size, shape.seq_len, recompute, grid.tp_size,
+                                                   args.sequence_parallel, grid.cp_size, stage,
+                                                   model.precision.param_dtype, offloaded)
+        return kept - off_device + fp8.kept_bytes_difference(
+            cfg, args.fp8, tokens, grid.tp_size, model.precision.param_dtype, layers - offloaded, recompute,
+            args.sequence_parallel, fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size, on_cuda(model)))
 
     parts = model_parts(model, pipeline)
-    sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None)
+    sizes = {(index, micro_batch): dense(part.module if pipeline is not None else None, part.module)
              for index, part in enumerate(parts) for micro_batch in range(shape.grad_accum)}
     if cfg.n_experts and recompute != "full":     # each MoE layer's bytes over the dense formula, on its counts
         experts, dtype = experts_per_tp_rank(cfg, grid.tp_size), model.precision.param_dtype
         ep, micro = expert_parallel.ExpertParallel.from_grid(grid), shape.micro_batch_size
         grouped = uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device)
+        on_host = {id(block.mlp) for part in parts for block in offloaded_blocks_of(part.module, args)}
         for call, sent, received in zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep)):
-            sizes[(routing.part_of[call.layer], call.micro_batch)] += expert_parallel.moe_layer_bytes_over_dense(
-                experts, micro * shape.seq_len // grid.cp_size, micro, sent, received, ep.size, grouped, dtype.itemsize)
+            if id(routing.layers[call.layer]) not in on_host:
+                sizes[(routing.part_of[call.layer], call.micro_batch)] += expert_parallel.moe_layer_bytes_over_dense(
+                    experts, micro * shape.seq_len // grid.cp_size, micro, sent, received, ep.size, grouped,
+                    dtype.itemsize)
+        # An offloaded MoE layer's choices of its latest forward stay on the device all the same: the layer holds
+        # them (last_choices, for the routing meter and the router-bias update): the top-k sort's int64 indices,
+        # 8 E per token, and under a capacity the kept mask, k per token.
+        held = len(on_host) * micro * shape.seq_len // grid.cp_size * (
+            8 * cfg.n_experts + (cfg.experts_per_token if cfg.capacity_factor is not None else 0))
+    else:
+        held = 0
     # the micro-batches run one after another without a pipeline; lesson 03's program says which live at once
     if pipeline is None:
-        return max(sizes.values())
-    return peak_live_micro_batches(pipeline.program, micro_batch_sizes=sizes)
+        return max(sizes.values()) + held
+    return peak_live_micro_batches(pipeline.program, micro_batch_sizes=sizes) + held
 
 
 def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
@@ -476,15 +526,27 @@ class RoutingOfEachStep(RoutingMeter):
         return meter
 
 
+class KeptOnDevice(ActivationMeter):
+    """ActivationMeter, which also sees what offloaded blocks save (07_activation_offload): autograd
+    runs only the innermost saved-tensor hooks, the offload's inside a chosen block, so those tensors
+    reach this meter through a CallObserver on the offload's pack. Each is counted from its save until
+    its storage is freed on the device, not when the offload lets go of it: an offload that kept a
+    device copy would measure as keeping it."""
+
+    def saved_in_offloaded_block(self, tensor: torch.Tensor) -> None:
+        self.count_until(tensor, tensor.untyped_storage())
+
+
 @dataclass(frozen=True)
 class ReportMeters:
     """What the report measures of the training steps: the kept activations and ZeRO-3's gathered
     weights of the metered step, and with experts its routing and every step's (the traffic)."""
 
-    activations: ActivationMeter
+    activations: KeptOnDevice
     gathered: GatheredParameterMeter
     routing: RoutingMeter | None = None
     every_step: RoutingOfEachStep | None = None
+    offloaded: bool = False         # --offload activations: the offload's pack observed (sys.setprofile) too
 
     @classmethod
     def of(cls, run: ComposedRun) -> "ReportMeters":
@@ -493,11 +555,20 @@ class ReportMeters:
         routing = (RoutingMeter(parts), RoutingOfEachStep(parts, partial(micro_batches_at, run),
                                                           2 if run.args.recompute == "full" else 1, run.first_step)
                    ) if run.cfg.n_experts else (None, None)
-        return cls(ActivationMeter(run.model.module), GatheredParameterMeter(run.model.module), *routing)
+        return cls(KeptOnDevice(run.model.module), GatheredParameterMeter(run.model.module), *routing,
+                   offloaded="activations" in run.args.offload)
 
     def of_the_metered_step(self) -> tuple:
-        """What train() enters for the metered step alone (every_step is entered around the loop)."""
-        return SavedTensorMeters(self.activations, self.gathered), *([self.routing] if self.routing else [])
+        """What train() enters for the metered step alone (every_step is entered around the loop); the
+        saved-tensor meters see what offloaded blocks save through an observer of the offload's pack."""
+        offloaded = CallObserver((activation_offload.ActivationOffload.pack,), on_call=self._saved_in_offloaded_block)
+        return (SavedTensorMeters(self.activations, self.gathered), *([offloaded] if self.offloaded else []),
+                *([self.routing] if self.routing else []))
+
+    def _saved_in_offloaded_block(self, frame) -> None:
+        tensor = frame.f_locals["tensor"]
+        self.activations.saved_in_offloaded_block(tensor)
+        self.gathered.pack(tensor)
 
 
 def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:

@@ -92,6 +92,12 @@ class ActivationMeter:
 
     def pack(self, tensor):
         holder = _SavedForBackward(tensor)
+        self.count_until(tensor, holder)
+        return holder
+
+    def count_until(self, tensor, owner) -> None:
+        """Count the tensor's storage (once, however many of its views are saved) until `owner` dies;
+        a parameter's storage is no activation."""
         storage = tensor.untyped_storage()
         address = storage.data_ptr()
         if address not in {p.untyped_storage().data_ptr() for p in self.parameters}:
@@ -101,8 +107,7 @@ class ActivationMeter:
                 self.live_bytes += entry[1]
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             entry[0] += 1
-            weakref.finalize(holder, self._release, address)
-        return holder
+            weakref.finalize(owner, self._release, address)
 
     def _release(self, address: int) -> None:
         entry = self._live[address]

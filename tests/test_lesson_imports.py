@@ -42,7 +42,8 @@ def loaded_lessons(path) -> set[str]:
 
 def test_every_lesson_is_found():
     assert LESSONS == ["01_data_parallel", "02_tensor_parallel", "03_pipeline_parallel", "03_zero_bubble",
-                       "04_context_parallel", "05_expert_parallel", "06_zero", "06_zero_muon", "06_zero_offload", "07_autotune", "07_fp8",
+                       "04_context_parallel", "05_expert_parallel", "06_zero", "06_zero_muon", "06_zero_offload",
+                       "07_activation_offload", "07_autotune", "07_fp8",
                        "07_full_5d", "07_memory_plan", "07_report", "07_sizing"]
 
 

@@ -1,0 +1,126 @@
+"""07_activation_offload proven: --offload activations changes where kept tensors wait, nothing else.
+
+One spawn of 4 gloo ranks runs each layout with and without the offload, built by 07's parallelize
+from its flags: losses, gradient norms, gradients before and after clipping and parameters after
+3 steps bit for bit equal (torch.equal: the same operations on the same values, the copies exact);
+the kept device bytes at their peak, measured by 07_report's meters as 07's main enters them
+(KeptOnDevice), equal to the prediction with the offload and below the run without it. A no-op
+offload (its "host" copy the device tensor itself) is measured keeping everything: the meter sees
+through an offload that only pretends.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+
+import torch
+
+from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
+from picotron_like.lessons import load_lesson
+from picotron_like.testing import run_ranks
+from picotron_like.topology import GridShape, ProcessGrid
+from test_full_5d import CFG, CPU, INTERLEAVED, MICRO, MOE_CFG, SEED, flags, metered_steps, optimizer_of
+from test_zero import gathered, observe_gradients
+
+CFG3 = replace(CFG, n_layers=3)
+CFG4 = replace(CFG, n_layers=4)
+OFFLOAD = ("--offload", "activations")
+# name: (grid, ep, ZeRO stage, model, --recompute, extra flags, --offload-blocks: None for its default)
+LAYOUTS = {"dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG3, "none", (), None),
+           "dp2 x tp2 ZeRO-1 selective": (GridShape(dp=2, tp=2), 1, 1, CFG3, "selective", (), None),
+           "dp2 x tp2 SP ZeRO-2 full": (GridShape(dp=2, tp=2), 1, 2, CFG3, "full", ("--sequence-parallel",), None),
+           "pp2 x dp2 1F1B ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, "none", (), None),
+           "pp2 x cp2 1F1B ZeRO-1 selective bf16, every block": (GridShape(pp=2, cp=2), 1, 1, CFG4, "selective",
+                                                                  ("--dtype", "bfloat16"), 2),
+           "pp2 x dp2 interleaved ZeRO-1 full, every block": (GridShape(dp=2, pp=2), 1, 1, CFG4, "full",
+                                                              INTERLEAVED, 1),
+           "dp2 x cp2 moe ep2 ZeRO-2": (GridShape(dp=2, cp=2), 2, 2, replace(MOE_CFG, n_layers=3), "none",
+                                        ("--aux-loss-coef", "0.01"), None),
+           "dp2 x tp2 ZeRO-1 fp8 rowwise": (GridShape(dp=2, tp=2), 1, 1, CFG3, "none", ("--fp8", "rowwise"), None)}
+NO_OP = "dp4 ZeRO-3"
+STEPS = 3
+
+
+def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
+    """3 steps of 07's train_step, step 0 inside 07_report's meters as 07's main enters them."""
+    full_5d, report = load_lesson("07_full_5d"), load_lesson("07_report")
+    args = full_5d.parse_args(flags(grid.shape, stage, recompute, extra))
+    cfg = full_5d.expert_parallel.moe_config(cfg, args)
+    model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
+    optimizer = optimizer_of(model, grid, args)
+    seen = observe_gradients(model, optimizer)
+    settings = full_5d.step_settings(grid, CPU, model.precision, 1.0)
+    data = TokenBatches(builtin_corpus_paths()[0], BatchShape(MICRO, args.seq_len, args.grad_accum, grid.dp_size),
+                        seed=SEED, vocab_size=cfg.vocab_size)
+    cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
+    meters = report.ReportMeters.of(report.ComposedRun(model, pipeline, optimizer, cfg, data.shape, grid, args, data))
+    results, _ = metered_steps(model, pipeline, optimizer, lambda step: cut(data.step_batch(step, grid.dp_rank)),
+                               settings, args, full_5d.balancing_log(model, pipeline, grid),
+                               lambda step: meters.of_the_metered_step() if step == 0 else (), STEPS)
+    predicted = report.predicted_kept_by_mode(model, pipeline, cfg, data.shape, args, grid, meters.routing)
+    kept = partial(report.predicted_kept_activation_bytes, micro_batch=MICRO, seq_len=args.seq_len,
+                   recompute=recompute, tp=grid.tp_size, sequence_parallel=args.sequence_parallel, cp=grid.cp_size,
+                   compute_dtype=model.precision.param_dtype)
+    return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
+            "grads": seen["before"], "clipped_grads": seen["after"],
+            "params": gathered(model, lambda unit: unit.master),
+            "kept": meters.activations.peak_bytes, "predicted": predicted[recompute],
+            "block": kept(replace(cfg, n_layers=2)) - kept(replace(cfg, n_layers=1))}
+
+
+@contextmanager
+def no_op_offload():
+    """The offload with its copy out replaced by the device tensor itself: nothing leaves the device."""
+    offload = load_lesson("07_activation_offload").ActivationOffload
+    to_host = offload.to_host
+    offload.to_host = lambda self, device_bytes: device_bytes
+    try:
+        yield
+    finally:
+        offload.to_host = to_host
+
+
+def offload_flags(blocks: int | None) -> tuple:
+    return (*OFFLOAD, *(("--offload-blocks", str(blocks)) if blocks is not None else ()))
+
+
+def every_layout() -> dict:
+    runs = {}
+    for name, (shape, ep, stage, cfg, recompute, extra, blocks) in LAYOUTS.items():
+        grid = ProcessGrid(shape, ep=ep)
+        runs[name, "without"] = run(grid, stage, recompute, cfg, extra)
+        runs[name, "with"] = run(grid, stage, recompute, cfg, (*extra, *offload_flags(blocks)))
+    shape, ep, stage, cfg, recompute, extra, blocks = LAYOUTS[NO_OP]
+    with no_op_offload():
+        runs[NO_OP, "no-op"] = run(ProcessGrid(shape, ep=ep), stage, recompute, cfg, (*extra, *offload_flags(blocks)))
+    return runs
+
+
+def assert_equal(ours: dict, theirs: dict, where: str) -> None:
+    assert ours["losses"] == theirs["losses"] and ours["norms"] == theirs["norms"], where
+    for key in ("grads", "clipped_grads", "params"):
+        assert ours[key].keys() == theirs[key].keys(), where
+        for name in ours[key]:
+            assert torch.equal(ours[key][name], theirs[key][name]), f"{where} {key} {name}"
+
+
+def test_offload_is_bit_equal_and_keeps_the_predicted_device_bytes():
+    """Each layout with --offload activations equal bit for bit to the run without (losses, norms,
+    gradients before and after clipping, parameters after 3 AdamW steps), every rank's kept device
+    bytes measured equal to the prediction with the offload and below the run without; the no-op
+    offload measured keeping what the run without keeps (on every rank: ZeRO-3, no pipeline)."""
+    for rank, runs in enumerate(run_ranks(4, every_layout, timeout_s=300)):
+        for name in LAYOUTS:
+            without, offloaded, where = runs[name, "without"], runs[name, "with"], f"rank={rank} {name}"
+            assert_equal(offloaded, without, where)
+            assert without["kept"] == without["predicted"], where
+            if LAYOUTS[name][-1] is None:       # a block kept in each chunk: the peak at a forward's end
+                assert offloaded["kept"] == offloaded["predicted"], where
+            else:       # every block offloaded: the peak inside a block's forward, its own working tensors
+                assert offloaded["predicted"] < offloaded["kept"] <= offloaded["predicted"] + offloaded["block"], where
+            assert offloaded["kept"] < without["kept"], where
+        no_op = runs[NO_OP, "no-op"]
+        assert_equal(no_op, runs[NO_OP, "without"], f"rank={rank} no-op")
+        assert no_op["kept"] == runs[NO_OP, "without"]["kept"] > runs[NO_OP, "with"]["kept"], f"rank={rank} no-op"
