@@ -81,6 +81,7 @@ context_parallel = load_lesson("04_context_parallel")
 expert_parallel = load_lesson("05_expert_parallel")
 zero = load_lesson("06_zero")
 zero_muon = load_lesson("06_zero_muon")
+zero_offload = load_lesson("06_zero_offload")
 zero_bubble = load_lesson("03_zero_bubble")
 fp8 = load_lesson("07_fp8")
 measurement = load_lesson("07_report")
@@ -358,12 +359,14 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     states: lesson 06's formula on its unit counts (experts over edp); gathered weights: ZeRO-3's
     prefetch window (06)."""
     units = zero_units(cfg, args, grid, ep, pp_rank, place)
-    states = units.model_states(args.zero_stage, precision)
+    offload = "optimizer" in args.offload
+    states = units.placement(args.zero_stage, precision)[0] if offload else units.model_states(args.zero_stage, precision)
     gathered = (units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
                 if args.zero_stage == 3 else 0)
     activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank, device)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
-              "master weights (fp32)": states.master_weights, optimizer_states_row(args): states.optimizer_states,
+              **({} if offload else {"master weights (fp32)": states.master_weights,
+                                     optimizer_states_row(args): states.optimizer_states}),
               "activations": activations,
               "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank,
                                                                   device).values()),
@@ -371,6 +374,20 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
     return memory, live
+
+
+def planned_host_memory(cfg, args, grid: GridShape, ep: int, precision, pp_rank: int) -> dict:
+    """Under --offload optimizer, stage `pp_rank`'s host bytes per rank by component
+    (06_zero_offload's formula on its units: the master, Adam's moments, the pinned staging of the
+    gradient shard and of the weights' shard), and the float32 copy of bf16 gradients that the
+    host step makes while it runs; without offload, none."""
+    if "optimizer" not in args.offload:
+        return {}
+    host = zero_units(cfg, args, grid, ep, pp_rank).placement(args.zero_stage, precision)[1]
+    g = precision.reduce_dtype.itemsize
+    return {"master weights (fp32)": host.master_weights, "Adam states (fp32)": host.optimizer_states,
+            "gradient shard (pinned staging)": host.gradients, "weights' shard (pinned staging)": host.parameters,
+            "gradients as fp32 (during the step)": host.gradients * 4 // g if g != 4 else 0}
 
 
 # ============================================================================ the technique: the step-time estimate
@@ -400,6 +417,10 @@ LOSS_COMPILED_PASSES = (2, 2)
 # gradient and two moments and writing all four (the gradient divided by the clipping's
 # grad_scale); the weights' cast back (4 read, e written).
 OPTIMIZER_BYTES = 4 + 8 * 4 + 4
+# The same tail on the host (--offload optimizer), per element of the shard, in float32: the
+# norm's read of the gradient, fused AdamW reading and writing parameter, gradient and two moments
+# (the casts of bf16 weights and gradients are offload_seconds').
+HOST_OPTIMIZER_BYTES = 4 + 8 * 4
 OPTIMIZER_KERNELS_PER_UNIT = 12  # foreach AdamW over one unit's pieces, the norm, the cast
 # A micro-batch's gradients into their unit's buffer at ZeRO-0/1: the step's first written (read,
 # written), each later one added (gradient and buffer read, buffer written); at ZeRO-2/3 each one
@@ -736,10 +757,39 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
                 for dense, experts in zip(units.dense, units.experts))
     local = sum(units.dense) + sum(units.experts)
     later = FIRST_ACCUMULATE_BYTES if stage >= 2 else ACCUMULATE_BYTES
-    tail = (step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share))
+    offloaded = "optimizer" in args.offload and device.host_link_bandwidth > 0
+    optimizer = (sum(offload_seconds(units, args, precision, device, micro).values()) if offloaded else
+                 step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share)))
+    tail = (optimizer
             + step_costs.memory_seconds(device, local * FIRST_ACCUMULATE_BYTES, len(share))
             + (m - 1) * step_costs.memory_seconds(device, local * later, 3 * len(share)))
     return exposed, tail
+
+
+def offload_seconds(units, args, precision, device, micro: MicroBatchSeconds) -> dict:
+    """--offload optimizer on a device with a host link, what the step adds for it (in place of
+    the device's optimizer tail): the host step, AdamW's bytes per element of the shard
+    (HOST_OPTIMIZER_BYTES, and the casts of bf16 gradients and weights) over the node's host
+    memory bandwidth, which the node's ranks share, stepping at once; the gradient shards' copies
+    to the host, behind the last micro-batch's backward but for what it cannot hide and the last
+    unit's copy, which follows the last reduction; the weights' shards back, before the gathers
+    (ZeRO-1/2) or the next forward (ZeRO-3, ZeRO-0) can start: nothing overlaps them."""
+    stage, p, g = args.zero_stage, precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
+    shards = [zero.padded(dense, units.n) // (units.n if stage else 1)
+              + zero.padded(experts, units.edp) // (units.edp if stage else 1)
+              for dense, experts in zip(units.dense, units.experts)]
+    per_element = HOST_OPTIMIZER_BYTES + (4 + p if p != 4 else 0) + (g + 4 if g != 4 else 0)
+    ranks = ranks_on_a_node(args, device)
+    down = g * sum(shards) / device.host_link_bandwidth
+    last_unit = g * shards[0] / device.host_link_bandwidth
+    return {"host step": per_element * sum(shards) * ranks / device.host_memory_bandwidth,
+            "to host": max(last_unit, down - micro.backward - micro.recompute),
+            "to device": p * sum(shards) / device.host_link_bandwidth}
+
+
+def ranks_on_a_node(args, device) -> int:
+    """The ranks that share one host: a node's, or all of them on fewer GPUs than a node."""
+    return min(args.gpus, device.ranks_per_node)
 
 
 # tp's row-parallel matrices (lesson 02 splits their columns); every other hidden matrix is column-parallel
@@ -816,8 +866,18 @@ def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision,
                 for rank in range(grid.pp)), key=lambda parts: sum(parts.values()))
 
 
-def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw") -> list[str]:
+def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", offload=()) -> list[str]:
     intra, inter = device.links["intra"]["all_reduce"], device.links["inter"]["all_reduce"]
+    offload_line = [f"--offload optimizer: the master and Adam's moments of each rank's shard in host memory, "
+                    f"in place of the device's optimizer tail the host step (fused AdamW's {HOST_OPTIMIZER_BYTES} "
+                    f"bytes per element and the casts, over {device.host_memory_bandwidth / 1e9:.0f} GB/s of host "
+                    f"memory shared by a node's ranks, unoverlapped: the device waits for it) and the copies over "
+                    f"the host link ({device.host_link_bandwidth / 1e9:.0f} GB/s per direction and rank): the "
+                    f"gradient shards' behind the last micro-batch's backward but the last unit's, the weights' "
+                    f"back unoverlapped, before the gathers or the next forward"
+                    if device.host_link_bandwidth else
+                    "--offload optimizer: the device is the host (no link apart): the step is priced as without"] \
+        if "optimizer" in offload else []
     fp8_line = [f"--fp8 {recipe}: the blocks' matmuls at the profile's float8 GEMM rate where they run on FP8 "
                 f"tensor cores and the shape rule keeps them in FP8 (07_fp8; the layout line says which stay bf16), "
                 f"else at the bf16 rate (emulated); each quantisation (X and W forward, dY twice, W and X "
@@ -837,6 +897,7 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw") -> 
             f"({device.kernel_overhead_s * 1e6:.0f} us)",
             *fp8_line,
             *muon_line,
+            *offload_line,
             f"elementwise: norms, rotary, SwiGLU, residuals, the loss's passes over the logits, the optimizer's tail "
             f"by bytes over {device.memory_bandwidth / 1e12:.2f} TB/s",
             "recompute: full runs the blocks' forward again, selective the norms' and SwiGLU's elementwise share",
@@ -878,10 +939,15 @@ class PlannedLayout:
     tokens_per_step: int
     model_flops_per_token: int
     peak_flops: float
+    host: dict              # --offload optimizer: the fullest rank's host bytes by component (else empty)
 
     @property
     def peak_bytes(self) -> int:
         return sum(self.memory.values())
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host.values())
 
     @property
     def step_seconds(self) -> float:
@@ -905,7 +971,8 @@ def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, device: D
     peak = device.peak_flops.get(dtype_name(precision.param_dtype), device.peak_flops.get("bfloat16"))
     return PlannedLayout(grid, ep, args, pp_rank, memory, live,
                          slowest_stage_seconds(cfg, args, grid, ep, shape, precision, device),
-                         shape.tokens_per_step, flops_per_token(cfg, shape.seq_len), peak)
+                         shape.tokens_per_step, flops_per_token(cfg, shape.seq_len), peak,
+                         planned_host_memory(cfg, args, grid, ep, precision, pp_rank))
 
 
 def candidate_layouts(cfg, args, world_size: int, ranks_per_node: int, validate):
@@ -954,9 +1021,11 @@ def fitting_layouts(cfg, args, usable: float, precision, device: DeviceProfile, 
     """Every candidate layout whose fullest rank fits in `usable` bytes, fastest first (the lighter
     one first when two tie)."""
     fitting = []
+    host_usable = node_host_memory(args, device) * (1 - PLAN_MARGIN)
     for grid, ep, candidate_args, shape in candidate_layouts(cfg, args, args.gpus, device.ranks_per_node, validate):
         candidate = plan_layout(cfg, candidate_args, grid, ep, shape, precision, device)
-        if candidate.peak_bytes <= usable:
+        if candidate.peak_bytes <= usable and (not host_usable or
+                                               candidate.host_bytes * ranks_on_a_node(args, device) <= host_usable):
             fitting.append(candidate)
     return sorted(fitting, key=lambda c: (c.step_seconds, c.peak_bytes))
 
@@ -997,6 +1066,8 @@ def checked_plan_flags(args, validate, expert_degree):
         check_flag_ranges(args)
         if args.gpus < 1 or args.gpus_per_node < 1 or (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0):
             raise ConfigError("--gpus, --gpus-per-node and --gpu-memory-gb must be positive")
+        if args.node_host_memory_gb is not None and args.node_host_memory_gb <= 0:
+            raise ConfigError(f"--node-host-memory-gb {args.node_host_memory_gb} must be positive")
         cfg = expert_parallel.moe_config(config_from_flags(args), args)
         grid = grid_from_args(args, args.gpus)
         ep = expert_degree(args.ep, cfg, grid)
@@ -1028,6 +1099,10 @@ def add_plan_flags(parser) -> None:
                              "instead of --gpu's published one: its memory per rank, ranks per node, GEMM and "
                              "attention rates, memory bandwidth, per-op time, collectives' latencies and bandwidths")
     parser.add_argument("--plan-top", type=int, default=10, help="with --plan: how many fitting layouts to list")
+    parser.add_argument("--node-host-memory-gb", type=float, default=None,
+                        help="with --plan and --offload optimizer: a node's host memory in GiB, against which the "
+                             "node's ranks' host bytes are checked (default: the GPU's DGX system's, e.g. 2048 for "
+                             "a DGX H100; a device profile's host_memory_gib)")
     parser.add_argument("--zero-table", action="store_true",
                         help="no training, no torchrun: print the model's states per GPU on 8 and 64 GPUs at "
                              "every ZeRO stage and precision policy (lesson 06's formula, data parallelism alone)")
@@ -1062,6 +1137,7 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     if shape.seq_len != cfg.seq_len:
         print(f"note: {args.preset} is sized for --seq-len {cfg.seq_len}")
     print_planned_memory(planned, usable)
+    print_planned_host_memory(planned, args, device)
     print_peak_makeup(planned, cfg, shape, precision, device)
     by_mode = {mode: planned_activation_bytes(cfg, argparse.Namespace(**{**vars(args), "recompute": mode}), grid, ep,
                                               shape, precision, planned.pp_rank, device)[0]
@@ -1069,6 +1145,13 @@ def print_memory_plan(args, validate, expert_degree) -> None:
     print("activations by --recompute: " + ", ".join(f"{mode} {size / GIB:.2f} GiB" for mode, size in by_mode.items()))
     print(f"step time of this layout, estimated: {planned.step_seconds:.3f} s, "
           f"{planned.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, {planned.mfu:.1%} MFU")
+    if "optimizer" in args.offload and device.host_link_bandwidth:
+        units = zero_units(cfg, args, grid, ep, planned.pp_rank)
+        micro = micro_batch_seconds(cfg, args, grid, ep, shape, precision, device, planned.pp_rank)
+        parts = offload_seconds(units, args, precision, device, micro)
+        print(f"of which the offloaded optimizer's (stage {planned.pp_rank}, in the elementwise part): "
+              + ", ".join(f"{name} {1e3 * value:.1f} ms" for name, value in parts.items())
+              + " exposed")
     if args.optimizer == "muon":
         muon = muon_seconds(cfg, args, grid, ep, device, planned.pp_rank)
         print(f"of which Muon's step (stage {planned.pp_rank}): Newton-Schulz {1e3 * muon['compute']:.1f} ms on the "
@@ -1078,7 +1161,7 @@ def print_memory_plan(args, validate, expert_degree) -> None:
           f"{shape.seq_len} per step, micro-batch {shape.micro_batch_size}); each grid's fastest, fastest first, "
           f"by the estimate below:")
     print_layout_table(fastest_per_grid(fitting)[:args.plan_top])
-    assumptions = plan_assumptions(device, args.fp8, args.optimizer)
+    assumptions = plan_assumptions(device, args.fp8, args.optimizer, args.offload)
     print("assumptions:\n" + "\n".join(f"  - {line}" for line in assumptions))
 
 
@@ -1098,6 +1181,36 @@ def print_planned_memory(planned: PlannedLayout, usable: float) -> None:
     print(f"fits: {total / GIB:.1f} of {usable / GIB:.1f} GiB, {(usable - total) / GIB:.1f} GiB to spare"
           if total <= usable else f"does not fit: {total / GIB:.1f} GiB, {(total - usable) / GIB:.1f} GiB over "
                                   f"the {usable / GIB:.1f} GiB planned")
+
+
+def node_host_memory(args, device: DeviceProfile) -> float:
+    """A node's host memory in bytes: --node-host-memory-gb, or the device profile's (0: unknown)."""
+    return (args.node_host_memory_gb if args.node_host_memory_gb is not None else device.host_memory_gib) * GIB
+
+
+def print_planned_host_memory(planned: PlannedLayout, args, device: DeviceProfile) -> None:
+    """Under --offload optimizer: the fullest rank's host bytes by component, a node's (its ranks
+    each as full: a bound under a pipeline, whose stages differ), and the verdict against the
+    node's host memory, planned to the same share as the device's."""
+    if not planned.host:
+        return
+    print(f"\nhost memory per rank (--offload optimizer: off the device, in the node's memory)")
+    print(f"  {'component':<40}{'GiB':>8}")
+    for name, size in planned.host.items():
+        print(f"  {name:<40}{size / GIB:>8.2f}")
+    print(f"  {'total':<40}{planned.host_bytes / GIB:>8.2f}")
+    ranks, capacity = ranks_on_a_node(args, device), node_host_memory(args, device)
+    per_node = ranks * planned.host_bytes
+    if not capacity:
+        print(f"host memory per node: {ranks} ranks x {planned.host_bytes / GIB:.2f} GiB = {per_node / GIB:.1f} GiB "
+              f"(this profile states no host memory: --node-host-memory-gb checks it)")
+        return
+    usable = capacity * (1 - PLAN_MARGIN)
+    source = "--node-host-memory-gb" if args.node_host_memory_gb is not None else f"{device.name}'s system"
+    verdict = (f"fits, {(usable - per_node) / GIB:.1f} GiB to spare" if per_node <= usable else
+               f"does not fit, {(per_node - usable) / GIB:.1f} GiB over")
+    print(f"host memory per node: {ranks} ranks x {planned.host_bytes / GIB:.2f} GiB = {per_node / GIB:.1f} GiB of "
+          f"{capacity / GIB:.0f} GiB ({source}), planned to {1 - PLAN_MARGIN:.0%} of it: {verdict}")
 
 
 def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: DeviceProfile) -> None:

@@ -24,10 +24,10 @@ import picotron_like.checkpoint as checkpoints
 from picotron_like import train
 from picotron_like.data import BatchShape, TokenBatches, builtin_corpus_paths
 from picotron_like.lessons import load_lesson
-from picotron_like.model import GPT
+from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
-from picotron_like.topology import GridShape, ProcessGrid
-from picotron_like.train import batch_shape
+from picotron_like.topology import ConfigError, GridShape, ProcessGrid
+from picotron_like.train import batch_shape, checked_plan
 from test_full_5d import MICRO as MICRO_07, MOE_CFG, SEQ as SEQ_07, optimizer_of
 from test_full_5d import flags as full_5d_flags
 from test_zero import ADAM_EPS, BF16, BF16_FP32_GRADS, CFG, CPU, FP32, LR, MAX_GRAD_NORM, SEED, STEPS, batches, gathered
@@ -167,6 +167,7 @@ FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
                    "dp4 moe ep2 ZeRO-2": (GridShape(dp=4), 2, 2, MOE_CFG, ()),
                    "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise"))}
 RESUMED = "dp2 x tp2 ZeRO-1"
+CFG_8B = get_config("8b")
 SAVED_AT = 2
 
 
@@ -202,10 +203,22 @@ def full_5d_run(name: str, offload: bool, save_dir=None, resume_from=None) -> di
             info = {"model": asdict(cfg), "layout": {}, "run": {}, "settings": {}}
             checkpoints.save(save_dir, SAVED_AT, checkpoints.reference_slices(model, grid), optimizer, info)
     model.wait_for_weights()
+    plan, lesson = load_lesson("07_memory_plan"), load_lesson("06_zero_offload")
+    device, host = lesson.measured_placement(model, optimizer)
+    planned, _ = plan.planned_memory(cfg, args, shape, ep, data.shape, model.precision, grid.pp_rank,
+                                     plan.plan_device(args))
+    planned_host = plan.planned_host_memory(cfg, args, shape, ep, model.precision, grid.pp_rank)
     return {"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
             "params": gathered(model, lambda unit: unit.master),
             "weights": {n: p.detach().clone() for n, p in model.module.named_parameters()},
-            "offloaded": isinstance(model, load_lesson("06_zero_offload").OptimizerOffload)}
+            "offloaded": isinstance(model, lesson.OptimizerOffload),
+            "device": (device.parameters, device.gradients, device.master_weights, device.optimizer_states),
+            "planned device": (planned["parameters"], planned["gradients"], planned.get("master weights (fp32)", 0),
+                               planned.get("Adam states (fp32)", 0)),
+            "host": (host.parameters, host.gradients, host.master_weights, host.optimizer_states),
+            "planned host": tuple(planned_host.get(row, 0) for row in (
+                "weights' shard (pinned staging)", "gradient shard (pinned staging)", "master weights (fp32)",
+                "Adam states (fp32)"))}
 
 
 def every_full_5d_layout(save_dir) -> dict:
@@ -218,11 +231,17 @@ def every_full_5d_layout(save_dir) -> dict:
 def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(tmp_path):
     """Bit for bit, as in lesson 06's test: each seam of 07 (tp, pp's 1F1B and zero-bubble, cp,
     experts over edp, FP8) with its optimizer on the host against the same layout without; a
-    checkpoint of a run without offload resumed with it, equal to the run that never stopped."""
+    checkpoint of a run without offload resumed with it, equal to the run that never stopped.
+    The plan (07_memory_plan) of each layout: its device bytes those the run holds on the device
+    (the measure of lesson 06_zero_offload), its host bytes those on the host, with offload and
+    without (where the host holds nothing)."""
     for rank, runs in enumerate(run_ranks(4, every_full_5d_layout, tmp_path, timeout_s=300)):
         for name in FULL_5D_LAYOUTS:
             offloaded, alone, where = runs[(name, True)], runs[(name, False)], f"rank={rank} {name}"
             assert offloaded["offloaded"] and not alone["offloaded"], where
+            for run in (offloaded, alone):
+                assert run["device"] == run["planned device"] and run["host"] == run["planned host"], where
+            assert offloaded["host"][2] > 0 and alone["host"] == (0, 0, 0, 0), where
             assert offloaded["losses"] == alone["losses"] and offloaded["norms"] == alone["norms"], where
             for key in ("params", "weights"):
                 for param, tensor in alone[key].items():
@@ -231,3 +250,39 @@ def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(t
         assert resumed["losses"] == through["losses"][SAVED_AT:], f"rank={rank} resumed"
         for param, tensor in through["params"].items():
             assert torch.equal(resumed["params"][param], tensor), f"rank={rank} resumed {param}"
+
+
+def test_the_plan_moves_the_optimizer_to_the_host_and_checks_the_node(capsys):
+    """--plan --offload optimizer on one node of H100s for the 8b preset: the device holds exactly
+    the master and Adam's moments less (12 bytes per element of the shard), the host holds them
+    beside its staging; the node's ranks' host bytes are checked against the DGX system's memory
+    (or --node-host-memory-gb); the step pays the host step and the copies instead of the device's
+    optimizer tail. Muon with offload is one error line."""
+    full_5d, plan = load_lesson("07_full_5d"), load_lesson("07_memory_plan")
+    flags = ["--plan", "--preset", "8b", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--micro-batch-size",
+             "1", "--grad-accum", "8", "--dtype", "bfloat16", "--zero-stage", "3", "--plan-top", "1"]
+    on_device, offloaded = full_5d.parse_args(flags), full_5d.parse_args([*flags, "--offload", "optimizer"])
+    precision = full_5d.zero.Precision(torch.bfloat16, torch.float32)
+    h100 = plan.plan_device(offloaded)
+    kept, moved = (plan.plan_layout(CFG_8B, args, GridShape(dp=8), 1, BatchShape(1, 4096, 8, 8),
+                                    precision, h100) for args in (on_device, offloaded))
+    host = moved.host
+    assert kept.peak_bytes - moved.peak_bytes == host["master weights (fp32)"] + host["Adam states (fp32)"] > 0
+    assert host["Adam states (fp32)"] == 2 * host["master weights (fp32)"] == 2 * host["gradient shard (pinned staging)"]
+    assert host["weights' shard (pinned staging)"] * 2 == host["master weights (fp32)"] and not kept.host
+    units = plan.zero_units(CFG_8B, offloaded, GridShape(dp=8), 1, 0)
+    micro = plan.micro_batch_seconds(CFG_8B, offloaded, GridShape(dp=8), 1,
+                                     BatchShape(1, 4096, 8, 8), precision, h100, 0)
+    parts = plan.offload_seconds(units, offloaded, precision, h100, micro)
+    assert parts["host step"] > parts["to device"] > 0
+    full_5d.main([*flags, "--offload", "optimizer"])
+    out = capsys.readouterr().out
+    assert f"  {'total':<40}{moved.host_bytes / 2**30:>8.2f}" in out
+    assert f"host memory per node: 8 ranks x {moved.host_bytes / 2**30:.2f} GiB" in out and "2048 GiB" in out
+    assert "fits," in out and "of which the offloaded optimizer's" in out and "--offload optimizer: the master" in out
+    small_node = full_5d.parse_args([*flags, "--offload", "optimizer", "--node-host-memory-gb", "100"])
+    plan.print_planned_host_memory(moved, small_node, h100)
+    assert "(--node-host-memory-gb), planned to 90% of it: does not fit" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--offload optimizer with --optimizer muon"):
+        checked_plan(full_5d.parse_args(["--dp", "8", "--offload", "optimizer", "--optimizer", "muon"]),
+                     full_5d.validate, full_5d.expert_parallel.moe_config, 8)
