@@ -143,6 +143,9 @@ def draw(seed: int) -> Draw:
     # A third of the draws step with Muon, decided by a stream of their own, as zero-bubble is.
     if random.Random(f"muon {seed}").random() < 1 / 3:
         argv += ["--optimizer", "muon", "--muon-lr", str(LR)]
+    # A fifth of the AdamW draws offload it to the host, decided by a stream of their own (07 refuses Muon's).
+    elif random.Random(f"offload optimizer {seed}").random() < 1 / 5:
+        argv += ["--offload", "optimizer"]
     micro = rng.choice([m for m in (1, 2, 3) if SEQUENCES % (m * dp) == 0] or [1])
     grad_accum = max(1, SEQUENCES // (micro * dp))
     argv += ["--recompute", rng.choice(("none", "selective", "full")), "--seq-len", str(SEQ),
@@ -228,7 +231,8 @@ def features(layout: Draw) -> set[str]:
     words = {f"dp{dp}" if dp % 2 else "", f"pp{pp}", f"cp{cp}", f"tp{tp}", f"ZeRO-{flag('--zero-stage')}",
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
              f"recompute {flag('--recompute')}", "masked" if layout.masked else "",
-             "batch ramp" if "--batch-ramp" in argv else "", "muon" if flag("--optimizer") == "muon" else ""}
+             "batch ramp" if "--batch-ramp" in argv else "", "muon" if flag("--optimizer") == "muon" else "",
+             "offload optimizer" if flag("--offload") == "optimizer" else ""}
     words |= {word for word, present in (("sequence parallel", "--sequence-parallel" in argv),
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
@@ -281,8 +285,8 @@ def observe_gradients(model, optimizer) -> dict:
     last ("last_grads", "last_clipped_grads")."""
     seen, finish = {}, model.finish_gradient_synchronization
 
-    def snapshot(first: str, last: str) -> None:
-        seen[last] = gathered(model, lambda unit: unit.grad_shard)
+    def snapshot(first: str, last: str, shard_of=lambda unit: unit.grad_shard) -> None:
+        seen[last] = gathered(model, shard_of)
         seen.setdefault(first, seen[last])
 
     def finish_then_snapshot():
@@ -290,7 +294,9 @@ def observe_gradients(model, optimizer) -> dict:
         snapshot("grads", "last_grads")
 
     model.finish_gradient_synchronization = finish_then_snapshot
-    optimizer.register_step_pre_hook(lambda *_: snapshot("clipped_grads", "last_clipped_grads"))
+    # --offload optimizer: clipping scales the host's copy of the shard, which the master's gradients view
+    optimizer.register_step_pre_hook(lambda *_: snapshot("clipped_grads", "last_clipped_grads",
+                                                         lambda unit: getattr(unit, "host_grad", unit.grad_shard)))
     return seen
 
 
