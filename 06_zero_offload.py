@@ -11,9 +11,10 @@ AdamW's two moments, which only the optimizer step reads, once per step. A 70B m
 ZeRO-3 over the 8 GPUs of one node still leaves 16 x 70e9 / 8 = 140 GB per 80 GB GPU before a
 single activation. The node's host memory (2 TB on a DGX H100) sits next to it, idle.
 
-The idea (ZeRO-Offload, Ren et al. 2021). Keep on the GPU only what forward and backward read: the
-weights and the gradients in the weights' dtype. Move the master and Adam's moments of this rank's
-shard to host memory and run the step there, on the CPU, where it is one pass over memory:
+The idea (ZeRO-Offload, Ren et al. 2021). Keep on the GPU only what forward and backward use: the
+weights and the gradients, as much of each as the ZeRO stage keeps. Move the master and Adam's
+moments of this rank's shard to host memory and run the step there, on the CPU, where it is one
+pass over memory:
 
         GPU (device)                                      CPU (host, pinned)
         weights (bf16) ... backward ... reduce-scatter(u) ---- gradient shard of u ---->  g shard
@@ -37,13 +38,14 @@ The price. Per parameter on the device: lesson 06's stage formula less the maste
 (m + 8) / N. On the host, per rank: 12 / N (float32 master + two moments) and pinned staging for
 the gradient shard (g / N) and the bf16 weights' shard (2 / N; none in float32, where the master
 is what is copied). Per step and rank over the host link (PCIe, or a GH200's C2C): g Psi'/N down
-(the gradient shard) and p Psi'/N up (the weights' shard): 2 x 17.5 GB for a 70B model at bf16 on
-8 ranks, ~0.3 s each way at a PCIe 5 x16's 64 GB/s, the way down hidden behind backward, the way
-up before the gathers. And the host step: AdamW reads and writes the master and both moments and
-reads the gradient, about 30 bytes per parameter over the node's host memory bandwidth: 2.1 TB for
-the 70B model, ~3.4 s at a two-socket DDR5 node's ~600 GB/s, against ~130 s of GPU compute for a
-step of a million tokens: worth it when the model does not fit otherwise, a loss when it does.
-07_memory_plan.py --offload optimizer counts all three.
+(the gradient shard) and p Psi'/N up (the weights' shard): 2 x 17.5 GB for a 70B model with bf16
+weights and gradients on 8 ranks, ~0.3 s each way at a PCIe 5 x16's 64 GB/s, the way down hidden
+behind backward, the way up before the gathers. And the host step: fused AdamW reads and writes
+the master, the gradient and both moments, the norm reads the gradient, bf16 gradients and
+weights are cast on the way: about 48 bytes per parameter over the node's host memory, 3.4 TB for
+the 70B model, ~8 s at the ~430 GB/s a two-socket DDR5-4800 node streams, against ~130 s of GPU
+compute for a step of a million tokens: worth it when the model does not fit otherwise, a loss
+when it does. 07_memory_plan.py's --plan --offload optimizer counts all three.
 
 What to look for: the device-side model states, measured from the tensors the run holds, fall to
 the prediction, and the host-side ones hold the difference (12 / N per parameter); the losses, the

@@ -47,7 +47,8 @@ Beside it: 07_report.py measures the run against each lesson's formulas (the tab
 07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
 measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
 07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py
-makes the blocks' matmuls FP8 (--fp8). The optimizer is lesson 06's AdamW, or with --optimizer muon
+makes the blocks' matmuls FP8 (--fp8). The optimizer is lesson 06's AdamW (with --offload optimizer
+06_zero_offload's: its states in host memory, its step on the CPU), or with --optimizer muon
 lesson 06_zero_muon's Muon for the blocks' matrices (AdamW for the rest), whose Newton-Schulz needs
 each matrix whole: 06_zero_muon assembles it from ZeRO's shards on one owner rank, and its seam with
 tp here joins tp's slices first (TensorParallelMuon: one all-gather per matrix, the same

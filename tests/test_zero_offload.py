@@ -28,7 +28,7 @@ from picotron_like.model import GPT, get_config
 from picotron_like.testing import run_ranks
 from picotron_like.topology import ConfigError, GridShape, ProcessGrid
 from picotron_like.train import batch_shape, checked_plan
-from test_full_5d import MICRO as MICRO_07, MOE_CFG, SEQ as SEQ_07, optimizer_of
+from test_full_5d import CFG4, INTERLEAVED, MICRO as MICRO_07, MOE_CFG, SEQ as SEQ_07, optimizer_of
 from test_full_5d import flags as full_5d_flags
 from test_zero import ADAM_EPS, BF16, BF16_FP32_GRADS, CFG, CPU, FP32, LR, MAX_GRAD_NORM, SEED, STEPS, batches, gathered
 
@@ -163,6 +163,8 @@ FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
                    "dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
                    "pp2 x dp2 ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG, ()),
                    "pp2 x dp2 zero-bubble ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG, ("--schedule", "zero-bubble")),
+                   "pp2 x dp2 interleaved ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, INTERLEAVED),
+                   "pp2 x dp2 afab ZeRO-0": (GridShape(dp=2, pp=2), 1, 0, CFG, ("--schedule", "afab")),
                    "dp2 x cp2 ZeRO-2 bf16": (GridShape(dp=2, cp=2), 1, 2, CFG, ("--dtype", "bfloat16")),
                    "dp4 moe ep2 ZeRO-2": (GridShape(dp=4), 2, 2, MOE_CFG, ()),
                    "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise"))}
@@ -229,7 +231,7 @@ def every_full_5d_layout(save_dir) -> dict:
 
 
 def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(tmp_path):
-    """Bit for bit, as in lesson 06's test: each seam of 07 (tp, pp's 1F1B and zero-bubble, cp,
+    """Bit for bit, as in lesson 06's test: each seam of 07 (tp, pp under every schedule, cp,
     experts over edp, FP8) with its optimizer on the host against the same layout without; a
     checkpoint of a run without offload resumed with it, equal to the run that never stopped.
     The plan (07_memory_plan) of each layout: its device bytes those the run holds on the device
