@@ -148,3 +148,46 @@ def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_
     calibrated = re.search(r"^07-t-fp8-rowwise +.* - +- +([\d.]+)$", table, re.M)
     assert calibrated and float(calibrated.group(1)) == pytest.approx(tokens["07-t-fp8-rowwise"] / planned,
                                                                       abs=0.006), table
+
+
+def offload_rows() -> dict[str, tuple[list[str], list[str]]]:
+    """Each offload run of lesson 07 in the device check: (its flags, its twin's), $b1 expanded."""
+    text = SCRIPT.read_text()
+    b1 = re.search(r'^b1="([^"]*)"', text, re.M).group(1)
+    flags = {name: shlex.split(value.replace("$b1", b1))
+             for name, value in re.findall(r'^\s*\[(07-[\w-]+)\]="([^"]*)"', text, re.M)}
+    return {name: (words, flags[re.sub(r"-offload-[a-z]+$", "", name)]) for name, words in flags.items()
+            if "-offload-" in name}
+
+
+def test_each_offload_row_is_its_twin_with_offload_and_the_table_holds_their_losses_together(tmp_path):
+    """The two offload rows differ from their twin by `--offload WHAT` alone, run before the budget
+    can cut the list, and lesson 07 accepts them on one GPU; the table passes an offload run whose
+    every loss is within its tolerance of the twin's and fails one that is not (metrics files
+    written here: the comparison is arithmetic)."""
+    full_5d, rows = load_lesson("07_full_5d"), offload_rows()
+    assert {words[words.index("--offload") + 1] for words, _ in rows.values()} == {"optimizer", "activations"}
+    for name, (words, twin) in rows.items():
+        at = words.index("--offload")
+        assert words[:at] + words[at + 2:] == twin, name
+        checked_plan(full_5d.parse_args(words), full_5d.validate, None, 1)     # raises on a refused layout
+    ranked = re.findall(r"^\s*(?:PICOTRON\w+=1 )?(?:run|one_gpu) ([\w-]+) \d+ |^for name in ([\w\s-]+);",
+                        SCRIPT.read_text(), re.M)
+    order = [name for row, loop in ranked for name in (row.split() if row else loop.split())]
+    for name in rows:       # each with its twin, ahead of the NCCL checks' row
+        twin = re.sub(r"-offload-[a-z]+$", "", name)
+        assert max(order.index(name), order.index(twin)) < order.index("07-collectives-checked"), order
+
+    def write(name: str, losses: list[float]) -> None:
+        records = [{"step": i, "loss": loss, "tokens_per_s": 1000.0 + i, "max_memory_allocated_bytes": 2**30}
+                   for i, loss in enumerate(losses)]
+        (tmp_path / f"{name}.metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+
+    write("07-t", [4.0, 3.0, 2.0])
+    write("07-t-offload-optimizer", [4.0, 3.0 * (1 + 4e-3), 2.0])      # within 5e-3
+    write("07-t-offload-activations", [4.0, 3.0, 2.0 * (1 + 2e-3)])    # beyond 1e-3
+    table = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check_table.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert re.search(r"^07-t-offload-optimizer +07-t +3 +4\.00e-03 +5e-03 +pass$", table, re.M), table
+    assert re.search(r"^07-t-offload-activations +07-t +3 +2\.00e-03 +1e-03 +FAIL$", table, re.M), table
+    assert re.search(r"^07-t-offload-optimizer +[\d,]+ +1\.00x", table, re.M), table
