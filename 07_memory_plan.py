@@ -84,6 +84,7 @@ zero_muon = load_lesson("06_zero_muon")
 zero_offload = load_lesson("06_zero_offload")
 zero_bubble = load_lesson("03_zero_bubble")
 fp8 = load_lesson("07_fp8")
+activation_offload = load_lesson("07_activation_offload")
 measurement = load_lesson("07_report")
 
 # ============================================================================ the technique: the memory plan
@@ -204,13 +205,79 @@ def planned_activation_bytes(cfg, args, grid: GridShape, ep: int, shape, precisi
             routed = cfg.experts_per_token * tokens
             kept += layers * expert_parallel.moe_layer_bytes_over_dense(experts, tokens, micro, routed, routed, ep,
                                                                         grouped, e)
-        return kept
+        # --offload activations: the chunk's offloaded blocks wait in host memory (07_activation_offload)
+        return kept - planned_offload_of_chunk(cfg, args, grid, ep, shape, precision, stage, device).off_device
 
     sizes = [one_micro_batch(stage) for stage in chunks]
+    held = sum(planned_offload_of_chunk(cfg, args, grid, ep, shape, precision, stage, device).held
+               for stage in chunks)
     if grid.pp == 1:
-        return sizes[0], 1
+        return sizes[0] + held, 1
     program = pipeline_program(args.schedule, grid.pp, shape.grad_accum, pp_rank, args.virtual_stages)
-    return peak_live_micro_batches(program, sizes), peak_live_micro_batches(program)
+    return peak_live_micro_batches(program, sizes) + held, peak_live_micro_batches(program)
+
+
+class ChunkOffload(NamedTuple):
+    """--offload activations in one chunk, per micro-batch: bytes off the device, bytes in host memory,
+    one offloaded block's (the most the device holds of them at once, estimated: one in flight out in
+    forward, one fetched ahead in backward), and what stays on the device all the same (an MoE layer's
+    last choices, which the layer holds; once, not per micro-batch)."""
+
+    off_device: int = 0
+    host: int = 0
+    one_block: int = 0
+    held: int = 0
+    blocks: int = 0
+
+
+def planned_offload_of_chunk(cfg, args, grid: GridShape, ep: int, shape, precision, stage, device) -> ChunkOffload:
+    """07_report's offloaded_activation_bytes for the chunk's offloaded blocks, with 07_fp8's FP8 copies and,
+    with experts, lesson 05's bytes of each offloaded MoE layer for balanced routing (planned_activation_bytes)."""
+    if "activations" not in args.offload:
+        return ChunkOffload()
+    layers = cfg.n_layers if stage is None else len(stage.layer_ids)
+    blocks = activation_offload.offloaded_blocks(layers, args.offload_blocks)
+    e, tp, micro = precision.param_dtype.itemsize, grid.tp, shape.micro_batch_size
+    tokens = micro * shape.seq_len // grid.cp
+    off_device, host = measurement.offloaded_activation_bytes(cfg, micro, shape.seq_len, args.recompute, tp,
+                                                             args.sequence_parallel, grid.cp, stage,
+                                                             precision.param_dtype, blocks)
+    per_block = fp8.kept_bytes_difference(cfg, args.fp8, tokens, tp, precision.param_dtype, 1, args.recompute,
+                                          args.sequence_parallel,
+                                          fp8.fp8_groups_of_run(cfg, args, tokens, tp, device.capability is not None))
+    held = 0
+    if cfg.n_experts and args.recompute != "full":
+        routed = cfg.experts_per_token * tokens
+        grouped = measurement.uses_grouped_experts(args, cfg, tp, precision.param_dtype, torch.device("cuda"),
+                                                   device.capability)
+        per_block += expert_parallel.moe_layer_bytes_over_dense(measurement.experts_per_tp_rank(cfg, tp), tokens,
+                                                                micro, routed, routed, ep, grouped, e)
+        held = blocks * tokens * (8 * cfg.n_experts + (cfg.experts_per_token if cfg.capacity_factor is not None else 0))
+    one_block = (host + blocks * per_block) // blocks if blocks else 0
+    return ChunkOffload(off_device + blocks * per_block, host + blocks * per_block, one_block, held, blocks)
+
+
+class PlannedOffload(NamedTuple):
+    """--offload activations on one pipeline rank: host memory at its peak, the bytes each way over the
+    host link per step, the offloaded blocks per step (each copied out and back), and the largest
+    block's bytes (what the device holds of them at once, estimated: one in flight)."""
+
+    host_peak: int
+    link_bytes_per_step: int
+    blocks_per_step: int
+    one_block: int
+
+
+def planned_offload(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int, device) -> PlannedOffload:
+    """The chunks' offloads walked over lesson 03's program as planned_activation_bytes walks the kept bytes."""
+    chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else (None,)
+    offloads = [planned_offload_of_chunk(cfg, args, grid, ep, shape, precision, stage, device) for stage in chunks]
+    hosts = [offload.host for offload in offloads]
+    host_peak = hosts[0] if grid.pp == 1 else peak_live_micro_batches(
+        pipeline_program(args.schedule, grid.pp, shape.grad_accum, pp_rank, args.virtual_stages), hosts)
+    return PlannedOffload(host_peak, shape.grad_accum * sum(hosts),
+                          shape.grad_accum * sum(offload.blocks for offload in offloads),
+                          max(offload.one_block for offload in offloads))
 
 
 def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_units: list[int]) -> int:
@@ -373,6 +440,9 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
               "gathered weights (ZeRO-3)": gathered,
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
+    if "activations" in args.offload:
+        memory["offloaded block in flight (estimated)"] = planned_offload(cfg, args, grid, ep, shape, precision,
+                                                                          pp_rank, device).one_block
     return memory, live
 
 
@@ -388,6 +458,15 @@ def planned_host_memory(cfg, args, grid: GridShape, ep: int, precision, pp_rank:
     return {"master weights (fp32)": host.master_weights, "Adam states (fp32)": host.optimizer_states,
             "gradient shard (pinned staging)": host.gradients, "weights' shard (pinned staging)": host.parameters,
             "gradients as fp32 (during the step)": host.gradients * 4 // g if g != 4 else 0}
+
+
+def planned_activations_on_host(cfg, args, grid: GridShape, ep: int, shape, precision, device) -> dict:
+    """Under --offload activations the offloaded blocks' bytes in host memory at their peak, on the stage
+    that holds most there (1F1B's first: the most micro-batches live); without it, none."""
+    if "activations" not in args.offload:
+        return {}
+    return {"activations (offloaded; the fullest stage)": max(
+        planned_offload(cfg, args, grid, ep, shape, precision, rank, device).host_peak for rank in range(grid.pp))}
 
 
 # ============================================================================ the technique: the step-time estimate
@@ -854,10 +933,34 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     bubble = m * micro.total * pipeline_parallel.bubble_formula(args.schedule, grid.pp, m, args.virtual_stages)
     dp, optimizer = zero_seconds(cfg, args, grid, ep, precision, device, pp_rank, micro, m)
     muon = muon_seconds(cfg, args, grid, ep, device, pp_rank)
+    offload = ({"offload": activation_offload_seconds(cfg, args, grid, ep, shape, precision, device, pp_rank, micro)}
+               if "activations" in args.offload else {})
     return {"compute": m * (micro.forward + micro.backward) + muon["compute"],
             "elementwise": m * micro.elementwise + optimizer, "recompute": m * micro.recompute, "bubble": bubble,
             "tp": m * micro.tp + muon["tp"], "cp ep": m * (micro.cp + micro.ep), "pp": m * micro.pp,
-            "dp": dp + muon["dp"]}
+            "dp": dp + muon["dp"], **offload}
+
+
+def activation_offload_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int,
+                               micro: MicroBatchSeconds) -> float:
+    """--offload activations: the exposed part of its copies per step. On a GPU a block's copy out
+    runs on the side stream behind the next block's forward (its GEMMs and attention), its copy back
+    behind the next block's backward (recomputation included): what a copy takes beyond that, per
+    offloaded block and direction, is exposed (the stage's blocks taken as equal, the copy at the
+    host link's bandwidth per direction). Without a host link apart (a CPU, whose host memory is the
+    device's) the copies are made at once: each byte read and written, out and back, at the memory
+    bandwidth, all of it exposed."""
+    offload = planned_offload(cfg, args, grid, ep, shape, precision, pp_rank, device)
+    if not offload.blocks_per_step:
+        return 0.0
+    block_bytes = offload.link_bytes_per_step / offload.blocks_per_step
+    if not device.host_link_bandwidth:
+        return offload.blocks_per_step * 2 * 2 * block_bytes / device.memory_bandwidth
+    chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else ()
+    layers = sum(len(stage.layer_ids) for stage in chunks) if chunks else cfg.n_layers
+    copy = block_bytes / device.host_link_bandwidth
+    forward, backward = micro.forward / layers, (micro.backward + micro.recompute) / layers
+    return offload.blocks_per_step * (max(0.0, copy - forward) + max(0.0, copy - backward))
 
 
 def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device) -> dict:
@@ -890,6 +993,11 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
                  "the profile's rates) and joins over tp (all-gathers of the whole matrices in bf16), and the two "
                  "all-to-alls of the rank that sends most (06_zero_muon's owners, from the layout); its elementwise "
                  "passes are counted as AdamW's"] if optimizer == "muon" else []
+    activations_line = ["--offload activations: the offloaded blocks' kept bytes off the device (one block in flight "
+                        "counted), in host memory per micro-batch live; each block's copy out hidden behind the next "
+                        "block's forward, its copy back behind the next block's backward (GEMMs and attention), at "
+                        "the host link's bandwidth per direction; the rest of each copy exposed, in the step time (no "
+                        "column of its own)"] if "activations" in offload else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
             "chunks; forward, input and weight gradients) at the profile's measured rate for its shape, attention at "
@@ -898,6 +1006,7 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
             *fp8_line,
             *muon_line,
             *offload_line,
+            *activations_line,
             f"elementwise: norms, rotary, SwiGLU, residuals, the loss's passes over the logits, the optimizer's tail "
             f"by bytes over {device.memory_bandwidth / 1e12:.2f} TB/s",
             "recompute: full runs the blocks' forward again, selective the norms' and SwiGLU's elementwise share",
@@ -972,7 +1081,8 @@ def plan_layout(cfg, args, grid: GridShape, ep: int, shape, precision, device: D
     return PlannedLayout(grid, ep, args, pp_rank, memory, live,
                          slowest_stage_seconds(cfg, args, grid, ep, shape, precision, device),
                          shape.tokens_per_step, flops_per_token(cfg, shape.seq_len), peak,
-                         planned_host_memory(cfg, args, grid, ep, precision, pp_rank))
+                         planned_host_memory(cfg, args, grid, ep, precision, pp_rank)
+                         | planned_activations_on_host(cfg, args, grid, ep, shape, precision, device))
 
 
 def candidate_layouts(cfg, args, world_size: int, ranks_per_node: int, validate):
@@ -1152,6 +1262,8 @@ def print_memory_plan(args, validate, expert_degree) -> None:
         print(f"of which the offloaded optimizer's (stage {planned.pp_rank}, in the elementwise part): "
               + ", ".join(f"{name} {1e3 * value:.1f} ms" for name, value in parts.items())
               + " exposed")
+    if "activations" in args.offload:
+        print_offload(planned, cfg, shape, precision, device)
     if args.optimizer == "muon":
         muon = muon_seconds(cfg, args, grid, ep, device, planned.pp_rank)
         print(f"of which Muon's step (stage {planned.pp_rank}): Newton-Schulz {1e3 * muon['compute']:.1f} ms on the "
@@ -1189,12 +1301,12 @@ def node_host_memory(args, device: DeviceProfile) -> float:
 
 
 def print_planned_host_memory(planned: PlannedLayout, args, device: DeviceProfile) -> None:
-    """Under --offload optimizer: the fullest rank's host bytes by component, a node's (its ranks
+    """Under --offload: the fullest rank's host bytes by component, a node's (its ranks
     each as full: a bound under a pipeline, whose stages differ), and the verdict against the
     node's host memory, planned to the same share as the device's."""
     if not planned.host:
         return
-    print(f"\nhost memory per rank (--offload optimizer: off the device, in the node's memory)")
+    print(f"\nhost memory per rank (--offload {' '.join(args.offload)}: off the device, in the node's memory)")
     print(f"  {'component':<40}{'GiB':>8}")
     for name, size in planned.host.items():
         print(f"  {name:<40}{size / GIB:>8.2f}")
@@ -1229,6 +1341,21 @@ def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: Dev
     when = ("at the start of a micro-batch's backward, in the LM head" if loss else
             "when the schedule holds the most micro-batches (this stage holds no LM head)")
     print(f"the peak, {when}: " + ", ".join(parts) + ", and the communication buffers")
+
+
+def print_offload(planned: PlannedLayout, cfg, shape, precision, device: DeviceProfile) -> None:
+    """--offload activations: the host-link bandwidth the copies need per step at the estimated step time
+    next to the link's, so that a stall shows before launch (their host memory: print_planned_host_memory)."""
+    offload = planned_offload(cfg, planned.args, planned.grid, planned.ep, shape, precision, planned.pp_rank, device)
+    needed = offload.link_bytes_per_step / planned.step_seconds
+    link = (f"against the host link's {device.host_link_bandwidth / 1e9:.0f} GB/s per direction"
+            if device.host_link_bandwidth else "on a device without a host link apart: copies in its own memory")
+    exposed = planned.seconds.get("offload", 0.0)
+    verdict = (f"{1e3 * exposed:.1f} ms of the step's copies not hidden behind compute (in the step time)" if exposed
+               else "every copy hidden behind the next block's compute")
+    print(f"activation offload (stage {planned.pp_rank}): {offload.blocks_per_step} blocks per step, "
+          f"{offload.link_bytes_per_step / 1e9:.2f} GB each way over the host link, {needed / 1e9:.1f} GB/s at the "
+          f"estimated {planned.step_seconds:.3f} s step, {link}: {verdict}")
 
 
 def print_layout_table(layouts: list[PlannedLayout]) -> None:

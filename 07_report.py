@@ -17,7 +17,7 @@ hooks, comm's meter. Nothing here changes what the run computes.
 from __future__ import annotations
 
 import copy
-from dataclasses import astuple, dataclass, replace
+from dataclasses import astuple, dataclass, field, replace
 from functools import partial
 
 import torch
@@ -241,6 +241,32 @@ def predicted_peak_kept_bytes(recompute: str, model, pipeline, cfg, shape, args,
     if pipeline is None:
         return max(sizes.values()) + held
     return peak_live_micro_batches(pipeline.program, micro_batch_sizes=sizes) + held
+
+
+def predicted_offload_link_bytes(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> int:
+    """--offload activations: the bytes this rank's offloaded blocks copy to the host in the metered
+    step, each coming back once (so as many each way): per chunk and micro-batch offloaded_activation_bytes's
+    host bytes with the FP8 copies' difference of each offloaded block, and with experts each offloaded
+    MoE layer's bytes over the dense formula on the step's routing."""
+    micro, tokens = shape.micro_batch_size, shape.micro_batch_size * shape.seq_len // grid.cp_size
+    dtype, parts, total = model.precision.param_dtype, model_parts(model, pipeline), 0
+    for part in parts:
+        offloaded = offloaded_of_chunk(part.module, args)
+        _, host = offloaded_activation_bytes(cfg, micro, shape.seq_len, args.recompute, grid.tp_size,
+                                             args.sequence_parallel, grid.cp_size,
+                                             part.module if pipeline is not None else None, dtype, offloaded)
+        total += shape.grad_accum * (host + fp8.kept_bytes_difference(
+            cfg, args.fp8, tokens, grid.tp_size, dtype, offloaded, args.recompute, args.sequence_parallel,
+            fp8.fp8_groups_of_run(cfg, args, tokens, grid.tp_size, on_cuda(model))))
+    if cfg.n_experts and args.recompute != "full":
+        experts, ep = experts_per_tp_rank(cfg, grid.tp_size), expert_parallel.ExpertParallel.from_grid(grid)
+        grouped = uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device)
+        on_host = {id(block.mlp) for part in parts for block in offloaded_blocks_of(part.module, args)}
+        total += sum(expert_parallel.moe_layer_bytes_over_dense(experts, tokens, micro, sent, received, ep.size,
+                                                                grouped, dtype.itemsize)
+                     for call, sent, received in zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep))
+                     if id(routing.layers[call.layer]) in on_host)
+    return total
 
 
 def predicted_kept_by_mode(model, pipeline, cfg, shape, args, grid: ProcessGrid, routing) -> dict[str, int]:
@@ -526,6 +552,17 @@ class RoutingOfEachStep(RoutingMeter):
         return meter
 
 
+class HostCopies:
+    """The bytes --offload activations copies to the host while entered: observed at each call of the
+    offload's to_host, whose argument is the storage's bytes (each comes back once: as many each way)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def copied(self, device_bytes: torch.Tensor) -> None:
+        self.bytes += device_bytes.numel()
+
+
 class KeptOnDevice(ActivationMeter):
     """ActivationMeter, which also sees what offloaded blocks save (07_activation_offload): autograd
     runs only the innermost saved-tensor hooks, the offload's inside a chosen block, so those tensors
@@ -546,7 +583,8 @@ class ReportMeters:
     gathered: GatheredParameterMeter
     routing: RoutingMeter | None = None
     every_step: RoutingOfEachStep | None = None
-    offloaded: bool = False         # --offload activations: the offload's pack observed (sys.setprofile) too
+    offloaded: bool = False         # --offload activations: the offload's pack and copies observed (sys.setprofile)
+    host_copies: HostCopies = field(default_factory=HostCopies)
 
     @classmethod
     def of(cls, run: ComposedRun) -> "ReportMeters":
@@ -561,11 +599,14 @@ class ReportMeters:
     def of_the_metered_step(self) -> tuple:
         """What train() enters for the metered step alone (every_step is entered around the loop); the
         saved-tensor meters see what offloaded blocks save through an observer of the offload's pack."""
-        offloaded = CallObserver((activation_offload.ActivationOffload.pack,), on_call=self._saved_in_offloaded_block)
+        offload = activation_offload.ActivationOffload
+        offloaded = CallObserver((offload.pack, offload.to_host), on_call=self._inside_the_offload)
         return (SavedTensorMeters(self.activations, self.gathered), *([offloaded] if self.offloaded else []),
                 *([self.routing] if self.routing else []))
 
-    def _saved_in_offloaded_block(self, frame) -> None:
+    def _inside_the_offload(self, frame) -> None:
+        if frame.f_code is activation_offload.ActivationOffload.to_host.__code__:
+            return self.host_copies.copied(frame.f_locals["device_bytes"])
         tensor = frame.f_locals["tensor"]
         self.activations.saved_in_offloaded_block(tensor)
         self.gathered.pack(tensor)
@@ -590,6 +631,18 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
         measured = f"{meters.activations.peak_bytes / 1e6:.3f}" if mode == args.recompute else "-"
         saved = f"{100 * (1 - predicted[mode] / predicted['none']):.1f} %" if mode != "none" else "-"
         log0(f"{mode:<14}{measured:>13}{predicted[mode] / 1e6:>14.3f}{saved:>15}")
+    if meters.offloaded:
+        blocks = sorted({offloaded_of_chunk(part.module, args) for part in model_parts(model, pipeline)})
+        kept_all = copy.copy(args)
+        kept_all.offload = [kind for kind in args.offload if kind != "activations"]
+        with traffic_not_counted():
+            link = predicted_offload_link_bytes(model, pipeline, run.cfg, shape, args, grid, meters.routing
+                                                if args.recompute != "full" else None)
+            without = predicted_kept_by_mode(model, pipeline, run.cfg, shape, kept_all, grid, meters.routing)
+        log0(f"(--offload activations: kept on the device, the first {' or '.join(map(str, blocks))} block"
+             f"{'s' if blocks[-1] > 1 else ''} of each chunk in host memory ({without[args.recompute] / 1e6:.3f} MB "
+             f"predicted without); copied to the host in the measured step and back, each way: "
+             f"{meters.host_copies.bytes / 1e6:.3f} MB, predicted {link / 1e6:.3f} MB)")
     if args.compile:
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
     if args.schedule == "zero-bubble":

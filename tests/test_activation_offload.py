@@ -60,6 +60,7 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
                                settings, args, full_5d.balancing_log(model, pipeline, grid),
                                lambda step: meters.of_the_metered_step() if step == 0 else (), STEPS)
     predicted = report.predicted_kept_by_mode(model, pipeline, cfg, data.shape, args, grid, meters.routing)
+    plan, device = load_lesson("07_memory_plan"), load_lesson("07_memory_plan").plan_device(args)
     kept = partial(report.predicted_kept_activation_bytes, micro_batch=MICRO, seq_len=args.seq_len,
                    recompute=recompute, tp=grid.tp_size, sequence_parallel=args.sequence_parallel, cp=grid.cp_size,
                    compute_dtype=model.precision.param_dtype)
@@ -67,6 +68,13 @@ def run(grid: ProcessGrid, stage: int, recompute: str, cfg, extra=()) -> dict:
             "grads": seen["before"], "clipped_grads": seen["after"],
             "params": gathered(model, lambda unit: unit.master),
             "kept": meters.activations.peak_bytes, "predicted": predicted[recompute],
+            "copied": meters.host_copies.bytes,
+            "predicted_copied": report.predicted_offload_link_bytes(model, pipeline, cfg, data.shape, args, grid,
+                                                                    meters.routing if recompute != "full" else None),
+            "planned": plan.planned_activation_bytes(cfg, args, grid.shape, grid.ep_size, data.shape, model.precision,
+                                                     grid.pp_rank, device)[0],
+            "planned_copied": plan.planned_offload(cfg, args, grid.shape, grid.ep_size, data.shape, model.precision,
+                                                   grid.pp_rank, device).link_bytes_per_step,
             "block": kept(replace(cfg, n_layers=2)) - kept(replace(cfg, n_layers=1))}
 
 
@@ -121,6 +129,11 @@ def test_offload_is_bit_equal_and_keeps_the_predicted_device_bytes():
             else:       # every block offloaded: the peak inside a block's forward, its own working tensors
                 assert offloaded["predicted"] < offloaded["kept"] <= offloaded["predicted"] + offloaded["block"], where
             assert offloaded["kept"] < without["kept"], where
+            assert offloaded["copied"] == offloaded["predicted_copied"] > 0 == without["copied"], where
+            # the plan's experts route evenly, not as the step did; its FP8 follows a GPU's shape rule
+            if not LAYOUTS[name][3].n_experts and "--fp8" not in LAYOUTS[name][5]:
+                assert (offloaded["planned"], offloaded["planned_copied"]) == (offloaded["predicted"],
+                                                                               offloaded["copied"]), where
         no_op = runs[NO_OP, "no-op"]
         assert_equal(no_op, runs[NO_OP, "without"], f"rank={rank} no-op")
         assert no_op["kept"] == runs[NO_OP, "without"]["kept"] > runs[NO_OP, "with"]["kept"], f"rank={rank} no-op"
