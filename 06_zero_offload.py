@@ -246,9 +246,10 @@ def measured_placement(model, optimizer) -> tuple[ModelStates, ModelStates]:
     offload = isinstance(model, OptimizerOffload)
     staged_weights = [u.host_weights for u in model.units if offload and u.host_weights is not u.master]
     weights = [*model.module.parameters(), *(u.param_shard for u in model.units if model.stage == 3), *staged_weights]
-    gradients = [*(p.grad for p in model.module.parameters() if p.grad is not None),
-                 *(getattr(u, "grad_buffer", u.grad_shard) for u in model.units),
-                 *(u.host_grad for u in model.units if offload), *(m.grad for m in masters if m.grad is not None)]
+    gradients = [*(p.grad for p in model.module.parameters()), *(u.grad_shard for u in model.units),
+                 *(getattr(u, "grad_buffer", None) for u in model.units),
+                 *(u.host_grad for u in model.units if offload), *(m.grad for m in masters)]
+    gradients = [t for t in gradients if t is not None]     # a buffer held only during the step: none
     roles = (weights, gradients, [u.master for u in model.units], optimizer_state_tensors(optimizer))
     seen, device_side, host_side = set(), [], []
     for tensors in roles:
