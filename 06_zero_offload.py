@@ -282,7 +282,7 @@ def predicted_link_bytes(unit_counts: list[int], n: int, stage: int, precision) 
 
 class HostStepTimer:
     """The optimizer step's wall time, through the optimizer's own step hooks (entered for the
-    run, removed by close()); on a GPU the host step is what the device waits for."""
+    run, removed by close()): offloaded, the host step, which the device waits for."""
 
     def __init__(self, optimizer):
         self.seconds, self.steps, self._started = 0.0, 0, None
@@ -325,11 +325,11 @@ def report(model, run: MeteredRun, gathered: GatheredParameterMeter, n_micro: in
     log_placement(model, run.optimizer, f"ZeRO-{stage} over {n} ranks, weights {precision.param_dtype}, gradients "
                   f"{precision.reduce_dtype}, optimizer {'offloaded to the host' if offload else 'on the device'}",
                   predicted_placement(counts, n, stage, precision, offload), gathered, peak)
-    if offload:
+    if offload:     # (on a GPU the device's own step runs asynchronously: its host time would say nothing)
         link = predicted_link_bytes(counts, n, stage, precision)
         log0("host link per step (predicted): " + ", ".join(f"{way} {b / 1e6:.3f} MB" for way, b in link.items()))
-    log0(f"optimizer step: {1e3 * timer.seconds / max(timer.steps, 1):.2f} ms per step (measured, "
-         f"{'host' if offload else 'device'}; {timer.steps} steps)")
+        log0(f"host step: {1e3 * timer.seconds / max(timer.steps, 1):.2f} ms per step (measured over {timer.steps} "
+             f"steps: AdamW on the host's {sum(unit.shard_numel for unit in model.units):,} elements)")
     log_traffic_rows(run, f"{n_micro} micro-batches", technique={},
                      gradients=zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard, group),
                      loss_groups=(group,), norm_groups=(group,) if stage else ())
