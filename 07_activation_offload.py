@@ -4,25 +4,27 @@ not on the device, between their forward and their backward (--offload activatio
 
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --offload activations
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --recompute full --offload activations
-    python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu H100 --seq-len 4096 --offload activations
+    python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu H100 --seq-len 8192 --micro-batch-size 1 \
+        --grad-accum 8 --pp 4 --dp 2 --offload activations
 
-The problem. Backward needs what forward computed: with the 8b preset, 4096 tokens per sequence
-and one sequence per micro-batch, the blocks keep about 31.8 GB per micro-batch in bf16, about
-1 GB per block (lesson 07's docstring derives it). 1F1B's first stage keeps pp micro-batches of its
-blocks at once: at pp 4 the activations alone are beyond an 80 GB H100, whatever the weights.
-Recomputation (lesson 07) pays for that memory with compute, parallelism with more devices. The
-third way pays with the host link: a node's host memory (1-2 TB) idles while its GPUs fill up.
+The problem. Backward needs what forward computed: with the 8b preset, 8192 tokens per sequence
+and one sequence per micro-batch, each block keeps about 1.9 GB in bf16 (lesson 07's docstring
+derives the bytes), and 1F1B's first stage keeps pp micro-batches of its blocks at once. On 8 H100s
+as pp 4 x dp 2 (ZeRO-1, 8 micro-batches) that stage keeps 55 GiB of activations, 81.5 GiB in all,
+over the 72 GiB planned of 80 (--plan, below). Recomputation pays for the memory with compute,
+parallelism with more devices; the third way pays with the host link, while a node's 2 TB of host
+memory idles.
 
 The idea (Megatron-LM's fine-grained activation offloading, DeepSpeed's CPU checkpointing): during
 forward every tensor a chosen block saves for backward goes to pinned host memory, copied on a side
 stream while the compute stream goes on; the device copy is freed once copied. In backward, when
 block i+1's output gradient arrives (its backward is about to start), block i's tensors start
-coming back, so the fetch hides behind block i+1's backward:
+coming back on a second side stream, so the fetch hides behind block i+1's backward:
 
     forward   compute [blk 0 F][blk 1 F][blk 2 F][blk 3 F]  (blk 3: the chunk's last, kept)
-              copy        [0 -> host][1 -> host][2 -> host]
+              out         [0 -> host][1 -> host][2 -> host]
     backward  compute                  [blk 3 B][blk 2 B][blk 1 B][blk 0 B]
-              copy              fetch 2 ^[2 <- host]
+              back              fetch 2 ^[2 <- host]
                                         fetch 1 ^[1 <- host]
                                                  fetch 0 ^[0 <- host]
 
@@ -40,25 +42,30 @@ autograd's own ops, lesson 04's ring attention, 05's experts, 07_fp8's FP8 copie
 (and the rotary tables), so that is what moves: the two compose into a block that keeps nothing on
 the device; under selective, what selective keeps.
 
-The price. Host-link bytes per step: twice (out, back) the offloaded blocks' kept bytes per
-micro-batch, times the micro-batches (07_memory_plan prints it per second next to the link's
-bandwidth: ~55 GB/s per direction over an H100's PCIe Gen5 x16, ~450 GB/s over GH200's
-NVLink-C2C). It stalls when a block's copy takes longer than the compute it hides behind, the
-next block's forward (out) or backward (back): at 8b in bf16 without recomputation a block's
-~1 GB takes ~18 ms over PCIe against a few ms of its forward, so offload stalls there; under full
-recomputation a block keeps 4096 x 4096 x 2 bytes = 34 MB, well within the time. Host memory: the
-offloaded bytes of every micro-batch in flight, on each rank of the node.
+The price. Host-link bytes per step: the offloaded blocks' kept bytes of every micro-batch, out
+and back (07_memory_plan prints the bandwidth that needs at the estimated step time next to the
+link's: ~51 GB/s per direction over an H100's PCIe Gen5 x16, ~450 GB/s over a GH200's C2C).
+It stalls when a block's copy takes longer than the compute it hides behind, the next block's
+forward (out) or backward (back). In the layout above a block's 1.9 GB takes ~36 ms over PCIe,
+several times its forward: the offload fits it in 35.1 GiB, but the plan's step grows from 3.1 s
+to 5.6 s, and the plan ranks full recomputation first. Under full recomputation a block keeps its
+input, 8192 x 4096 x 2 bytes = 67 MB, which the link moves in 1.3 ms. Host memory: the offloaded
+bytes of every micro-batch in flight, on each rank of the node (48 GiB per rank above).
 
-Safety of the overlap on CUDA (the copies run on a side stream; the device's caching allocator
-reuses freed memory in the order of the stream that freed it):
-  out   the side stream waits for the compute stream (the tensor is computed), copies, and the
-        device tensor is recorded as used by the side stream (record_stream): when forward drops
-        it, the allocator hands its memory to new compute-stream tensors only once the copy is done.
-  back  the device buffers are allocated on the compute stream; the side stream waits for the
-        compute stream (that memory may still be read by queued kernels of its previous tensor),
-        copies, records an event; the compute stream waits for the event before backward uses the
-        tensors. The pinned host copies are dropped once the copy back is queued: PyTorch's host
-        allocator records the copy's event and reuses the memory only after it.
+Safety of the overlap on CUDA (the caching allocator reuses freed memory in the order of the
+stream that freed it):
+  out   the out stream waits for the compute stream (the tensor is computed), copies, and the
+        device tensor is recorded as used by the out stream (record_stream): when forward drops
+        it, the allocator hands its memory to new compute-stream tensors only once the copy is
+        done. Before block i+1's forward the compute stream waits for block i-1's copies: at most
+        one block copies behind the compute, and a slow link stalls forward instead of filling
+        the device with blocks waiting for their copy.
+  back  the device buffers are allocated on the compute stream; the back stream waits for the
+        compute stream (that memory may still be read by queued kernels of its previous tensor)
+        and for the block's copies out, copies, records an event; the compute stream waits for
+        the event before backward uses the tensors. The pinned host copies are dropped once the
+        copy back is queued: PyTorch's host allocator records the copy's event and reuses the
+        memory only after it.
 On the CPU (gloo) "host" and "device" are the same memory: each copy is a real, separate tensor,
 made at once, and the original is released: the tests measure the device-side bytes falling.
 """
@@ -78,11 +85,11 @@ def keeps_on_device(tensor: torch.Tensor, device: torch.device) -> bool:
     gathers itself, and a pipeline stage's received input, which the schedule keeps for its gradient),
     a tensor not on the device, and anything not a plain strided tensor."""
     base = tensor if tensor._base is None else tensor._base
-    return ((base.is_leaf and base.requires_grad) or tensor.device != device or tensor.layout != torch.strided
-            or type(tensor) is not torch.Tensor)
+    return ((base.is_leaf and base.requires_grad) or tensor.device.type != device.type
+            or tensor.layout != torch.strided or type(tensor) is not torch.Tensor)
 
 
-# ============================================================================ the technique: out during forward, back ahead of backward
+# ============================================================================ the technique: out, and back ahead
 
 
 class BlockOnHost:
@@ -94,7 +101,8 @@ class BlockOnHost:
         self.storages: list = []        # weak references to the device storages, to find a storage again
         self.on_host: list[torch.Tensor] = []
         self.on_device: list[torch.Tensor] | None = None
-        self.ready = None               # CUDA: the event after the copies back
+        self.copied = None              # CUDA: the event after its copies out
+        self.ready = None               # CUDA: the event after its copies back
 
     def index_of(self, storage) -> int | None:
         for index, known in enumerate(self.storages):
@@ -122,11 +130,13 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class ActivationOffload:
     """The chosen blocks of one chunk (lesson 03: a stage, or one of an interleaved rank's chunks; the
     whole model without a pipeline): their saved tensors to the host during forward, back from the
-    next block's backward pre-hook. `copy_stream`: the side stream on CUDA (shared by a rank's
-    chunks), None on the CPU, where every copy is made at once."""
+    next block's backward pre-hook. `streams`: on CUDA the side streams out and back (one per
+    direction of the host link, which carries both at once; shared by a rank's chunks), None on the
+    CPU, where every copy is made at once."""
 
-    def __init__(self, blocks, offloaded: int, device: torch.device, copy_stream=None):
-        self.device, self.copy_stream = device, copy_stream
+    def __init__(self, blocks, offloaded: int, device: torch.device, streams: tuple | None = None):
+        self.device = device
+        self.out_stream, self.back_stream = streams or (None, None)
         self.current: BlockOnHost | None = None       # the block whose forward is running, if offloaded
         # block index -> its record of the latest forward, weakly: the saved tensors' handles own it
         self.latest: dict[int, weakref.ref] = {}
@@ -141,6 +151,12 @@ class ActivationOffload:
 
     def before_forward(self, index: int, block, args) -> None:
         if torch.is_grad_enabled():
+            # At most the block before this one still copying out: where the link is slower than the
+            # compute, forward waits here rather than the device filling up with blocks to copy.
+            two_before = self.latest.get(index - 2)
+            two_before = two_before() if two_before is not None else None
+            if two_before is not None and two_before.copied is not None:
+                torch.cuda.current_stream(self.device).wait_event(two_before.copied)
             self.current = BlockOnHost()
             self.latest[index] = weakref.ref(self.current)
             self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
@@ -149,6 +165,9 @@ class ActivationOffload:
     def after_forward(self, index: int, block, args, output) -> None:
         if self.current is not None:
             self.hooks.__exit__(None, None, None)
+            if self.out_stream is not None:
+                self.current.copied = torch.cuda.Event()
+                self.current.copied.record(self.out_stream)
             self.current = None
 
     def pack(self, tensor: torch.Tensor):
@@ -163,13 +182,13 @@ class ActivationOffload:
         return SavedOnHost(block, index, tensor)
 
     def to_host(self, device_bytes: torch.Tensor) -> torch.Tensor:
-        if self.copy_stream is None:
+        if self.out_stream is None:
             return device_bytes.clone()
         host = torch.empty(device_bytes.shape, dtype=torch.uint8, pin_memory=True)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
+        self.out_stream.wait_stream(torch.cuda.current_stream(self.device))     # the tensor is computed
+        with torch.cuda.stream(self.out_stream):
             host.copy_(device_bytes, non_blocking=True)
-        device_bytes.record_stream(self.copy_stream)    # its memory is not reused before the copy is done
+        device_bytes.record_stream(self.out_stream)     # its memory is not reused before the copy is done
         return host
 
     # ---------------------------------------------------------------- backward: back to the device
@@ -184,13 +203,15 @@ class ActivationOffload:
     def fetch(self, block: BlockOnHost | None) -> None:
         if block is None or block.on_device is not None:
             return
-        if self.copy_stream is None:
+        if self.back_stream is None:
             block.on_device = [host.clone() for host in block.on_host]
         else:
             compute = torch.cuda.current_stream(self.device)
-            block.on_device = [torch.empty_like(host, device=self.device) for host in block.on_host]
-            self.copy_stream.wait_stream(compute)       # the buffers' memory may still be read by queued kernels
-            with torch.cuda.stream(self.copy_stream):
+            block.on_device = [torch.empty(host.shape, dtype=torch.uint8, device=self.device)
+                               for host in block.on_host]
+            self.back_stream.wait_stream(compute)       # the buffers' memory may still be read by queued kernels
+            self.back_stream.wait_event(block.copied)   # and the host copies must be written
+            with torch.cuda.stream(self.back_stream):
                 for device_bytes, host in zip(block.on_device, block.on_host):
                     device_bytes.copy_(host, non_blocking=True)
                 block.ready = torch.cuda.Event()
@@ -211,8 +232,8 @@ class ActivationOffload:
 
 def offload_activations(chunks, chosen: int | None, device: torch.device) -> list[ActivationOffload]:
     """--offload activations: in each of this rank's chunks, its first blocks' saved tensors in host memory."""
-    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    return [ActivationOffload(list(chunk.layers), offloaded_blocks(len(chunk.layers), chosen), device, copy_stream)
+    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if device.type == "cuda" else None
+    return [ActivationOffload(list(chunk.layers), offloaded_blocks(len(chunk.layers), chosen), device, streams)
             for chunk in chunks]
 
 

@@ -17,6 +17,7 @@ one before, in the order their assumptions need (parallelize() below is the plan
       -> ZeRO over the dp x cp ranks              (06; stage 0 is lesson 01's all-reduce)
       -> blocks and the loss's chunks compiled    (this lesson: --compile)
       -> activation recomputation                 (this lesson)
+      -> chosen blocks' kept tensors on the host  (07_activation_offload: --offload activations)
       -> the pipeline schedule over the stage     (03)
 
 Lessons 02-06 each teach one technique with data parallelism; what spans two of them lives here:
@@ -47,12 +48,14 @@ Beside it: 07_report.py measures the run against each lesson's formulas (the tab
 07_memory_plan.py says before launch whether a layout fits and which do (--plan), 07_autotune.py
 measures the plan's best layouts, each trained by a child torchrun of this file (--autotune),
 07_sizing.py proposes the model and tokens a time budget allows (--plan --max-minutes), 07_fp8.py
-makes the blocks' matmuls FP8 (--fp8). The optimizer is lesson 06's AdamW (with --offload optimizer
-06_zero_offload's: its states in host memory, its step on the CPU), or with --optimizer muon
-lesson 06_zero_muon's Muon for the blocks' matrices (AdamW for the rest), whose Newton-Schulz needs
-each matrix whole: 06_zero_muon assembles it from ZeRO's shards on one owner rank, and its seam with
-tp here joins tp's slices first (TensorParallelMuon: one all-gather per matrix, the same
-Newton-Schulz on every tp rank); experts and pipeline stages need nothing more.
+makes the blocks' matmuls FP8 (--fp8), 07_activation_offload.py keeps chosen blocks' saved tensors in
+host memory from their forward until just before their backward (--offload activations). The
+optimizer is lesson 06's AdamW (with --offload optimizer 06_zero_offload's: its states in host
+memory, its step on the CPU), or with --optimizer muon lesson 06_zero_muon's Muon for the blocks'
+matrices (AdamW for the rest), whose Newton-Schulz needs each matrix whole: 06_zero_muon assembles
+it from ZeRO's shards on one owner rank, and its seam with tp here joins tp's slices first
+(TensorParallelMuon: one all-gather per matrix, the same Newton-Schulz on every tp rank); experts
+and pipeline stages need nothing more.
 A batch that grows with the tokens trained (--batch-ramp) is this lesson's: each step's size is its
 number of micro-batches, which every technique above follows (its section says how). What any real
 run needs is the package's: a rank's share built on the meta device (materialise), checkpoints that
@@ -71,6 +74,7 @@ Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --global-batch-tokens 8192 --batch-ramp 2048 60000
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --optimizer muon
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --zero-stage 1 --recompute full --offload activations
     torchrun --nproc_per_node=2 07_full_5d.py --dp 2 --zero-stage 3 --save-dir ckpt --resume   # 4 -> 2 ranks
     python 07_full_5d.py --plan --preset 8b --gpus 8 --gpu B300 --seq-len 8192 --micro-batch-size 1 --grad-accum 8
 

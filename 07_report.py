@@ -262,10 +262,10 @@ def predicted_offload_link_bytes(model, pipeline, cfg, shape, args, grid: Proces
         experts, ep = experts_per_tp_rank(cfg, grid.tp_size), expert_parallel.ExpertParallel.from_grid(grid)
         grouped = uses_grouped_experts(args, cfg, grid.tp_size, dtype, model.units[0].master.device)
         on_host = {id(block.mlp) for part in parts for block in offloaded_blocks_of(part.module, args)}
+        calls = zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep))
         total += sum(expert_parallel.moe_layer_bytes_over_dense(experts, tokens, micro, sent, received, ep.size,
                                                                 grouped, dtype.itemsize)
-                     for call, sent, received in zip(routing.calls, *expert_parallel.rows_sent_and_received(routing, ep))
-                     if id(routing.layers[call.layer]) in on_host)
+                     for call, sent, received in calls if id(routing.layers[call.layer]) in on_host)
     return total
 
 

@@ -146,6 +146,13 @@ def draw(seed: int) -> Draw:
     # A fifth of the AdamW draws offload it to the host, decided by a stream of their own (07 refuses Muon's).
     elif random.Random(f"offload optimizer {seed}").random() < 1 / 5:
         argv += ["--offload", "optimizer"]
+    # A fifth of the draws offload activations too, from a stream of their own (07 refuses zero-bubble's), half of
+    # them choosing how many of each chunk's first blocks (all of a chunk's included).
+    activations = random.Random(f"offload activations {seed}")
+    if "zero-bubble" not in argv and activations.random() < 1 / 5:
+        argv += ["activations"] if argv[-2:] == ["--offload", "optimizer"] else ["--offload", "activations"]
+        if activations.random() < 0.5:
+            argv += ["--offload-blocks", str(activations.choice((1, 2, 3)))]
     micro = rng.choice([m for m in (1, 2, 3) if SEQUENCES % (m * dp) == 0] or [1])
     grad_accum = max(1, SEQUENCES // (micro * dp))
     argv += ["--recompute", rng.choice(("none", "selective", "full")), "--seq-len", str(SEQ),
@@ -232,7 +239,8 @@ def features(layout: Draw) -> set[str]:
              flag("--schedule") or "", flag("--ring-kernel") or "", flag("--cp-mode") or "",
              f"recompute {flag('--recompute')}", "masked" if layout.masked else "",
              "batch ramp" if "--batch-ramp" in argv else "", "muon" if flag("--optimizer") == "muon" else "",
-             "offload optimizer" if flag("--offload") == "optimizer" else ""}
+             "offload optimizer" if flag("--offload") == "optimizer" else "",
+             "offload activations" if "activations" in argv else ""}
     words |= {word for word, present in (("sequence parallel", "--sequence-parallel" in argv),
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
