@@ -639,10 +639,11 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
             link = predicted_offload_link_bytes(model, pipeline, run.cfg, shape, args, grid, meters.routing
                                                 if args.recompute != "full" else None)
             without = predicted_kept_by_mode(model, pipeline, run.cfg, shape, kept_all, grid, meters.routing)
-        log0(f"(--offload activations: kept on the device, the first {' or '.join(map(str, blocks))} block"
-             f"{'s' if blocks[-1] > 1 else ''} of each chunk in host memory ({without[args.recompute] / 1e6:.3f} MB "
-             f"predicted without); copied to the host in the measured step and back, each way: "
-             f"{meters.host_copies.bytes / 1e6:.3f} MB, predicted {link / 1e6:.3f} MB)")
+        log0(f"(--offload activations: the first {' or '.join(map(str, blocks))} block{'s' if blocks[-1] > 1 else ''}"
+             f" of each chunk keep theirs in host memory; the rows count what stays on the device, "
+             f"{args.recompute} {without[args.recompute] / 1e6:.3f} MB predicted without the offload; copied to the "
+             f"host in the measured step and back, each way: {meters.host_copies.bytes / 1e6:.3f} MB measured, "
+             f"{link / 1e6:.3f} MB predicted)")
     if args.compile:
         log0("(--compile: compiled blocks keep what the compiler's partitioner chooses; the predictions are eager's)")
     if args.schedule == "zero-bubble":

@@ -137,3 +137,25 @@ def test_offload_is_bit_equal_and_keeps_the_predicted_device_bytes():
         no_op = runs[NO_OP, "no-op"]
         assert_equal(no_op, runs[NO_OP, "without"], f"rank={rank} no-op")
         assert no_op["kept"] == runs[NO_OP, "without"]["kept"] > runs[NO_OP, "with"]["kept"], f"rank={rank} no-op"
+
+
+def test_what_offload_refuses_and_its_default_blocks():
+    """07 refuses --offload activations with zero-bubble and --compile, and --offload-blocks below 1
+    or without the offload, each in one line; by default each chunk's blocks but its last move."""
+    full_5d = load_lesson("07_full_5d")
+
+    def problems(*flags) -> list[str]:
+        return full_5d.composition_problems(CFG4, GridShape(dp=2, pp=2),
+                                            full_5d.parse_args(["--pp", "2", "--dp", "2", *flags]))
+
+    assert problems("--offload", "activations") == []
+    refused = {("--schedule", "zero-bubble", "--grad-accum", "4"): "--schedule zero-bubble",
+               ("--compile",): "--compile", ("--offload-blocks", "0"): "--offload-blocks 0"}
+    for flags, named in refused.items():
+        (line,) = problems("--offload", "activations", *flags)
+        assert named in line and ("use" in line or "drop" in line), line
+    (line,) = problems("--offload-blocks", "2")
+    assert "without --offload activations" in line
+    offloaded_blocks = load_lesson("07_activation_offload").offloaded_blocks
+    assert [offloaded_blocks(n, None) for n in (1, 2, 5)] == [0, 1, 4]
+    assert [offloaded_blocks(n, 3) for n in (1, 2, 5)] == [1, 2, 3]
