@@ -639,8 +639,9 @@ def report(run: ComposedRun, meters: ReportMeters, throughput, device) -> None:
             link = predicted_offload_link_bytes(model, pipeline, run.cfg, shape, args, grid, meters.routing
                                                 if args.recompute != "full" else None)
             without = predicted_kept_by_mode(model, pipeline, run.cfg, shape, kept_all, grid, meters.routing)
-        log0(f"(--offload activations: the first {' or '.join(map(str, blocks))} block{'s' if blocks[-1] > 1 else ''}"
-             f" of each chunk keep theirs in host memory; the rows count what stays on the device, "
+        chosen = ("the first block of each chunk keeps its tensors" if blocks == [1] else
+                  f"the first {' or '.join(map(str, blocks))} blocks of each chunk keep theirs")
+        log0(f"(--offload activations: {chosen} in host memory; the rows count what stays on the device, "
              f"{args.recompute} {without[args.recompute] / 1e6:.3f} MB predicted without the offload; copied to the "
              f"host in the measured step and back, each way: {meters.host_copies.bytes / 1e6:.3f} MB measured, "
              f"{link / 1e6:.3f} MB predicted)")

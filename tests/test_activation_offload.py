@@ -159,3 +159,30 @@ def test_what_offload_refuses_and_its_default_blocks():
     offloaded_blocks = load_lesson("07_activation_offload").offloaded_blocks
     assert [offloaded_blocks(n, None) for n in (1, 2, 5)] == [0, 1, 4]
     assert [offloaded_blocks(n, 3) for n in (1, 2, 5)] == [1, 2, 3]
+
+
+def test_the_plan_fits_the_offload_and_says_when_its_copies_stall(capsys):
+    """--plan, 8b at 8192 tokens on 8 H100s as pp 4 x dp 2: 1F1B's first stage does not fit without the
+    offload and does with it; without recomputation a block's copies take longer than the next block's
+    compute (the step grows by their exposed part, the plan says so); under full recomputation (a
+    block keeps its input) every copy hides."""
+    full_5d, plan = load_lesson("07_full_5d"), load_lesson("07_memory_plan")
+    flags = ["--plan", "--preset", "8b", "--gpus", "8", "--gpu", "H100", "--seq-len", "8192", "--micro-batch-size",
+             "1", "--grad-accum", "8", "--pp", "4", "--dp", "2"]
+
+    def planned(*extra):
+        args = full_5d.parse_args([*flags, *extra])
+        cfg, grid, ep, shape = plan.checked_plan_flags(args, full_5d.validate, full_5d.expert_degree)
+        device = plan.plan_device(args)
+        precision = plan.zero.precision_from_flags(args.dtype, args.reduce_dtype, torch.device(device.device_type))
+        layout = plan.plan_layout(cfg, args, grid, ep, shape, precision, device)
+        if "--offload" in extra:
+            plan.print_offload(layout, cfg, shape, precision, device)
+        return layout, layout.peak_bytes <= device.memory_gib * 2**30 * (1 - plan.PLAN_MARGIN), capsys.readouterr().out
+
+    (without, fits, _), (stalls, fits_offloaded, line) = planned(), planned("--offload", "activations")
+    assert not fits and fits_offloaded and "offload" not in without.seconds
+    assert stalls.seconds["offload"] > 0 and f"{1e3 * stalls.seconds['offload']:.1f} ms of the step's copies" in line
+    hidden, _, line = planned("--offload", "activations", "--recompute", "full")
+    assert hidden.seconds["offload"] == 0 and "every copy hidden" in line
+    assert stalls.host["activations (offloaded; the fullest stage)"] > 0
