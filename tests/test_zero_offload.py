@@ -158,7 +158,8 @@ def test_offload_equals_zero_and_moves_the_optimizer_states(dp):
 
 
 # name: (grid, ep, ZeRO stage, model, extra flags): each of 07's seams once, run with and without
-# --offload optimizer; "dp2 x tp2 ZeRO-1" also resumes, offloaded, a checkpoint written without.
+# --offload optimizer; "dp2 x tp2 ZeRO-1" also resumes, with offload, a checkpoint written without,
+# and without, one written with.
 FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
                    "dp2 x tp2 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ()),
                    "pp2 x dp2 ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG, ()),
@@ -224,16 +225,20 @@ def full_5d_run(name: str, offload: bool, save_dir=None, resume_from=None) -> di
 
 
 def every_full_5d_layout(save_dir) -> dict:
-    runs = {(name, offload): full_5d_run(name, offload, save_dir if name == RESUMED and not offload else None)
+    """Every layout with and without offload; RESUMED's two runs each save a checkpoint, which a run
+    of the other kind resumes."""
+    runs = {(name, offload): full_5d_run(name, offload, save_dir / str(offload) if name == RESUMED else None)
             for name in FULL_5D_LAYOUTS for offload in (False, True)}
-    runs["resumed"] = full_5d_run(RESUMED, True, resume_from=save_dir)
+    for offload in (False, True):
+        runs["resumed", offload] = full_5d_run(RESUMED, offload, resume_from=save_dir / str(not offload))
     return runs
 
 
-def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(tmp_path):
+def test_07_offload_equals_07_without_and_checkpoints_cross_between_them(tmp_path):
     """Bit for bit, as in lesson 06's test: each seam of 07 (tp, pp under every schedule, cp,
     experts over edp, FP8) with its optimizer on the host against the same layout without; a
-    checkpoint of a run without offload resumed with it, equal to the run that never stopped.
+    checkpoint of a run without offload resumed with it, and one with offload resumed without,
+    each equal to the run that never stopped.
     The plan (07_memory_plan) of each layout: its device bytes those the run holds on the device
     (the measure of lesson 06_zero_offload), its host bytes those on the host, with offload and
     without (where the host holds nothing)."""
@@ -248,10 +253,11 @@ def test_07_offload_equals_07_without_and_resumes_a_checkpoint_written_without(t
             for key in ("params", "weights"):
                 for param, tensor in alone[key].items():
                     assert torch.equal(offloaded[key][param], tensor), f"{where} {key} {param}"
-        resumed, through = runs["resumed"], runs[(RESUMED, True)]
-        assert resumed["losses"] == through["losses"][SAVED_AT:], f"rank={rank} resumed"
-        for param, tensor in through["params"].items():
-            assert torch.equal(resumed["params"][param], tensor), f"rank={rank} resumed {param}"
+        for offload in (False, True):
+            resumed, through, where = runs["resumed", offload], runs[(RESUMED, offload)], f"rank={rank} resumed"
+            assert resumed["losses"] == through["losses"][SAVED_AT:], f"{where} offload={offload}"
+            for param, tensor in through["params"].items():
+                assert torch.equal(resumed["params"][param], tensor), f"{where} offload={offload} {param}"
 
 
 def test_the_plan_moves_the_optimizer_to_the_host_and_checks_the_node(capsys):
