@@ -94,7 +94,7 @@ import sys
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import cached_property, lru_cache, partial
 
 import torch
 import torch.distributed as dist
@@ -316,11 +316,17 @@ class ExpertUnitsOverEdp:
     same ep rank, lesson 05), not by every dp x cp rank, so a block with experts makes two flat
     units, the dense one sharded over dp x cp and the experts' over edp, each reduced, stepped and
     gathered over its own group (ZeRO-3 gathers and frees them together). Clipping needs no group
-    of its own for them: the dp x cp ranks hold every ep group's experts, and each expert's shards
-    over edp, exactly once, so the dp x cp sum counts every expert (under tp, every slice of it:
-    the tp sum adds the slices) once. Mixed into each of lesson 06's stage classes."""
+    of its own for them at stages 1-3: the dp x cp ranks hold every ep group's experts, and each
+    expert's shards over edp, exactly once, so the dp x cp sum counts every expert (under tp, every
+    slice of it: the tp sum adds the slices) once; stage 0 sums over ep (counting_every_expert_once).
+    Mixed into each of lesson 06's stage classes, stage 0's too: its units whole, all-reduced over
+    their own groups."""
 
-    edp_group = None
+    edp_group = ep_group = None
+
+    @cached_property
+    def expert_parameters(self) -> set:
+        return {p for name, p in self.module.named_parameters() if expert_parallel.is_expert_parameter(name)}
 
     def flat_units(self, named_params: list) -> list:
         experts = [(name, p) for name, p in named_params if expert_parallel.is_expert_parameter(name)]
@@ -337,11 +343,26 @@ def wrap_zero_with_experts(module, grid, args, precision):
                    3: zero.ZeroStage3}[args.zero_stage]
     if "optimizer" in args.offload:
         stage_class = zero_offload.offloaded(stage_class)
-    with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class), {"edp_group": grid.edp_group})
+    with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class),
+                        {"edp_group": grid.edp_group, "ep_group": grid.ep_group})
     if args.zero_stage == 3:
         return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
     return with_experts(module, grid.dp_cp_group, precision, replicate=args.zero_stage == 0,
                         overlap_weight_gather=args.overlap_weight_gather)
+
+
+def counting_every_expert_once(model, settings: StepSettings) -> StepSettings:
+    """05 x 06 at ZeRO-0, the gradient norm. At stage 0 lesson 06 sums the squares over no data
+    group: each rank holds every gradient whole. With experts a rank holds the dense gradients
+    (the same on every dp x cp rank after their all-reduce) but only its ep rank's experts (the
+    same over edp), so lesson 05's rule is added: the sum runs over ep too, each ep rank adding
+    its own experts' squares and ep rank 0 alone the dense ones."""
+    if model.stage > 0 or not isinstance(model, ExpertUnitsOverEdp) or group_size(model.ep_group) == 1:
+        return settings
+    counts = settings.counts_toward_norm or (lambda param: True)
+    first, experts = group_rank(model.ep_group) == 0, model.expert_parameters
+    return replace(settings, norm_groups=(model.ep_group, *settings.norm_groups),
+                   counts_toward_norm=lambda param: counts(param) and (first or param in experts))
 
 
 # ---------------------------------------------------------------------------- 03 x 06: pipeline x ZeRO
@@ -670,7 +691,8 @@ def step_settings(grid: ProcessGrid, device, precision, max_grad_norm: float, ta
 def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSettings, bias_update_rate: float = 0.0,
                balancing_log=None) -> StepResult:
     """The micro-batches through lesson 03's schedule on this rank's chunks, or lesson 01's loop;
-    then lesson 06's sharded tail; with experts lesson 05's: the balancing losses count the step's
+    then lesson 06's sharded tail (at ZeRO-0 with experts its norm counting every expert once:
+    counting_every_expert_once); with experts lesson 05's: the balancing losses count the step's
     sequences (count_the_steps_sequences), the router biases move unless the optimizer step was
     skipped (a non-finite norm, the same on every rank), and the aux and z losses go to the log."""
     pipelined = isinstance(model_or_pipeline, pipeline_parallel.Pipeline)
@@ -682,7 +704,7 @@ def train_step(model_or_pipeline, optimizer, batch: StepBatch, settings: StepSet
         comm.call(dist.all_reduce, loss, group=model_or_pipeline.pp_group)
     else:
         loss = data_parallel.forward_backward(model, batch, settings)
-    result = zero.finish_step(model, optimizer, loss, settings)
+    result = zero.finish_step(model, optimizer, loss, counting_every_expert_once(model, settings))
     if bias_update_rate:
         expert_parallel.update_router_biases(model.module, model.dp_group, bias_update_rate,
                                              result.values["grad_norm"])
@@ -953,9 +975,6 @@ def composition_problems(cfg, grid, args) -> list[str]:
         problems.append(f"--pp {grid.pp} with --zero-stage {args.zero_stage}: ZeRO-2/3 under a pipeline "
                         f"reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B "
                         f"interleaves: DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
-    if cfg.n_experts and args.zero_stage == 0:
-        problems.append(f"n_experts={cfg.n_experts} with --zero-stage 0: experts without sharding are lesson 05; "
-                        f"use --zero-stage 1, 2 or 3")
     if not cfg.n_experts and args.ep not in (None, 1):
         problems.append(f"--ep {args.ep} with a dense preset: there are no experts to spread; use --ep 1 or "
                         f"--preset tiny-moe")

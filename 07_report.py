@@ -486,7 +486,9 @@ def predicted_step_traffic(model, pipeline, cfg, shape, args, grid: ProcessGrid,
     (06), Muon's (06_zero_muon and its tp join), the pipeline's (03), the balancing's (05) and,
     where predicted_inner_traffic predicts them (`routing` and `steps` as there), tp's, cp's and
     ep's, with `inner_extra` added to those (the recomputed forward's); else none of them."""
-    norm_groups = (("dp_cp",) if model.stage else ()) + (("tp",) if grid.tp_size > 1 else ())
+    # the norm's sum: over the shards of dp x cp, or at ZeRO-0 with experts over ep (each ep rank's own experts)
+    norm_groups = ((("dp_cp",) if model.stage else ("ep",) if cfg.n_experts and grid.ep_size > 1 else ())
+                   + (("tp",) if grid.tp_size > 1 else ()))
     predicted = add_traffic(ZeroUnits.of(model, grid).traffic(model.stage, precision, shape.grad_accum,
                                                               args.reshard_after_forward),
                             step_bookkeeping_traffic(loss_groups=("dp_cp",), norm_groups=norm_groups),

@@ -246,7 +246,7 @@ def features(layout: Draw) -> set[str]:
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
                                          ("3 virtual stages", virtual == 3)) if present}
     if moe:
-        words |= {"experts", f"ep{ep}", f"{flag('--router')} router",
+        words |= {"experts", f"ep{ep}", f"{flag('--router')} router", f"experts at ZeRO-{flag('--zero-stage')}",
                   "looped experts" if "--no-grouped-mm" in argv else "grouped experts", *(f"experts with {axis}" for axis, degree in
                                                                          (("pp", pp), ("tp", tp), ("cp", cp)) if degree > 1)}
         words |= {word for word, option in (("shared expert", "--shared-experts"), ("aux loss", "--aux-loss-coef"),

@@ -5,7 +5,8 @@ One spawn of 4 gloo ranks trains a base run (dp2 x tp2, ZeRO-1) that saves at st
 resumes its step-2 checkpoint in the same layout and in three others (pp 2; dp 4 with ZeRO-3;
 cp 2 with ZeRO-0); an interleaved run (pp 2 x dp 2, two chunks per rank) resumes in its own
 layout and with pp 4, dp 1, one chunk per rank and ZeRO-0; and a mixture-of-experts run (dp 4, ep 4, router biases moved away from zero
-so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3; and a Muon run
+so that only the checkpoint can bring them back) resumed with tp 2, ep 2 and ZeRO-3, and at ZeRO-0 with
+cp 2, ep 2, whose own checkpoint resumes back at dp 4, ep 4, ZeRO-1; and a Muon run
 (dp 2 x tp 2, ZeRO-1) resumed with pp 2 x dp 2, its momentum resharded. The same
 layout must give the uninterrupted run's losses bit for bit: the same float operations on the
 same values. Another layout sums in another order: the losses agree to 1e-5, the tolerance of
@@ -48,6 +49,9 @@ OTHER_LAYOUTS = {"pp 2 (dp 2, tp 1)": ["--pp", "2", "--dp", "2", "--zero-stage",
                  "ZeRO-0 (cp 2, dp 2)": ["--cp", "2", "--dp", "2", "--zero-stage", "0"]}
 MOE_BASE = ["--preset", "tiny-moe", "--dp", "4", "--ep", "4", "--zero-stage", "1"]
 MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--zero-stage", "3"]
+# Experts at ZeRO-0 (dp 2 x cp 2, ep 2: the experts whole over edp 2): the ZeRO-1 checkpoint resumed
+# there for two steps, saving each; its first one resumed back in MOE_BASE's layout for the second.
+MOE_ZERO_0 = ["--preset", "tiny-moe", "--dp", "2", "--cp", "2", "--ep", "2", "--zero-stage", "0"]
 # Interleaved (lesson 03's schedule, two chunks per pipeline rank; four layers for four chunks),
 # resumed in the same layout and with the chunks, pp and dp all changed.
 INTERLEAVED_BASE = ["--n-layers", "4", "--pp", "2", "--dp", "2", "--zero-stage", "1", "--schedule", "interleaved",
@@ -131,6 +135,10 @@ def four_rank_runs(directory: str) -> dict:
         runs[name] = trainer([*RAMP, *layout, "--steps", "5", "--resume", f"{ramp}/step_00000002"], 4)
     runs["moe base"] = trainer([*MOE_BASE, "--steps", "3", "--save-every", "2", "--save-dir", moe], 4, router_bias=True)
     runs["moe other"] = trainer([*MOE_OTHER, "--steps", "3", "--resume", f"{moe}/step_00000002"], 4)
+    runs["moe zero-0"] = trainer([*MOE_ZERO_0, "--steps", "4", "--resume", f"{moe}/step_00000002", "--save-every",
+                                  "1", "--save-dir", f"{directory}/moe_zero_0"], 4)
+    runs["moe from zero-0"] = trainer([*MOE_BASE, "--steps", "4", "--resume",
+                                       f"{directory}/moe_zero_0/step_00000003"], 4)
     muon = f"{directory}/muon"
     runs["muon base"] = trainer([*BASE, *MUON, "--steps", "4", "--save-every", "2", "--save-dir", muon], 4)
     runs["muon other"] = trainer([*MUON_OTHER, "--steps", "4", "--resume", f"{muon}/step_00000002"], 4)
@@ -146,7 +154,9 @@ def saved(tmp_path_factory):
 def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     """Same layout: the losses and gradient norms of steps 2-3 equal the uninterrupted run's
     exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
-    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding. The
+    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding; so are
+    experts at ZeRO-0 (cp 2, ep 2) resumed from that checkpoint, and their own checkpoint resumed
+    back at ep 4, ZeRO-1 (losses and norms). The
     interleaved run: exactly in its own layout, to rounding with its virtual stages, pp, dp and
     ZeRO stage changed. Muon's run resumed with pp 2 x dp 2: to rounding. Resuming
     prints one note per setting or model field that differs from the checkpoint's, and none when
@@ -174,6 +184,16 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
                                    rtol=1e-5, atol=0, msg=name)
     moe_base, moe_other = runs["moe base"], runs["moe other"]
     torch.testing.assert_close(torch.tensor(moe_other["losses"]), torch.tensor(moe_base["losses"][2:]), **CROSS_LAYOUT)
+    moe_zero_0, moe_from_zero_0 = runs["moe zero-0"], runs["moe from zero-0"]
+    torch.testing.assert_close(torch.tensor(moe_zero_0["losses"][:1]), torch.tensor(moe_base["losses"][2:]),
+                               **CROSS_LAYOUT)
+    torch.testing.assert_close(torch.tensor(moe_zero_0["norms"][:1]), torch.tensor(moe_base["norms"][2:]), rtol=1e-5,
+                               atol=0)
+    assert moe_from_zero_0["start"] == 3 and len(moe_from_zero_0["losses"]) == 1, moe_from_zero_0
+    torch.testing.assert_close(torch.tensor(moe_from_zero_0["losses"]), torch.tensor(moe_zero_0["losses"][1:]),
+                               **CROSS_LAYOUT)
+    torch.testing.assert_close(torch.tensor(moe_from_zero_0["norms"]), torch.tensor(moe_zero_0["norms"][1:]),
+                               rtol=1e-5, atol=0)
     interleaved, same, other = (runs[f"interleaved {name}"] for name in ("base", "same layout", "other"))
     assert same["losses"] == interleaved["losses"][2:] and same["norms"] == interleaved["norms"][2:], same
     torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(interleaved["losses"][2:]), **CROSS_LAYOUT)

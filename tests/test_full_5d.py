@@ -429,7 +429,6 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     full_5d = lesson()
     for argv, message in [(["--pp", "2", "--zero-stage", "2"], "--pp 2 with --zero-stage 2"),
                           (["--tp", "3"], "world size"),
-                          (["--preset", "tiny-moe", "--zero-stage", "0", "--ep", "2"], "--zero-stage 0: experts"),
                           (["--tp", "2", "--schedule", "interleaved"], "interleaving needs a pipeline"),
                           (["--tp", "2", "--bias-update-rate", "1e-3"], "there are no routers to balance"),
                           (["--tp", "2", "--aux-loss-coef", "0.01"], "needs a mixture-of-experts model"),

@@ -67,6 +67,13 @@ VARIANTS = [
     ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("capacity_factor", 1.0)), bias_update_rate=1e-3,
                     ramp=(128, 200)),
     ComposedVariant(GridShape(pp=2, cp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, ramp=(128, 300)),
+    # ZeRO-0, lesson 01's all-reduce, the dense units over dp x cp and the experts' over edp, the norm's
+    # squares of the experts summed over ep: dp2 (ep2) with two pipeline stages, dp2 x tp2 (every
+    # expert and the shared one split over tp), dp2 x cp2 with ep2 (edp 2) and ep4 (edp 1)
+    ComposedVariant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3, zero_stage=0),
+    ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=0),
+    ComposedVariant(GridShape(dp=2, cp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, masked=True, zero_stage=0),
+    ComposedVariant(GridShape(dp=2, cp=2), 4, BALANCED, grouped=False, zero_stage=0),
 ]
 
 

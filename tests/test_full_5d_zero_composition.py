@@ -83,6 +83,7 @@ def composed():
     for stage in (1, 2, 3):
         runs[f"tp stage {stage}"] = zero_run(tp_grid.shape, stage, grid=tp_grid)
         runs[f"cp stage {stage}"] = zero_run(cp_grid.shape, stage, grid=cp_grid)
+    for stage in (0, 1, 2, 3):
         runs[f"ep stage {stage}"] = zero_run(ep_grid.shape, stage, grid=ep_grid, cfg=MOE_CFG)
     return runs
 
@@ -103,7 +104,8 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
     micro-batches, each stage's optimizer states sharded over its dp ranks (ZeRO-1; stage 0 too),
     equal to one device, and in bf16 to the one-device bf16 regime, its weight all-gathers overlapped
     with the next forward equal to them waited for in the step; dp 4 with ep 2 (tiny-moe): dense
-    units sharded over dp, expert units over edp = 2, equal to lesson 05 on the same ranks (the same
+    units sharded over dp, expert units over edp = 2 (at ZeRO-0 each all-reduced whole over its
+    group, the norm summing the experts' squares over ep), equal to lesson 05 on the same ranks (the same
     routing, so no teacher forcing is needed: lesson 05's tests prove it equal to one device).
     Formulas byte for byte in all of them. Experts with ZeRO and each other axis together (cp with
     ZeRO-3, tp with ZeRO-2, pp with ZeRO-1) are tests/test_full_5d_expert_composition.py's."""
@@ -132,15 +134,15 @@ def test_composes_with_tensor_context_pipeline_and_expert_parallelism(reference)
             torch.testing.assert_close(torch.tensor(runs[f"tp stage {stage}"]["losses"]),
                                        torch.tensor(reference["losses"]), rtol=0, atol=1e-5)
             assert_equal_to_baseline(runs[f"tp stage {stage}"], runs["tp baseline"], f"{where} tp")
-            ep_run = runs[f"ep stage {stage}"]
-            assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be sharded over edp"
+        for stage in (0, 1, 2, 3):
+            ep_run, where = runs[f"ep stage {stage}"], f"rank={rank} stage {stage}"
+            assert any(key[1] == "edp" for key in ep_run["traffic"]), "the experts must be reduced over edp"
             assert_formulas(ep_run, f"{where} ep")
             assert_equal_to_baseline(ep_run, runs["ep baseline"], f"{where} ep")
     assert all(names == set(reference["params"]) for names in covered.values()), "the stages hold every parameter"
 
 
 @pytest.mark.parametrize("cfg, grid, stage, ep, extra, message", [
-    (MOE_CFG, GridShape(dp=2), 0, 2, [], "--zero-stage 0: experts without sharding are lesson 05"),
     (MOE_CFG, GridShape(dp=2, pp=2), 2, 2, [], "--pp 2 with --zero-stage 2: ZeRO-2/3 under a pipeline"),
     (MOE_CFG, GridShape(dp=4), 1, 3, [], "--ep 3 does not divide dp*cp = 4*1 = 4"),
     (CFG, GridShape(dp=2), 1, 2, [], "--ep 2 with a dense preset"),

@@ -59,6 +59,10 @@ LAYOUTS = {
     "dp2 x tp2 ZeRO-2 muon": (GridShape(dp=2, tp=2), 1, CFG, ("--zero-stage", "2", "--optimizer", "muon")),
     "moe dp2 x cp2 ep2 ZeRO-3 muon": (GridShape(dp=2, cp=2), 2, MOE_CFG,
                                       ("--zero-stage", "3", "--recompute", "none", "--optimizer", "muon")),
+    # experts at ZeRO-0: every unit whole on each rank of its group (dense: dp x cp, experts: edp)
+    "moe dp2 x tp2 ep2 ZeRO-0 full": (GridShape(dp=2, tp=2), 2, MOE_CFG, ("--zero-stage", "0", "--recompute", "full")),
+    "moe dp2 x cp2 ep2 ZeRO-0 muon": (GridShape(dp=2, cp=2), 2, MOE_CFG,
+                                      ("--zero-stage", "0", "--recompute", "full", "--optimizer", "muon")),
 }
 # Live micro-batches at the peak on each pipeline rank, m = 2: 1F1B's first stage keeps both before
 # its first backward, the last one; interleaved (v = 2), rank 0's warm-up runs all four (chunk,
