@@ -168,6 +168,7 @@ FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
                    "pp2 x dp2 afab ZeRO-0": (GridShape(dp=2, pp=2), 1, 0, CFG, ("--schedule", "afab")),
                    "dp2 x cp2 ZeRO-2 bf16": (GridShape(dp=2, cp=2), 1, 2, CFG, ("--dtype", "bfloat16")),
                    "dp4 moe ep2 ZeRO-2": (GridShape(dp=4), 2, 2, MOE_CFG, ()),
+                   "dp2 x tp2 moe ZeRO-0": (GridShape(dp=2, tp=2), 1, 0, MOE_CFG, ()),
                    "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise"))}
 RESUMED = "dp2 x tp2 ZeRO-1"
 CFG_8B = get_config("8b")
