@@ -49,7 +49,7 @@ per unit, and A micro-batches per step (a ring sends (N-1)/N of a payload per ra
 bf16/bf16 gives the paper's 2+2+12, 2+2+12/N, 2+14/N, 16/N; fp32 gradients make ZeRO-2 2 + 16/N
 (fp16 is out of scope: it needs loss scaling, bf16 does not). ZeRO-3 sends A p Psi less when units
 stay gathered from forward to backward. This lesson shards a dense model over data parallelism
-alone; lesson 07 composes ZeRO with experts, pipelines (ZeRO-0/1) and the other axes (--tp, --pp,
+alone; lesson 07 composes ZeRO with experts, pipelines and the other axes (--tp, --pp,
 --cp and MoE presets here are refused with a line pointing there).
 
 Run it:

@@ -174,10 +174,8 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     materialise_held_parameters(chunks, None if values_to_load else ReferenceTensors.of(cfg, args.seed), grid, device)
     # 06: ZeRO over the dp x cp ranks, which hold the same weights (experts: over edp); stage 0 is 01's sum;
     # 06_zero_offload: --offload optimizer, the master and AdamW's states in host memory, the step on the host
-    wrap = zero_offload.wrap_zero_offloaded if "optimizer" in args.offload else zero.wrap_zero
-    model = (wrap_zero_with_experts(one_module(chunks, grid), grid, args, precision) if cfg.n_experts else
-             wrap(one_module(chunks, grid), grid.dp_cp_group, args.zero_stage, precision,
-                  args.reshard_after_forward, args.prefetch, args.overlap_weight_gather))
+    # (experts: their units over edp, 05 x 06; ZeRO-2/3 under a pipeline: reduced once per step, 03 x 06)
+    model = wrap_zero(one_module(chunks, grid), grid, args, precision, cfg.n_experts > 0)
     compile_blocks(model.module, args.compile)       # this lesson: inside recomputation and every hook
     apply_recompute(model.module, args.recompute)    # this lesson: inside ZeRO-3's gathers
     if "activations" in args.offload:               # 07_activation_offload: chosen blocks' kept tensors on the host
@@ -188,6 +186,7 @@ def parallelize(cfg, grid: ProcessGrid, args, device, values_to_load: bool = Fal
     if args.schedule == "zero-bubble":               # 03 x 02, 06: every block's weight gradients wait for W
         for chunk in chunks:
             defer_block_weight_gradients(chunk)
+            weight_gradients_into_shards(chunk, model)
     return model, pipeline
 
 
@@ -336,19 +335,29 @@ class ExpertUnitsOverEdp:
                 for params, group in ((dense, self.dp_group), (experts, self.edp_group)) if params]
 
 
-def wrap_zero_with_experts(module, grid, args, precision):
-    """Lesson 06's wrap_zero over dp x cp, its stage's class (offloaded: 06_zero_offload's) with
-    ExpertUnitsOverEdp mixed in."""
+def wrap_zero(module, grid, args, precision, with_experts: bool):
+    """Lesson 06's wrap_zero over dp x cp (offloaded: 06_zero_offload's), or its stage's class with
+    the seams' mixins: experts over edp (ExpertUnitsOverEdp), ZeRO-2/3 under a pipeline
+    (PipelinedZeroStage2/3, the next seam)."""
+    pipelined = grid.pp_size > 1 and args.zero_stage >= 2
+    offloaded = "optimizer" in args.offload
+    if not with_experts and not pipelined:
+        wrap = zero_offload.wrap_zero_offloaded if offloaded else zero.wrap_zero
+        return wrap(module, grid.dp_cp_group, args.zero_stage, precision, args.reshard_after_forward, args.prefetch,
+                    args.overlap_weight_gather)
     stage_class = {0: zero.ZeroDataParallel, 1: zero.ZeroDataParallel, 2: zero.ZeroStage2,
                    3: zero.ZeroStage3}[args.zero_stage]
-    if "optimizer" in args.offload:
+    if pipelined:
+        stage_class = {2: PipelinedZeroStage2, 3: PipelinedZeroStage3}[args.zero_stage]
+    if offloaded:
         stage_class = zero_offload.offloaded(stage_class)
-    with_experts = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class),
-                        {"edp_group": grid.edp_group, "ep_group": grid.ep_group})
+    if with_experts:
+        stage_class = type(stage_class.__name__, (ExpertUnitsOverEdp, stage_class),
+                           {"edp_group": grid.edp_group, "ep_group": grid.ep_group})
     if args.zero_stage == 3:
-        return with_experts(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
-    return with_experts(module, grid.dp_cp_group, precision, replicate=args.zero_stage == 0,
-                        overlap_weight_gather=args.overlap_weight_gather)
+        return stage_class(module, grid.dp_cp_group, precision, args.reshard_after_forward, args.prefetch)
+    return stage_class(module, grid.dp_cp_group, precision, replicate=args.zero_stage == 0,
+                       overlap_weight_gather=args.overlap_weight_gather)
 
 
 def counting_every_expert_once(model, settings: StepSettings) -> StepSettings:
@@ -373,11 +382,152 @@ def one_module(chunks: list, grid: ProcessGrid) -> torch.nn.Module:
     """ZeRO x pipeline: a rank's interleaved chunks are different layers sharded over the same
     dp x cp group and stepped by one optimizer, so one ZeRO wrapper holds them all (StageChunks);
     the schedule drives each chunk through a view whose data-parallel switch is that wrapper's
-    (PipelineChunk), and each unit is reduced once, in its own chunk's last backward: ZeRO-0/1,
-    whose gradients stay whole through the step (composition_problems says why not 2/3). The dp x
-    cp group itself is the seam of 01 and 04: cp ranks hold the same weights and each computed
-    part of their gradient, so they are summed (ZeRO: reduce-scattered) with dp's."""
+    (PipelineChunk), and each unit is reduced once, in its own chunk's last backward (ZeRO-2/3:
+    PipelinedZeroStage2/3 below). The dp x cp group itself is the seam of 01 and 04: cp ranks
+    hold the same weights and each computed part of their gradient, so they are summed (ZeRO:
+    reduce-scattered) with dp's."""
     return StageChunks(chunks) if grid.pp_size > 1 else chunks[0]
+
+
+class GradientsReducedOncePerStep:
+    """ZeRO-2/3 x pipeline, the gradients. Lesson 06's ZeRO-2 reduce-scatters each unit at every
+    micro-batch, which a pipeline's m micro-batches would make m reduce-scatters per unit and step
+    (A g Psi), interleaved with the schedule. Here a unit's gradient is accumulated whole over the
+    step's micro-batches, as ZeRO-1 accumulates it, in a buffer taken at the unit's first gradient
+    of the step, and reduce-scattered once, during its chunk's last backward (under zero-bubble its
+    last W: the schedule's switch, PipelineChunk); the whole buffer is freed when that reduction
+    completes (one in flight at a time, lesson 06's ZeroStage2), and the shard it lands in when
+    the step is over.
+
+    Against ZeRO-1: the same traffic (g Psi reduce-scattered, the weights gathered once), and the
+    same gradient bytes at the step's peak (the whole buffers, g Psi'); none between steps (ZeRO-1
+    keeps its buffers: during the optimizer step, a checkpoint, the next step's forwards up to each
+    unit's first backward). Against lesson 06's ZeRO-2: m times fewer gradient bytes sent, for the
+    whole buffers held through the step (06 holds one unit's whole gradient at a time). So ZeRO-2
+    under a pipeline buys little; its gradients are what ZeRO-3 under a pipeline uses."""
+
+    def _hold_gradients(self, unit, device) -> None:
+        unit.grad_buffer = None         # the whole gradient, during the step only
+        unit.grad_shard = torch.empty(0, dtype=self.precision.reduce_dtype, device=device)
+
+    def _reduce(self, unit, grads: list[torch.Tensor]) -> None:
+        # the step's first gradient written into a new buffer, the later ones added (ZeRO-1's arithmetic)
+        if unit.grad_buffer is None:
+            unit.grad_buffer = unit.flatten(grads, self.precision.reduce_dtype)
+        else:
+            torch._foreach_add_(unit.views(unit.grad_buffer), grads)
+        if not self.require_backward_grad_sync:
+            return                      # not the unit's last micro-batch: accumulate only
+        self._finish_in_flight()        # the previous unit's reduction done, its whole buffer freed
+        unit.grad_shard = unit.grad_buffer.new_empty(unit.shard_numel)
+        work = comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=unit.group,
+                         async_op=True)
+        self._in_flight, unit.grad_buffer = (work, unit, None, unit.grad_buffer), None
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """After the step: the shards stepped with are freed too."""
+        super().zero_grad(set_to_none)
+        for unit in self.units:
+            unit.grad_shard = unit.grad_shard.new_empty(0)
+
+
+class PipelinedZeroStage2(GradientsReducedOncePerStep, zero.ZeroStage2):
+    """Lesson 06's ZeRO-2 under a pipeline: gradients reduced once per step (GradientsReducedOncePerStep);
+    the weights whole, gathered after the step as at ZeRO-1."""
+
+
+class PipelinedZeroStage3(GradientsReducedOncePerStep, zero.ZeroStage3):
+    """ZeRO-3 x pipeline, the weights. A stage runs m forwards and m backwards of each chunk per
+    step, so lesson 06's gather before each forward and again before each backward is 2m gathers
+    per unit and step (--reshard-after-forward, the default: two units gathered at a time); kept
+    gathered (--no-reshard-after-forward) a unit is gathered at its first forward of the step and
+    freed after its last backward (the reduction's switch): one gather per unit and step, all of
+    the stage's units gathered through it (torchtitan's choice under a pipeline).
+
+    Prefetching stays inside a chunk: under interleaved 1F1B a rank's next computation after its
+    chunk's last unit is another chunk's, on another micro-batch, at a time the schedule decides,
+    so a unit gathered across chunks would wait, gathered, for it. Every dp x cp rank of a stage
+    runs the same program, so their gathers and reductions come in the same order.
+
+    Zero-bubble: a block's weight gradients come in W, long after B, which needs the weights, and
+    W does not (dW = dy^T x). Resharded, a block's weights are freed once B has passed them (when
+    the gradient of the block's input arrives: the next unit back's hook, or one on a chunk's
+    input); W hands its gradients to the shards directly (add_weight_gradients), since autograd
+    would check each against its freed parameter's shape."""
+
+    def __init__(self, module, group, precision=zero.Precision(), reshard_after_forward: bool = True,
+                 prefetch: bool = True):
+        super().__init__(module, group, precision, reshard_after_forward, prefetch)
+        self.unit_chunk = chunk_of_each_unit(module)
+        self.weight_gradients_in_w = set()    # flat units whose gradients come in zero-bubble's W (a block's dense one)
+
+    def _wait_for(self, index: int, then_prefetch: int) -> None:
+        same_chunk = 0 <= then_prefetch < len(self.unit_chunk) and self.unit_chunk[then_prefetch] == self.unit_chunk[index]
+        super()._wait_for(index, then_prefetch if same_chunk else -1)
+
+    def _before_forward(self, index, module, args):
+        super()._before_forward(index, module, args)
+        first_in_chunk = index == 0 or self.unit_chunk[index - 1] != self.unit_chunk[index]
+        if self.weight_gradients_in_w and self.reshard_after_forward and first_in_chunk and args[0].requires_grad:
+            args[0].register_hook(lambda grad: self._release_after_input_gradient(index))
+
+    def _before_backward(self, index, grad):
+        # B has passed the unit after this one: free what waits for W before gathering and prefetching
+        if self.reshard_after_forward and index + 1 < len(self.unit_chunk) and \
+                self.unit_chunk[index + 1] == self.unit_chunk[index]:
+            self._release_after_input_gradient(index + 1)
+        super()._before_backward(index, grad)
+
+    def _release_after_input_gradient(self, index: int) -> None:
+        for unit in self.unit_groups[index]:
+            if unit in self.weight_gradients_in_w:
+                unit.release_parameters()
+
+    def _reduce(self, unit, grads: list[torch.Tensor]) -> None:
+        super()._reduce(unit, grads)
+        if self.reshard_after_forward or self.require_backward_grad_sync:
+            unit.release_parameters()       # resharded: until the next gather; kept: until the next step
+
+    def add_weight_gradients(self, pairs) -> None:
+        """Zero-bubble's W: one micro-batch's (parameter, gradient) pairs of this rank's blocks,
+        into their units as autograd's accumulation would have handed them (every parameter of
+        a unit in W has its gradient there)."""
+        grads = dict(pairs)
+        for unit in self.units:
+            if unit.params[0] in grads:
+                self._reduce(unit, [grads.pop(param) for param in unit.params])
+
+
+def chunk_of_each_unit(stage) -> list[int]:
+    """Which of a rank's chunks (StageChunks) each of lesson 06's module units lies in: the
+    embedding the first, a block its own, the head the last."""
+    chunk_of = {id(block): index for index, chunk in enumerate(stage.chunks) for block in chunk.layers}
+    return [0 if modules[0] is stage.tok_embeddings else
+            len(stage.chunks) - 1 if modules[0] is stage.norm else chunk_of[id(modules[0])]
+            for modules in zero.unit_modules(stage)]
+
+
+class WeightGradientsIntoShards(zero_bubble.PendingWeightGradients):
+    """A chunk's W queue whose W hands the gradients to ZeRO-3 under a pipeline (PipelinedZeroStage3)."""
+
+    def weight_gradients(self, micro_batch: int) -> None:
+        with torch.no_grad():       # what autograd's accumulation gets: the values, no graph (x is a forward tensor)
+            self.sharded.add_weight_gradients(pair for weight_gradient in self.pending.pop(micro_batch)
+                                              for pair in weight_gradient.compute())
+
+
+def weight_gradients_into_shards(chunk, model) -> None:
+    """03 x 06 under zero-bubble at ZeRO-3: the chunk's W queue (lesson 03's, given by its pipeline)
+    hands its gradients to the shards, and its blocks' dense units are marked as waiting for W."""
+    if not isinstance(model, PipelinedZeroStage3):
+        return
+    chunk.pending_weight_gradients.__class__ = WeightGradientsIntoShards
+    chunk.pending_weight_gradients.sharded = model
+    blocks = {id(block) for block in chunk.layers}
+    for modules, units in zip(zero.unit_modules(model.module), model.unit_groups):
+        if id(modules[0]) in blocks:
+            model.weight_gradients_in_w |= {unit for unit in units
+                                            if not expert_parallel.is_expert_parameter(unit.names[0])}
 
 
 class StageChunks(torch.nn.Module):
@@ -721,7 +871,9 @@ def evaluate(model_or_pipeline, batch: StepBatch, settings: StepSettings) -> flo
     model = model_or_pipeline.chunks[0].sharded if pipelined else model_or_pipeline
     with expert_parallel.router_loads_kept(model):
         if pipelined:
-            return pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
+            loss = pipeline_parallel.evaluate(model_or_pipeline, batch, settings)
+            zero.release_gathered(model)        # ZeRO-3's units kept gathered (lesson 06's evaluate)
+            return loss
         return zero.evaluate(model_or_pipeline, batch, settings)
 
 
@@ -971,10 +1123,6 @@ def composition_problems(cfg, grid, args) -> list[str]:
     problems = fp8.fp8_problems(cfg, grid, args)
     if args.schedule == "zero-bubble":
         problems += zero_bubble_problems(grid, args)
-    if grid.pp > 1 and args.zero_stage >= 2:
-        problems.append(f"--pp {grid.pp} with --zero-stage {args.zero_stage}: ZeRO-2/3 under a pipeline "
-                        f"reduce-scatter (and ZeRO-3 re-gathers) at every micro-batch of the schedule, which 1F1B "
-                        f"interleaves: DeepSpeed refuses them; use --zero-stage 0 or 1, or --pp 1")
     if not cfg.n_experts and args.ep not in (None, 1):
         problems.append(f"--ep {args.ep} with a dense preset: there are no experts to spread; use --ep 1 or "
                         f"--preset tiny-moe")
@@ -1112,8 +1260,10 @@ def parse_args(argv=None):
 
 def layout_defaults(args):
     """The defaults that follow the layout, so that every layout the rules accept runs with the
-    other flags at their defaults: ZeRO-3, or under a pipeline ZeRO-1 (composition_problems says
-    why not 2 or 3). The expert degree follows it too (expert_degree)."""
+    other flags at their defaults: ZeRO-3, or under a pipeline ZeRO-1 (ZeRO-2/3 there hold the
+    gradients whole through the step and ZeRO-3 gathers each unit 2m times or keeps them all
+    gathered: PipelinedZeroStage3; --plan says where one is faster). The expert degree follows it
+    too (expert_degree)."""
     if args.zero_stage is None:
         args.zero_stage = 1 if args.pp > 1 else 3
     return args

@@ -18,7 +18,10 @@ group, no GPU:
                                   stage), times the micro-batches lesson 03's schedule keeps live;
                                   with experts lesson 05's per-layer bytes for balanced routing;
                                   with --fp8 the blocks' matmul inputs as FP8 copies (07_fp8.py)
-    gathered weights (ZeRO-3)     lesson 06's prefetch window
+    gathered weights (ZeRO-3)     lesson 06's prefetch window (under a pipeline within a chunk, or
+                                  the stage's units kept gathered: lesson 07's PipelinedZeroStage3)
+    gradients, whole in the step  under a pipeline, ZeRO-2/3's gradients accumulated whole until
+                                  their one reduction per step (lesson 07's PipelinedZeroStage2/3)
     communication buffers         estimated here: a unit's gradients on their way into ZeRO's
                                   buffers (flat copies in flight at stages 2-3), a pipeline
                                   boundary's tensors, ring attention's K/V blocks
@@ -285,12 +288,13 @@ def planned_buffer_bytes(cfg, args, grid: GridShape, shape, precision, flat_unit
     autograd's per-parameter gradients of one unit (p bytes) until ZeRO takes them: at stages 0-1
     straight into the unit's gradient buffer (counted with the model states), at stages 2-3 into a
     flat copy to reduce-scatter (g bytes), while the previous unit's copy and its reduced shard are
-    still in flight. A pipeline stage receives one activation and one gradient at the boundary;
+    still in flight (under a pipeline into their whole buffers, as at stage 1). A pipeline stage receives one activation and one gradient at the boundary;
     ring attention holds the K/V block it computes on and the one arriving."""
     p, g = precision.param_dtype.itemsize, precision.reduce_dtype.itemsize
     largest = max(flat_units)
     n = grid.dp * grid.cp
-    buffers = largest * p + (2 * largest * g + largest // n * g if args.zero_stage >= 2 else 0)
+    # (under a pipeline ZeRO-2/3 reduce the whole buffers, counted apart: no flat copies)
+    buffers = largest * p + (2 * largest * g + largest // n * g if args.zero_stage >= 2 and grid.pp == 1 else 0)
     tokens = shape.micro_batch_size * shape.seq_len // grid.cp
     if grid.pp > 1:
         buffers += 2 * p * tokens * cfg.hidden // (grid.tp if args.sequence_parallel else 1)
@@ -332,7 +336,9 @@ def zero_units(cfg, args, grid: GridShape, ep: int, pp_rank: int, place: int | N
     if args.optimizer == "muon":
         exchanges = planned_exchanges(cfg, args, grid, ep, pp_rank)
         muon = min(muon_elements_at(exchanges, ep, where) for where in ([place] if place is not None else range(n)))
-    return measurement.ZeroUnits(dense, experts, n, n // ep, muon)
+    chunks = measurement.units_per_chunk(stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages)) \
+        if grid.pp > 1 else ()
+    return measurement.ZeroUnits(dense, experts, n, n // ep, muon, chunks)
 
 
 @lru_cache(maxsize=None)
@@ -418,19 +424,24 @@ def optimizer_states_row(args) -> str:
     return "Adam states (fp32)" if args.optimizer == "adamw" else "Muon momentum, Adam states (fp32)"
 
 
+WHOLE_GRADIENTS = "gradients, whole in the step"     # ZeRO-2/3 under a pipeline
+
+
 def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
                    device: DeviceProfile, place: int | None = None) -> tuple[dict, int]:
     """Pipeline stage `pp_rank`'s bytes per rank by component (every rank of a stage holds the
     same, but under Muon its optimizer states: those of the rank at `place` of its dp x cp group,
     by default the fullest), and the micro-batches live at the activations' peak. Model
     states: lesson 06's formula on its unit counts (experts over edp); gathered weights: ZeRO-3's
-    prefetch window (06)."""
+    prefetch window (06); under a pipeline ZeRO-2/3's gradients, whole from each unit's first
+    gradient of the step to its reduction (lesson 07's PipelinedZeroStage2/3), a row of their own."""
     units = zero_units(cfg, args, grid, ep, pp_rank, place)
     offload = "optimizer" in args.offload
     states = units.placement(args.zero_stage, precision)[0] if offload else units.model_states(args.zero_stage, precision)
     gathered = (units.gathered_peak(precision, args.reshard_after_forward, args.prefetch)
                 if args.zero_stage == 3 else 0)
     activations, live = planned_activation_bytes(cfg, args, grid, ep, shape, precision, pp_rank, device)
+    whole = units.whole_gradients(args.zero_stage, precision)
     memory = {"parameters": states.parameters, "gradients": states.gradients,
               **({} if offload else {"master weights (fp32)": states.master_weights,
                                      optimizer_states_row(args): states.optimizer_states}),
@@ -438,6 +449,7 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
               "loss's backward (chunked)": sum(planned_loss_parts(cfg, args, grid, shape, precision, pp_rank,
                                                                   device).values()),
               "gathered weights (ZeRO-3)": gathered,
+              **({WHOLE_GRADIENTS: whole} if whole else {}),
               "communication buffers (estimated)": planned_buffer_bytes(
                   cfg, args, grid, shape, precision, [count for count in units.dense + units.experts if count])}
     if "activations" in args.offload:
@@ -787,8 +799,9 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     """(exposed communication, optimizer tail) of lesson 06 over dp x cp (experts over edp) on
     stage `pp_rank`, unit by unit on the group's link. Reductions start as each unit's backward
     ends (stages 0-1 in the last micro-batch only, 2-3 in every one, whose tail the next
-    micro-batch's forward hides); ZeRO-3 gathers each unit behind the unit before it, forward
-    and (resharded) backward; stages 1-2 gather the weights after the step, behind the next
+    micro-batch's forward hides; under a pipeline 2-3 in the last only); ZeRO-3 gathers each unit
+    behind the unit before it, forward and (resharded) backward (under a pipeline kept gathered:
+    before the first forward only); stages 1-2 gather the weights after the step, behind the next
     step's first forward (or with --no-overlap-weight-gather waiting for them)."""
     units = zero_units(cfg, args, grid, ep, pp_rank)
     rank = grid.rank_of(pp=pp_rank)
@@ -811,17 +824,24 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
     forward = [micro.forward * s for s in share]
     backward = [(micro.backward + micro.recompute) * s for s in share][::-1]
     none = [0.0] * len(share)
+    # under a pipeline, ZeRO-2/3 reduce once per step (lesson 07's PipelinedZeroStage2/3), and ZeRO-3 kept
+    # gathered gathers each unit once, before the step's first forward
+    reduced_every_micro_batch = stage >= 2 and grid.pp == 1
+    forward_gathers = (1 if grid.pp > 1 and not args.reshard_after_forward else m) if stage == 3 else 0
+    backward_gathers = m if stage == 3 and args.reshard_after_forward else 0
     exposed = 0.0
     if stage == 3:
         waits, _ = zero_timeline(forward, gathers, none)
-        exposed += m * waits
-    back_gathers = gathers[::-1] if stage == 3 and args.reshard_after_forward else none
+        exposed += forward_gathers * waits
+    back_gathers = gathers[::-1] if backward_gathers else none
     waits, tail = zero_timeline(backward, back_gathers, reduces[::-1])
-    if stage >= 2:      # every micro-batch reduces; all but the last hide their tail behind the next forward
+    if reduced_every_micro_batch:   # every micro-batch reduces; all but the last hide their tail behind the next forward
         exposed += (m - 1) * (waits + hidden_behind(tail, micro.forward, 1.0))
+    elif backward_gathers:          # under a pipeline every backward gathers, the last one reduces
+        exposed += (m - 1) * zero_timeline(backward, back_gathers, none)[0]
     exposed += waits + tail
-    communication = (sum(reduces) * (m if stage >= 2 else 1) + sum(gathers) * m * (1 + args.reshard_after_forward)
-                     * (stage == 3))
+    communication = (sum(reduces) * (m if reduced_every_micro_batch else 1)
+                     + sum(gathers) * (forward_gathers + backward_gathers))
     if stage in (1, 2) and args.overlap_weight_gather:
         exposed += gathers_before_forward(forward, gathers)
         communication += sum(gathers)
@@ -835,7 +855,7 @@ def zero_seconds(cfg, args, grid: GridShape, ep: int, precision, device, pp_rank
                 + zero.padded(experts, units.edp) // (units.edp if stage else 1)
                 for dense, experts in zip(units.dense, units.experts))
     local = sum(units.dense) + sum(units.experts)
-    later = FIRST_ACCUMULATE_BYTES if stage >= 2 else ACCUMULATE_BYTES
+    later = FIRST_ACCUMULATE_BYTES if reduced_every_micro_batch else ACCUMULATE_BYTES
     offloaded = "optimizer" in args.offload and device.host_link_bandwidth > 0
     optimizer = (sum(offload_seconds(units, args, precision, device, micro).values()) if offloaded else
                  step_costs.memory_seconds(device, shard * OPTIMIZER_BYTES, OPTIMIZER_KERNELS_PER_UNIT * len(share)))
@@ -1021,7 +1041,8 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
             f"gradients (--no-async-tp-dgrad: on it) and, on a CPU's gloo, pp's sends left in flight (on NCCL a "
             f"batch that receives waits for its sends too); ring attention's sends behind one block's attention; "
             f"gradient reductions unit by unit behind the rest of the backward (ZeRO 0-1: the last micro-batch's; "
-            f"2-3: every one's, behind the next forward too); ZeRO-3's gather of a unit behind the unit before it; "
+            f"2-3: every one's, behind the next forward too, but under a pipeline the last one's); ZeRO-3's gather of a "
+            f"unit behind the unit before it (under a pipeline, kept gathered: once per step); "
             f"ZeRO-1/2's weight all-gathers behind the next step's "
             f"first forward, each unit's waited for before it (--no-overlap-weight-gather: in the step); "
             f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
@@ -1338,6 +1359,8 @@ def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: Dev
                      f"the logits of one chunk, {tokens} tokens x {words} words, {loss['chunk'] / GIB:.2f} GiB)")
     if planned.memory["gathered weights (ZeRO-3)"]:
         parts.append("ZeRO-3's gathered units")
+    if WHOLE_GRADIENTS in planned.memory:
+        parts.append("the gradients accumulated whole (ZeRO-2/3 under a pipeline)")
     when = ("at the start of a micro-batch's backward, in the LM head" if loss else
             "when the schedule holds the most micro-batches (this stage holds no LM head)")
     print(f"the peak, {when}: " + ", ".join(parts) + ", and the communication buffers")

@@ -17,6 +17,7 @@ hooks, comm's meter. Nothing here changes what the run computes.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import astuple, dataclass, field, replace
 from functools import partial
 
@@ -417,13 +418,16 @@ class ZeroUnits:
     the n = dp x cp ranks, and its experts', sharded over edp (ExpertUnitsOverEdp). From a built
     model (of), or in the memory plan from its unit counts; a dense model's experts are zeros.
     `muon`: the elements of Muon's matrices in this rank's shards, whose one float32 momentum
-    replaces AdamW's two moments (0 under AdamW)."""
+    replaces AdamW's two moments (0 under AdamW). Under a pipeline, `chunk_units`: the module
+    units of each of the rank's chunks, in order (lesson 07's ZeRO-2/3 under a pipeline:
+    PipelinedZeroStage2/3, whose formulas differ from lesson 06's); empty without one."""
 
     dense: list[int]
     experts: list[int]
     n: int
     edp: int
     muon: int = 0
+    chunk_units: tuple = ()
 
     @classmethod
     def of(cls, model, grid: ProcessGrid, optimizer: str = "adamw") -> "ZeroUnits":
@@ -435,13 +439,28 @@ class ZeroUnits:
 
         n = grid.dp_size * grid.cp_size
         muon = zero_muon.muon_elements_held(zero_muon.matrix_exchanges(model)) if optimizer == "muon" else 0
-        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size, muon)
+        chunks = units_per_chunk(model.module.chunks) if grid.pp_size > 1 else ()
+        return cls(counts(dense=True), counts(dense=False), n, n // grid.ep_size, muon, chunks)
+
+    def reduced_once_per_step(self, stage: int) -> bool:
+        """ZeRO-2/3 under a pipeline: gradients accumulated whole and reduce-scattered once per step."""
+        return stage >= 2 and bool(self.chunk_units)
 
     def model_states(self, stage: int, precision) -> ModelStates:
+        """Between steps: under a pipeline ZeRO-2/3 hold no gradient then (whole_gradients: in the step)."""
         dense = zero.predicted_model_states(self.dense, self.n, stage, precision)
         experts = zero.predicted_model_states(self.experts, self.edp, stage, precision)
         states = ModelStates(*(a + b for a, b in zip(astuple(dense), astuple(experts))))
-        return replace(states, optimizer_states=states.optimizer_states - 4 * self.muon)
+        states = replace(states, optimizer_states=states.optimizer_states - 4 * self.muon)
+        return replace(states, gradients=0) if self.reduced_once_per_step(stage) else states
+
+    def whole_gradients(self, stage: int, precision) -> int:
+        """Under a pipeline, ZeRO-2/3's gradient buffers held whole from each unit's first gradient
+        of the step to its reduction: every unit padded over its group, at the step's peak."""
+        if not self.reduced_once_per_step(stage):
+            return 0
+        return precision.reduce_dtype.itemsize * sum(zero.padded(dense, self.n) + zero.padded(experts, self.edp)
+                                                     for dense, experts in zip(self.dense, self.experts))
 
     def placement(self, stage: int, precision) -> tuple[ModelStates, ModelStates]:
         """Under --offload optimizer: (device side, host side), 06_zero_offload's formula on each group's units."""
@@ -451,18 +470,41 @@ class ZeroUnits:
                      for i in (0, 1))
 
     def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
-        """ZeRO's collectives per step over dp x cp and, with experts, over edp."""
-        return add_traffic(*(zero.predicted_zero_traffic(counts, n, stage, precision, n_micro, reshard_after_forward,
-                                                         group)
-                             for counts, n, group in ((self.dense, self.n, "dp_cp"), (self.experts, self.edp, "edp"))
-                             if any(counts)))
+        """ZeRO's collectives per step over dp x cp and, with experts, over edp. Under a pipeline,
+        ZeRO-2/3 reduce-scatter once per step (g Psi, as ZeRO-1) and ZeRO-2 gathers once (p Psi);
+        ZeRO-3 gathers each unit before each micro-batch's forward and backward (2 m p Psi) or,
+        kept gathered through the step, once (p Psi)."""
+        if not self.reduced_once_per_step(stage):
+            return add_traffic(*(zero.predicted_zero_traffic(counts, n, stage, precision, n_micro,
+                                                             reshard_after_forward, group)
+                                 for counts, n, group in self.groups()))
+        gathers = 2 * n_micro if stage == 3 and reshard_after_forward else 1
+        return add_traffic(*({key: value * (gathers if key[0] == "all_gather_single" else 1)
+                              for key, value in zero.predicted_zero_traffic(counts, n, 1, precision, 1, True,
+                                                                            group).items()}
+                             for counts, n, group in self.groups()))
+
+    def groups(self) -> list[tuple]:
+        return [(counts, n, group) for counts, n, group in ((self.dense, self.n, "dp_cp"),
+                                                             (self.experts, self.edp, "edp")) if any(counts)]
 
     def gathered_peak(self, precision, reshard_after_forward: bool, prefetch: bool) -> int:
-        """ZeRO-3 gathers a block's dense and expert units together, each padded over its own group."""
-        return zero.predicted_gathered_peak([(zero.padded(dense, self.n) + zero.padded(experts, self.edp))
-                                             * precision.param_dtype.itemsize
-                                             for dense, experts in zip(self.dense, self.experts)],
-                                            reshard_after_forward, prefetch)
+        """ZeRO-3 gathers a block's dense and expert units together, each padded over its own group;
+        under a pipeline it prefetches within a chunk only, and kept gathered holds every unit of
+        the stage."""
+        unit_bytes = [(zero.padded(dense, self.n) + zero.padded(experts, self.edp)) * precision.param_dtype.itemsize
+                      for dense, experts in zip(self.dense, self.experts)]
+        if not reshard_after_forward:
+            return sum(unit_bytes)
+        bounds = list(itertools.accumulate(self.chunk_units or (len(unit_bytes),), initial=0))
+        return max(zero.predicted_gathered_peak(unit_bytes[lo:hi], reshard_after_forward, prefetch)
+                   for lo, hi in zip(bounds, bounds[1:]))
+
+
+def units_per_chunk(chunks) -> tuple:
+    """The module units (lesson 06's: embedding, blocks, head) of each of a rank's pipeline chunks."""
+    return tuple(len(chunk.layers) + (chunk.tok_embeddings is not None) + (chunk.lm_head is not None)
+                 for chunk in chunks)
 
 
 def predicted_muon_traffic(model, grid: ProcessGrid, optimizer: str) -> dict:

@@ -108,7 +108,7 @@ class Draw:
 
 def draw(seed: int) -> Draw:
     """One command line from everything 07's flags can say; some of them 07 refuses (tp = 3 with two
-    KV heads, an ep that does not divide, ZeRO-3 under a pipeline, ...), which is the point."""
+    KV heads, an ep that does not divide, zero-bubble with recomputation, ...), which is the point."""
     rng = random.Random(seed)
     degrees = {"tp": rng.choice((1, 1, 2, 2, 3)), "cp": rng.choice((1, 1, 2, 3, 4)), "pp": rng.choice((1, 1, 2, 3)),
                "dp": rng.choice((1, 2, 2, 3, 4, 6))}
@@ -140,6 +140,10 @@ def draw(seed: int) -> Draw:
         argv += ["--sequence-parallel"]
     if moe:
         argv += _moe_flags(rng, dp * cp)
+    # Half of the ZeRO-3 draws keep their units gathered from forward to backward (under a pipeline:
+    # through the step), decided by a stream of their own, as zero-bubble is.
+    if argv[argv.index("--zero-stage") + 1] == "3" and random.Random(f"kept gathered {seed}").random() < 0.5:
+        argv += ["--no-reshard-after-forward"]
     # A third of the draws step with Muon, decided by a stream of their own, as zero-bubble is.
     if random.Random(f"muon {seed}").random() < 1 / 3:
         argv += ["--optimizer", "muon", "--muon-lr", str(LR)]
@@ -244,7 +248,10 @@ def features(layout: Draw) -> set[str]:
     words |= {word for word, present in (("sequence parallel", "--sequence-parallel" in argv),
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
-                                         ("3 virtual stages", virtual == 3)) if present}
+                                         ("3 virtual stages", virtual == 3),
+                                         (f"ZeRO-{flag('--zero-stage')} under a pipeline",
+                                          pp > 1 and flag("--zero-stage") in ("2", "3")),
+                                         ("units kept gathered", "--no-reshard-after-forward" in argv)) if present}
     if moe:
         words |= {"experts", f"ep{ep}", f"{flag('--router')} router", f"experts at ZeRO-{flag('--zero-stage')}",
                   "looped experts" if "--no-grouped-mm" in argv else "grouped experts", *(f"experts with {axis}" for axis, degree in

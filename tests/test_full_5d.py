@@ -427,8 +427,7 @@ def test_torchrun_script_trains_and_refuses_bad_configurations():
     assert len(rows) == 4 and all(measured == predicted for measured, predicted in rows), stdout
 
     full_5d = lesson()
-    for argv, message in [(["--pp", "2", "--zero-stage", "2"], "--pp 2 with --zero-stage 2"),
-                          (["--tp", "3"], "world size"),
+    for argv, message in [(["--tp", "3"], "world size"),
                           (["--tp", "2", "--schedule", "interleaved"], "interleaving needs a pipeline"),
                           (["--tp", "2", "--bias-update-rate", "1e-3"], "there are no routers to balance"),
                           (["--tp", "2", "--aux-loss-coef", "0.01"], "needs a mixture-of-experts model"),

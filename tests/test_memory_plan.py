@@ -63,6 +63,14 @@ LAYOUTS = {
     "moe dp2 x tp2 ep2 ZeRO-0 full": (GridShape(dp=2, tp=2), 2, MOE_CFG, ("--zero-stage", "0", "--recompute", "full")),
     "moe dp2 x cp2 ep2 ZeRO-0 muon": (GridShape(dp=2, cp=2), 2, MOE_CFG,
                                       ("--zero-stage", "0", "--recompute", "full", "--optimizer", "muon")),
+    # lesson 07's ZeRO-2/3 under a pipeline: gradients whole through the step; ZeRO-3 resharded within
+    # a chunk, or every unit of the stage kept gathered
+    "pp2 x dp2 ZeRO-2 none": (GridShape(dp=2, pp=2), 1, CFG, ("--zero-stage", "2", "--recompute", "none")),
+    "pp2 x dp2 ZeRO-3 none": (GridShape(dp=2, pp=2), 1, replace(CFG, n_layers=3),
+                              ("--zero-stage", "3", "--recompute", "none")),
+    "pp2 x dp2 interleaved ZeRO-3 kept": (GridShape(dp=2, pp=2), 1, replace(CFG, n_layers=4),
+                                          ("--zero-stage", "3", "--no-reshard-after-forward", "--schedule",
+                                           "interleaved", "--virtual-stages", "2")),
 }
 # Live micro-batches at the peak on each pipeline rank, m = 2: 1F1B's first stage keeps both before
 # its first backward, the last one; interleaved (v = 2), rank 0's warm-up runs all four (chunk,
@@ -91,6 +99,24 @@ def by_state(planned: dict, args) -> dict:
     return {(STATES[-1] if key == row else key): value for key, value in planned.items()}
 
 
+class WholeGradientMeter:
+    """The bytes of lesson 07's whole gradient buffers under a pipeline (GradientsReducedOncePerStep),
+    the one whose reduction is in flight included, sampled at every tensor autograd saves and reads
+    back, as GatheredParameterMeter samples the weights."""
+
+    def __init__(self, model):
+        self.model, self.peak_bytes = model, 0
+
+    def pack(self, tensor):
+        buffers = [unit.grad_buffer for unit in self.model.units if unit.grad_buffer is not None]
+        if self.model._in_flight is not None:
+            buffers.append(self.model._in_flight[3])
+        self.peak_bytes = max(self.peak_bytes, sum(buffer.nbytes for buffer in buffers))
+        return tensor
+
+    unpack = pack
+
+
 def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
     """Two steps of the layout on this rank: its model states after them, its kept activations
     (or ZeRO-3's gathered weights) at their peak in the first, the first steps' rows, and the plan."""
@@ -105,11 +131,13 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
                         vocab_size=cfg.vocab_size)
     cut = full_5d.context_parallel.sequence_cut(grid, args.zigzag) or (lambda batch: batch)
     meter = (GatheredParameterMeter if args.zero_stage == 3 else ActivationMeter)(model.module)
+    whole = WholeGradientMeter(model)       # read only under a pipeline at ZeRO-2/3
+    pipelined = shape.pp > 1 and args.zero_stage >= 2
     step = first_steps.observe(partial(full_5d.train_step, model if pipeline is None else pipeline, optimizer,
                                        settings=settings))
     comm.meter.reset()
     for index in range(2):
-        with SavedTensorMeters(meter) if index == 0 else nullcontext():
+        with SavedTensorMeters(meter, *[whole] * pipelined) if index == 0 else nullcontext():
             step(cut(data.step_batch(index, grid.dp_rank)))
     states = zero.measured_model_states(model, optimizer)
     place = group_rank(grid.dp_cp_group)
@@ -119,7 +147,7 @@ def measure(shape: GridShape, ep: int, cfg, flags) -> dict:
                     if args.optimizer == "muon" else {})
     return {"states": dict(zip(STATES, (states.parameters, states.gradients, states.master_weights,
                                         states.optimizer_states))),
-            "meter": meter.peak_bytes, "first_steps": first_steps.rows, "live": live,
+            "meter": meter.peak_bytes, "whole gradients": whole.peak_bytes, "first_steps": first_steps.rows, "live": live,
             "planned": by_state(planned, args),
             "muon traffic": {key: comm.meter.traffic[key].payload_bytes for key in muon_traffic},
             "planned muon traffic": {key: 2 * value for key, value in muon_traffic.items()}}
@@ -140,6 +168,11 @@ def test_plan_equals_what_each_rank_holds_component_by_component():
             else:
                 assert run["meter"] == planned["activations"] > 0, where
                 assert planned["gathered weights (ZeRO-3)"] == 0, where
+            whole = planned.get(memory_plan().WHOLE_GRADIENTS, 0)
+            assert (whole > 0) == (shape.pp > 1 and ("ZeRO-2" in name or "ZeRO-3" in name)), where
+            # interleaved, a chunk's buffers may be freed before another's are taken: the plan's is a bound
+            assert run["whole gradients"] == whole if "interleaved" not in name else run["whole gradients"] <= whole, \
+                where
             schedule = "interleaved" if "interleaved" in name else "1f1b"
             assert run["live"] == (LIVE[schedule][shape.coords_of(rank)["pp"]] if shape.pp > 1 else 1), where
             phases = dict(run["first_steps"])

@@ -94,7 +94,7 @@ def observe_gradients(model, optimizer) -> dict:
 
 
 def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: bool = True,
-             precision=FP32, grid=None, cfg=CFG, overlap: bool = True, tail: str = "auto") -> dict:
+             precision=FP32, grid=None, cfg=CFG, overlap: bool = True, tail: str = "auto", flags=()) -> dict:
     """Train STEPS steps; return what the equality tests compare, the measured model states with
     their formula, ZeRO-3's gathered peak with its prediction, and the traffic with its formula.
     Dense on data parallelism alone: lesson 06 as its main() builds it. Any other layout (tp, cp,
@@ -103,7 +103,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
     overlap: ZeRO-1/2's weight all-gathers left running into the next forward (lesson 06's default),
     or waited for in the step; "weights" are the module's own after the last step's gathers, and
     "in_flight" counts, at each micro-batch's first unit (after ZeRO's own hook), the module units
-    whose gathers are still running."""
+    whose gathers are still running. flags: more of lesson 07's (a pipeline's --schedule)."""
     zero = lesson()
     grid = grid or ProcessGrid(grid_shape)
     precision = zero.Precision(**precision)
@@ -114,7 +114,7 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         pipeline, settings, step = None, zero.step_settings(CPU, precision, MAX_GRAD_NORM), zero.train_step
     else:
         full_5d = load_lesson("07_full_5d")
-        args = composed_args(grid, stage, reshard, prefetch, precision, data.shape, overlap)
+        args = composed_args(grid, stage, reshard, prefetch, precision, data.shape, overlap, flags)
         model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
         settings, step = full_5d.step_settings(grid, CPU, precision, MAX_GRAD_NORM), full_5d.train_step
     settings = replace(settings, tail=tail)
@@ -156,6 +156,8 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
         zero.predicted_model_states(load_lesson("07_memory_plan").unit_parameter_counts(
             cfg, grid.tp_size, grid.pp_size, grid.pp_rank), n, stage,
                                     precision)
+    if grid.pp_size > 1 and stage >= 2:     # 07's ZeRO-2/3 under a pipeline hold no gradient between steps
+        predicted_states = replace(predicted_states, gradients=0)
     params = gathered(model, lambda unit: unit.master)
     weights = {name: param.detach().clone() for name, param in model.module.named_parameters()}
     return {"grads": seen["before"], "clipped_grads": seen["after"], "params": params, "weights": weights,
@@ -170,7 +172,8 @@ def zero_run(grid_shape: GridShape, stage: int, reshard: bool = True, prefetch: 
             "inner_predicted": inner is not None}
 
 
-def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, shape, overlap: bool = True):
+def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, shape, overlap: bool = True,
+                  flags=()):
     """Lesson 07's flags for this layout and ZeRO setting, with the defaults lesson 06's own
     build used before the composition moved to 07 (looped experts, fused zigzag ring)."""
     dtypes = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -181,7 +184,7 @@ def composed_args(grid, stage: int, reshard: bool, prefetch: bool, precision, sh
         "--micro-batch-size", str(shape.micro_batch_size), "--seq-len", str(shape.seq_len),
         "--grad-accum", str(shape.grad_accum), "--no-grouped-mm",
         *([] if reshard else ["--no-reshard-after-forward"]), *([] if prefetch else ["--no-prefetch"]),
-        *([] if overlap else ["--no-overlap-weight-gather"])])
+        *([] if overlap else ["--no-overlap-weight-gather"]), *flags])
 
 
 def context_split(grid):
