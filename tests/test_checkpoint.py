@@ -46,7 +46,13 @@ COMMON = ["--n-layers", "2", "--seq-len", "32", "--micro-batch-size", "2", "--gl
 BASE = ["--dp", "2", "--tp", "2", "--zero-stage", "1"]
 OTHER_LAYOUTS = {"pp 2 (dp 2, tp 1)": ["--pp", "2", "--dp", "2", "--zero-stage", "1"],
                  "ZeRO-3 (dp 4, tp 1)": ["--dp", "4", "--zero-stage", "3"],
-                 "ZeRO-0 (cp 2, dp 2)": ["--cp", "2", "--dp", "2", "--zero-stage", "0"]}
+                 "ZeRO-0 (cp 2, dp 2)": ["--cp", "2", "--dp", "2", "--zero-stage", "0"],
+                 "pp 2 ZeRO-3 kept gathered (dp 2)": ["--pp", "2", "--dp", "2", "--zero-stage", "3",
+                                                      "--no-reshard-after-forward"]}
+# Written under a pipeline at ZeRO-3 (lesson 07's PipelinedZeroStage3), resumed in its own layout and in
+# dp 4 with ZeRO-1
+PIPELINED_ZERO_BASE = ["--pp", "2", "--dp", "2", "--zero-stage", "3"]
+PIPELINED_ZERO_OTHER = ["--dp", "4", "--zero-stage", "1"]
 MOE_BASE = ["--preset", "tiny-moe", "--dp", "4", "--ep", "4", "--zero-stage", "1"]
 MOE_OTHER = ["--preset", "tiny-moe", "--dp", "2", "--tp", "2", "--ep", "2", "--zero-stage", "3"]
 # Experts at ZeRO-0 (dp 2 x cp 2, ep 2: the experts whole over edp 2): the ZeRO-1 checkpoint resumed
@@ -139,6 +145,11 @@ def four_rank_runs(directory: str) -> dict:
                                   "1", "--save-dir", f"{directory}/moe_zero_0"], 4)
     runs["moe from zero-0"] = trainer([*MOE_BASE, "--steps", "4", "--resume",
                                        f"{directory}/moe_zero_0/step_00000003"], 4)
+    pipelined = f"{directory}/pipelined"
+    runs["pipelined base"] = trainer([*PIPELINED_ZERO_BASE, "--steps", "4", "--save-every", "2", "--save-dir",
+                                      pipelined], 4)
+    for name, layout in (("pipelined same layout", PIPELINED_ZERO_BASE), ("pipelined other", PIPELINED_ZERO_OTHER)):
+        runs[name] = trainer([*layout, "--steps", "4", "--resume", f"{pipelined}/step_00000002"], 4)
     muon = f"{directory}/muon"
     runs["muon base"] = trainer([*BASE, *MUON, "--steps", "4", "--save-every", "2", "--save-dir", muon], 4)
     runs["muon other"] = trainer([*MUON_OTHER, "--steps", "4", "--resume", f"{muon}/step_00000002"], 4)
@@ -153,12 +164,13 @@ def saved(tmp_path_factory):
 
 def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     """Same layout: the losses and gradient norms of steps 2-3 equal the uninterrupted run's
-    exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, and experts over ep 2 with tp 2 and ZeRO-3
-    (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32 rounding; so are
-    experts at ZeRO-0 (cp 2, ep 2) resumed from that checkpoint, and their own checkpoint resumed
-    back at ep 4, ZeRO-1 (losses and norms). The
+    exactly. pp 2, ZeRO-3 with tp 1, ZeRO-0 with cp 2, pp 2 at ZeRO-3 kept gathered, and experts over ep 2
+    with tp 2 and ZeRO-3 (from ep 4, ZeRO-1, the router biases in the checkpoint only): to float32
+    rounding; so are experts at ZeRO-0 (cp 2, ep 2) resumed from that checkpoint, and their own
+    checkpoint resumed back at ep 4, ZeRO-1 (losses and norms). The
     interleaved run: exactly in its own layout, to rounding with its virtual stages, pp, dp and
-    ZeRO stage changed. Muon's run resumed with pp 2 x dp 2: to rounding. Resuming
+    ZeRO stage changed. Written at pp 2 x dp 2 with ZeRO-3: exactly in its own layout, to rounding
+    at dp 4 with ZeRO-1. Muon's run resumed with pp 2 x dp 2: to rounding. Resuming
     prints one note per setting or model field that differs from the checkpoint's, and none when
     nothing does; the first steps' memory rows carry the real step numbers and the restored Adam
     states from the first row on."""
@@ -198,6 +210,10 @@ def test_resume_in_the_same_layout_is_bit_exact_and_in_others_close(saved):
     assert same["losses"] == interleaved["losses"][2:] and same["norms"] == interleaved["norms"][2:], same
     torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(interleaved["losses"][2:]), **CROSS_LAYOUT)
     torch.testing.assert_close(torch.tensor(other["norms"]), torch.tensor(interleaved["norms"][2:]), rtol=1e-5, atol=0)
+    pipelined, same, other = (runs[f"pipelined {name}"] for name in ("base", "same layout", "other"))
+    assert same["losses"] == pipelined["losses"][2:] and same["norms"] == pipelined["norms"][2:], same
+    torch.testing.assert_close(torch.tensor(other["losses"]), torch.tensor(pipelined["losses"][2:]), **CROSS_LAYOUT)
+    torch.testing.assert_close(torch.tensor(other["norms"]), torch.tensor(pipelined["norms"][2:]), rtol=1e-5, atol=0)
     muon_base, muon_other = runs["muon base"], runs["muon other"]
     assert len(muon_other["resume_log"]) == 1, muon_other["resume_log"]     # Muon's settings as written: no note
     torch.testing.assert_close(torch.tensor(muon_other["losses"]), torch.tensor(muon_base["losses"][2:]), **CROSS_LAYOUT)

@@ -16,6 +16,8 @@ Tolerances are lesson 05's (gradients 1e-6, losses and norms 1e-5, parameters 1e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -112,6 +114,12 @@ ODD_LAYOUTS = {"dp3 x tp2 SP ZeRO-2 selective": (GridShape(dp=3, tp=2), 2, "sele
                # Muon (06_zero_muon, 07's tp join) over shards that cut its matrices unevenly
                "dp3 x tp2 SP ZeRO-2 muon": (GridShape(dp=3, tp=2), 2, "none", ("--sequence-parallel", *MUON)),
                "dp3 x tp2 ZeRO-3 muon": (GridShape(dp=3, tp=2), 3, "none", MUON)}
+# lesson 07's ZeRO-2/3 under a pipeline over three uneven stages (4 layers: 2 + 1 + 1), as ODD_LAYOUTS
+UNEVEN_CFG = replace(CFG, n_layers=4)
+UNEVEN_STAGES = {"dp2 x pp3 ZeRO-3 1f1b": (GridShape(dp=2, pp=3), 3, "none", ()),
+                 "dp2 x pp3 ZeRO-3 kept zero-bubble": (GridShape(dp=2, pp=3), 3, "none",
+                                                       ("--no-reshard-after-forward", "--schedule", "zero-bubble")),
+                 "dp2 x pp3 ZeRO-2 afab": (GridShape(dp=2, pp=3), 2, "selective", ("--schedule", "afab"))}
 NAN_STEP = 1        # the step whose gradient a NaN poisons in the non-finite runs
 NON_FINITE = (("muon", "exact"), ("adamw", "exact"), ("muon", "on device"))     # on device last: it patches AdamW
 
@@ -129,13 +137,13 @@ def odd_layout_args(grid_shape: GridShape, stage: int, recompute: str, extra):
         str(LR), *extra])
 
 
-def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra, replayed=None) -> dict:
+def odd_layout_run(grid_shape: GridShape, stage: int, recompute: str, extra, replayed=None, cfg=CFG) -> dict:
     full_5d = load_lesson("07_full_5d")
     zero = full_5d.zero
     grid = ProcessGrid(grid_shape)
     data = odd_data(grid.dp_size)
     args = odd_layout_args(grid_shape, stage, recompute, extra)
-    model, pipeline = full_5d.parallelize(CFG, grid, args, CPU)
+    model, pipeline = full_5d.parallelize(cfg, grid, args, CPU)
     optimizer = optimizer_of(model, grid, args, replayed)
     seen = observe_gradients(model, optimizer)
     settings = full_5d.step_settings(grid, CPU, zero.Precision(), MAX_GRAD_NORM)
@@ -180,6 +188,7 @@ def non_finite_run(optimizer: str, tail: str) -> dict:
 
 def every_odd_layout(replays: dict) -> dict:
     runs = {name: odd_layout_run(*layout, replays.get(name)) for name, layout in ODD_LAYOUTS.items()}
+    runs.update({name: odd_layout_run(*layout, cfg=UNEVEN_CFG) for name, layout in UNEVEN_STAGES.items()})
     original = train_module.adamw_implementation
     try:
         runs.update({f"non-finite {optimizer} {tail}": non_finite_run(optimizer, tail)
@@ -214,7 +223,8 @@ def assert_equal_to_one_device(result: dict, reference: dict, local, where: str)
 
 def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device():
     """6 ranks, five layouts with dp or cp = 3, ZeRO-1/2/3, ring and Ulysses, and recompute none,
-    selective and full: each rank's gradients before and after clipping, its parameters after 3
+    selective and full, and ZeRO-2/3 under a pipeline of three uneven stages (1F1B resharded,
+    zero-bubble kept gathered, AFAB at ZeRO-2): each rank's gradients before and after clipping, its parameters after 3
     AdamW steps (its stage's, its tp shard) and every loss and norm equal one device's. Under Muon,
     dp3 x tp2 with ZeRO-2 (sequence parallel) and ZeRO-3, stepped with one device's gradients
     (test_full_5d.replay), the same against one device's Muon. And Muon's non-finite skip: a NaN
@@ -228,11 +238,14 @@ def test_odd_degrees_with_zero_2_and_3_and_each_recompute_mode_equal_one_device(
     assert min(references["adamw"]["norms"]) > MAX_GRAD_NORM, "clipping must act, or clipped gradients prove nothing"
     muon = {name for name, (*_, extra) in ODD_LAYOUTS.items() if "muon" in extra}
     replays = {name: references["muon"]["every_clipped_grads"] for name in muon}
+    uneven = train_reference(UNEVEN_CFG, SEED, odd_data(1), STEPS, LR, MAX_GRAD_NORM, adam_eps=ADAM_EPS)
     for rank, runs in enumerate(run_ranks(6, every_odd_layout, replays, timeout_s=400, checks=SEQUENCES_CHECKED)):
         for name, (grid_shape, *_) in ODD_LAYOUTS.items():
             result = runs[name]
             assert_equal_to_one_device(result, references["muon" if name in muon else "adamw"],
                                        tp_shard(result, grid_shape.tp), f"rank={rank} {name}")
+        for name in UNEVEN_STAGES:
+            assert_equal_to_one_device(runs[name], uneven, lambda full, _: full, f"rank={rank} {name}")
         for optimizer, tail in NON_FINITE:
             run, where = runs[f"non-finite {optimizer} {tail}"], f"rank={rank} non-finite {optimizer} {tail}"
             assert run["skipped"] == [step == NAN_STEP for step in range(STEPS)], where

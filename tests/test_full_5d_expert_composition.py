@@ -42,6 +42,8 @@ class ComposedVariant(Variant):
     virtual_stages: int = 1          # > 1: lesson 03's interleaved schedule, several chunks per pipeline rank
     optimizer: str = "adamw"         # muon: test_full_5d's MUON flags, stepped with one device's gradients (replay)
     ramp: tuple = ()                 # --batch-ramp START_TOKENS RAMP_TOKENS: each step of its own size
+    schedule: str = ""               # a pipeline's --schedule other than 1F1B (or interleaved: virtual_stages)
+    reshard: bool = True             # ZeRO-3's --reshard-after-forward
 
 
 SIGMOID_AUX = (("router", "sigmoid"), ("aux_loss_coef", 1e-2))
@@ -54,6 +56,14 @@ VARIANTS = [
     ComposedVariant(GridShape(dp=2, pp=2), 2, BALANCED, bias_update_rate=1e-3),
     ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), bias_update_rate=1e-3,
                     virtual_stages=2),
+    # ZeRO-2/3 under a pipeline (lesson 07's PipelinedZeroStage2/3), experts' units over edp: zero-bubble
+    # resharded (the experts' gradients in B, the rest of a block's in W), interleaved resharded within a
+    # chunk and kept gathered, 1F1B at ZeRO-2
+    ComposedVariant(GridShape(dp=2, pp=2), 2, BALANCED, zero_stage=3, schedule="zero-bubble"),
+    ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), virtual_stages=2, zero_stage=3),
+    ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 5)), virtual_stages=2, zero_stage=3,
+                    reshard=False),
+    ComposedVariant(GridShape(dp=2, pp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, zero_stage=2),
     # every expert (and the shared one) split over tp = 2, of dp = 2 and of cp = 2
     ComposedVariant(GridShape(dp=2, tp=2), 2, (*BALANCED, ("n_shared_experts", 1)), zero_stage=2),
     ComposedVariant(GridShape(cp=2, tp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, grouped=False, masked=True),
@@ -93,6 +103,8 @@ def composed_run(variant: ComposedVariant, replayed: list[dict] | None = None) -
         "--lr", str(LR), "--bias-update-rate", str(variant.bias_update_rate),
         *(["--schedule", "interleaved", "--virtual-stages", str(variant.virtual_stages)]
           if variant.virtual_stages > 1 else []),
+        *(["--schedule", variant.schedule] if variant.schedule else []),
+        *([] if variant.reshard else ["--no-reshard-after-forward"]),
         *([] if variant.grouped else ["--no-grouped-mm"]), *(MUON if variant.optimizer == "muon" else []),
         *(["--batch-ramp", *map(str, variant.ramp)] if variant.ramp else [])])
     data = data.with_ramp(full_5d.ramp_of_layout(args, grid.shape, data.shape))
@@ -210,7 +222,8 @@ def composed_training():
 
 def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_training):
     """ep = 2 and 4 over dp x cp = 2 x 2 (ZeRO-1 and ZeRO-3), ep = 2 with two pipeline stages
-    (1F1B, and interleaved with two chunks per rank), ep = 2 with every expert split over tp = 2,
+    (1F1B, and interleaved with two chunks per rank; and at ZeRO-2 and ZeRO-3 under zero-bubble
+    and interleaved, resharded and kept gathered, the interleaved chunks uneven), ep = 2 with every expert split over tp = 2,
     of dp = 2 (ZeRO-2) and of cp = 2, and two under a batch-size ramp: softmax and sigmoid routers,
     aux / z losses, the shared expert (split over tp too), router bias, capacity, masked targets.
     On every rank: gradients before and after clipping, losses, norms, balancing losses, router
@@ -225,7 +238,8 @@ def test_experts_with_every_axis_equal_one_device_and_the_formulas(composed_trai
         for rank, results in enumerate(composed_training):
             run, where = results[variant], f"rank {rank} {variant}"
             assert_equals_reference(run, reference, variant, where)
-            assert run["kept"] == run["predicted_kept"], where
+            if variant.schedule != "zero-bubble":   # what waits in W's queue no saved-tensor meter sees (07's report)
+                assert run["kept"] == run["predicted_kept"], where
             assert {key: run["traffic"].get(key, 0) for key in run["predicted_traffic"]} == run["predicted_traffic"], \
                 where
             assert set(run["traffic"]) <= set(run["predicted_traffic"]), where
