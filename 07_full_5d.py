@@ -407,22 +407,22 @@ class GradientsReducedOncePerStep:
     under a pipeline buys little; its gradients are what ZeRO-3 under a pipeline uses."""
 
     def _hold_gradients(self, unit, device) -> None:
-        unit.grad_buffer = None         # the whole gradient, during the step only
+        unit.whole_grad = None         # the whole gradient, during the step only
         unit.grad_shard = torch.empty(0, dtype=self.precision.reduce_dtype, device=device)
 
     def _reduce(self, unit, grads: list[torch.Tensor]) -> None:
         # the step's first gradient written into a new buffer, the later ones added (ZeRO-1's arithmetic)
-        if unit.grad_buffer is None:
-            unit.grad_buffer = unit.flatten(grads, self.precision.reduce_dtype)
+        if unit.whole_grad is None:
+            unit.whole_grad = unit.flatten(grads, self.precision.reduce_dtype)
         else:
-            torch._foreach_add_(unit.views(unit.grad_buffer), grads)
+            torch._foreach_add_(unit.views(unit.whole_grad), grads)
         if not self.require_backward_grad_sync:
             return                      # not the unit's last micro-batch: accumulate only
         self._finish_in_flight()        # the previous unit's reduction done, its whole buffer freed
-        unit.grad_shard = unit.grad_buffer.new_empty(unit.shard_numel)
-        work = comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.grad_buffer, group=unit.group,
+        unit.grad_shard = unit.whole_grad.new_empty(unit.shard_numel)
+        work = comm.call(comm.reduce_scatter_single, unit.grad_shard, unit.whole_grad, group=unit.group,
                          async_op=True)
-        self._in_flight, unit.grad_buffer = (work, unit, None, unit.grad_buffer), None
+        self._in_flight, unit.whole_grad = (work, unit, None, unit.whole_grad), None
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """After the step: the shards stepped with are freed too."""

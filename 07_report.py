@@ -463,11 +463,13 @@ class ZeroUnits:
                                                      for dense, experts in zip(self.dense, self.experts))
 
     def placement(self, stage: int, precision) -> tuple[ModelStates, ModelStates]:
-        """Under --offload optimizer: (device side, host side), 06_zero_offload's formula on each group's units."""
+        """Under --offload optimizer: (device side, host side), 06_zero_offload's formula on each group's
+        units (under a pipeline ZeRO-2/3 hold no gradient on the device between steps, as model_states)."""
         sides = [zero_offload.predicted_placement(counts, n, stage, precision, True)
                  for counts, n in ((self.dense, self.n), (self.experts, self.edp)) if any(counts)]
-        return tuple(ModelStates(*(sum(values) for values in zip(*(astuple(side[i]) for side in sides))))
-                     for i in (0, 1))
+        device, host = (ModelStates(*(sum(values) for values in zip(*(astuple(side[i]) for side in sides))))
+                        for i in (0, 1))
+        return (replace(device, gradients=0) if self.reduced_once_per_step(stage) else device), host
 
     def traffic(self, stage: int, precision, n_micro: int, reshard_after_forward: bool) -> dict:
         """ZeRO's collectives per step over dp x cp and, with experts, over edp. Under a pipeline,

@@ -108,7 +108,7 @@ class WholeGradientMeter:
         self.model, self.peak_bytes = model, 0
 
     def pack(self, tensor):
-        buffers = [unit.grad_buffer for unit in self.model.units if unit.grad_buffer is not None]
+        buffers = [unit.whole_grad for unit in self.model.units if unit.whole_grad is not None]
         if self.model._in_flight is not None:
             buffers.append(self.model._in_flight[3])
         self.peak_bytes = max(self.peak_bytes, sum(buffer.nbytes for buffer in buffers))

@@ -85,8 +85,8 @@ def observe_gradients(model, optimizer) -> dict:
         finish()
         seen.setdefault("before", gathered(model, lambda unit: unit.grad_shard))
 
-    def snapshot_before_step(*_):
-        seen.setdefault("after", gathered(model, lambda unit: unit.grad_shard))
+    def snapshot_before_step(*_):      # clipped where the optimizer steps: on the host under --offload optimizer
+        seen.setdefault("after", gathered(model, lambda unit: getattr(unit, "host_grad", unit.grad_shard)))
 
     model.finish_gradient_synchronization = finish_then_snapshot
     optimizer.register_step_pre_hook(snapshot_before_step)
