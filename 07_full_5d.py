@@ -69,6 +69,7 @@ Run it:
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --cp 2 --zero-stage 1 --recompute full
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --zero-stage 1 --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --tp 2 --zero-stage 1 --schedule zero-bubble --grad-accum 4
+    torchrun --nproc_per_node=4 07_full_5d.py --pp 2 --dp 2 --zero-stage 3 --schedule interleaved --virtual-stages 2
     torchrun --nproc_per_node=4 07_full_5d.py --preset tiny-moe --dp 2 --cp 2 --ep 2 --zero-stage 1
     torchrun --nproc_per_node=2 07_full_5d.py --cp 2 --zero-stage 3 --recompute full --compile
     torchrun --nproc_per_node=4 07_full_5d.py --dp 2 --tp 2 --zero-stage 1 --save-dir ckpt --save-every 10
