@@ -30,7 +30,8 @@ OFFLOAD = ("--offload", "activations")
 # name: (grid, ep, ZeRO stage, model, --recompute, extra flags, --offload-blocks: None for its default)
 LAYOUTS = {"dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG3, "none", (), None),
            "dp2 x tp2 ZeRO-1 selective": (GridShape(dp=2, tp=2), 1, 1, CFG3, "selective", (), None),
-           "dp2 x tp2 SP ZeRO-2 full": (GridShape(dp=2, tp=2), 1, 2, CFG3, "full", ("--sequence-parallel",), None),
+           "dp2 x tp2 SP ZeRO-2 full bf16": (GridShape(dp=2, tp=2), 1, 2, CFG3, "full",
+                                             ("--sequence-parallel", "--dtype", "bfloat16"), None),
            "pp2 x dp2 1F1B ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, "none", (), None),
            "pp2 x cp2 1F1B ZeRO-1 selective bf16, every block": (GridShape(pp=2, cp=2), 1, 1, CFG4, "selective",
                                                                   ("--dtype", "bfloat16"), 2),
