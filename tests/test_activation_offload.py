@@ -4,9 +4,12 @@ One spawn of 4 gloo ranks runs each layout with and without the offload, built b
 from its flags: losses, gradient norms, gradients before and after clipping and parameters after
 3 steps bit for bit equal (torch.equal: the same operations on the same values, the copies exact);
 the kept device bytes at their peak, measured by 07_report's meters as 07's main enters them
-(KeptOnDevice), equal to the prediction with the offload and below the run without it. A no-op
-offload (its "host" copy the device tensor itself) is measured keeping everything: the meter sees
-through an offload that only pretends.
+(KeptOnDevice), equal to the prediction with the offload and below the run without it; the bytes
+copied to the host (HostCopies) equal to the report's prediction, and for dense layouts both equal
+to the plan's. A no-op offload (its "host" copy the device tensor itself) is measured keeping
+everything: the meter sees through an offload that only pretends. Layouts: ZeRO-0 (the fuzzer's
+fixed draw 20) to 3, tp with and without sequence parallelism, cp, 1F1B (at ZeRO-3) and
+interleaved pipelines, experts, FP8, bf16, each recompute mode, default and every-block choices.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ LAYOUTS = {"dp4 ZeRO-3": (GridShape(dp=4), 1, 3, CFG3, "none", (), None),
            "dp2 x tp2 ZeRO-1 selective": (GridShape(dp=2, tp=2), 1, 1, CFG3, "selective", (), None),
            "dp2 x tp2 SP ZeRO-2 full bf16": (GridShape(dp=2, tp=2), 1, 2, CFG3, "full",
                                              ("--sequence-parallel", "--dtype", "bfloat16"), None),
-           "pp2 x dp2 1F1B ZeRO-1": (GridShape(dp=2, pp=2), 1, 1, CFG4, "none", (), None),
+           "pp2 x dp2 1F1B ZeRO-3": (GridShape(dp=2, pp=2), 1, 3, CFG4, "none", (), None),
            "pp2 x cp2 1F1B ZeRO-1 selective bf16, every block": (GridShape(pp=2, cp=2), 1, 1, CFG4, "selective",
                                                                   ("--dtype", "bfloat16"), 2),
            "pp2 x dp2 interleaved ZeRO-1 full, every block": (GridShape(dp=2, pp=2), 1, 1, CFG4, "full",
