@@ -249,7 +249,7 @@ def measured_placement(model, optimizer) -> tuple[ModelStates, ModelStates]:
     gradients = [*(p.grad for p in model.module.parameters()), *(u.grad_shard for u in model.units),
                  *(getattr(u, "grad_buffer", None) for u in model.units),
                  *(u.host_grad for u in model.units if offload), *(m.grad for m in masters)]
-    gradients = [t for t in gradients if t is not None]     # a buffer held only during the step: none
+    gradients = [t for t in gradients if t is not None]     # dropped after the step, or ZeRO-2/3's (no buffer)
     roles = (weights, gradients, [u.master for u in model.units], optimizer_state_tensors(optimizer))
     seen, device_side, host_side = set(), [], []
     for tensors in roles:
