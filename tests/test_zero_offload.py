@@ -174,7 +174,10 @@ FULL_5D_LAYOUTS = {"dp2 x tp2 ZeRO-3": (GridShape(dp=2, tp=2), 1, 3, CFG, ()),
                    "dp2 x cp2 ZeRO-2 bf16": (GridShape(dp=2, cp=2), 1, 2, CFG, ("--dtype", "bfloat16")),
                    "dp4 moe ep2 ZeRO-2": (GridShape(dp=4), 2, 2, MOE_CFG, ()),
                    "dp2 x tp2 moe ZeRO-0": (GridShape(dp=2, tp=2), 1, 0, MOE_CFG, ()),
-                   "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise"))}
+                   "dp2 x tp2 fp8 ZeRO-1": (GridShape(dp=2, tp=2), 1, 1, CFG, ("--fp8", "tensorwise")),
+                   # both offloads: --offload optimizer activations against --offload activations
+                   "dp2 x tp2 ZeRO-3 activations offloaded": (GridShape(dp=2, tp=2), 1, 3, CFG,
+                                                              ("--offload", "activations"))}
 RESUMED = "dp2 x tp2 ZeRO-1"
 CFG_8B = get_config("8b")
 SAVED_AT = 2
@@ -187,7 +190,11 @@ def full_5d_run(name: str, offload: bool, save_dir=None, resume_from=None) -> di
     full_5d = load_lesson("07_full_5d")
     shape, ep, stage, cfg, extra = FULL_5D_LAYOUTS[name]
     grid = ProcessGrid(shape, ep=ep)
-    args = full_5d.parse_args(full_5d_flags(shape, stage, "none", (*extra, *(("--offload", "optimizer") * offload))))
+    flags = list(extra)
+    if offload:         # one --offload flag names every choice
+        flags = (flags[:flags.index("--offload") + 1] + ["optimizer"] + flags[flags.index("--offload") + 1:]
+                 if "--offload" in flags else [*flags, "--offload", "optimizer"])
+    args = full_5d.parse_args(full_5d_flags(shape, stage, "none", flags))
     cfg = full_5d.expert_parallel.moe_config(cfg, args)
     model, pipeline = full_5d.parallelize(cfg, grid, args, CPU, values_to_load=resume_from is not None)
     optimizer = optimizer_of(model, grid, args)
