@@ -57,6 +57,7 @@ time next to the link's bytes.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import replace
 from functools import partial
@@ -88,12 +89,15 @@ class OptimizerOffload:
     Host tensors per flat unit: `master` (float32), `host_grad` (the reduced shard in the reduce
     dtype, which the master's gradients view or are cast from) and `host_weights` (the master cast
     to the weights' dtype: what crosses the link back; the master itself in float32). On a GPU they
-    are pinned, so that the copies are DMA transfers that run beside the compute stream."""
+    are pinned, so that the copies are DMA transfers that run beside the compute stream, and the
+    process takes its share of the host's cores for the step (host_threads)."""
 
     def __init__(self, module: nn.Module, *args, **kwargs):
         self.device = next(module.parameters()).device
         # The gradient copies' own stream: the compute stream goes on with backward meanwhile.
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            torch.set_num_threads(host_threads())
         self._copies = []       # on a CPU: units whose gradient shard is copied once the reductions are waited for
         super().__init__(module, *args, **kwargs)
 
@@ -186,6 +190,14 @@ class OptimizerOffload:
         if self.stage in (0, 3):
             return None
         return comm.call(comm.all_gather_single, unit.flat_params, held, group=unit.group, async_op=True)
+
+
+def host_threads() -> int:
+    """The host step's threads on a GPU run: the cores this process may use, shared by the node's
+    ranks. torchrun gives each rank OMP_NUM_THREADS=1 unless told otherwise, which would leave the
+    host's AdamW on one core, far from the memory bandwidth a socket's cores reach together."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def offloaded(stage_class: type) -> type:
