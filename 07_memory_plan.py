@@ -953,7 +953,7 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
     bubble = m * micro.total * pipeline_parallel.bubble_formula(args.schedule, grid.pp, m, args.virtual_stages)
     dp, optimizer = zero_seconds(cfg, args, grid, ep, precision, device, pp_rank, micro, m)
     muon = muon_seconds(cfg, args, grid, ep, device, pp_rank)
-    offload = ({"offload": activation_offload_seconds(cfg, args, grid, ep, shape, precision, device, pp_rank, micro)}
+    offload = ({"offload": offload_timing(cfg, args, grid, ep, shape, precision, device, pp_rank, micro).exposed}
                if "activations" in args.offload else {})
     return {"compute": m * (micro.forward + micro.backward) + muon["compute"],
             "elementwise": m * micro.elementwise + optimizer, "recompute": m * micro.recompute, "bubble": bubble,
@@ -961,26 +961,39 @@ def estimated_step_seconds(cfg, args, grid: GridShape, ep: int, shape, precision
             "dp": dp + muon["dp"], **offload}
 
 
-def activation_offload_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int,
-                               micro: MicroBatchSeconds) -> float:
-    """--offload activations: the exposed part of its copies per step. On a GPU a block's copy out
-    runs on the side stream behind the next block's forward (its GEMMs and attention), its copy back
-    behind the next block's backward (recomputation included): what a copy takes beyond that, per
-    offloaded block and direction, is exposed (the stage's blocks taken as equal, the copy at the
-    host link's bandwidth per direction). Without a host link apart (a CPU, whose host memory is the
-    device's) the copies are made at once: each byte read and written, out and back, at the memory
-    bandwidth, all of it exposed."""
+class OffloadTiming(NamedTuple):
+    """--offload activations on one pipeline rank, per step: its blocks copied (each out and back),
+    one block's copy each way, the compute it hides behind (the next block's forward, out; its
+    backward, back) and the part of the copies left exposed."""
+
+    blocks_per_step: int
+    copy: float
+    forward: float
+    backward: float
+    exposed: float
+
+
+def offload_timing(cfg, args, grid: GridShape, ep: int, shape, precision, device, pp_rank: int,
+                   micro: MicroBatchSeconds) -> OffloadTiming:
+    """On a GPU a block's copy out runs on its side stream behind the next block's forward (its GEMMs
+    and attention), its copy back behind the next block's backward (recomputation included): what a
+    copy takes beyond that, per offloaded block and direction, is exposed (the stage's blocks taken as
+    equal, the copy at the host link's bandwidth per direction). Without a host link apart (a CPU,
+    whose host memory is the device's) the copies are made at once, each byte read and written at the
+    memory bandwidth, all of it exposed."""
     offload = planned_offload(cfg, args, grid, ep, shape, precision, pp_rank, device)
     if not offload.blocks_per_step:
-        return 0.0
+        return OffloadTiming(0, 0.0, 0.0, 0.0, 0.0)
     block_bytes = offload.link_bytes_per_step / offload.blocks_per_step
-    if not device.host_link_bandwidth:
-        return offload.blocks_per_step * 2 * 2 * block_bytes / device.memory_bandwidth
     chunks = stage_outline(cfg, grid.pp, pp_rank, args.virtual_stages) if grid.pp > 1 else ()
     layers = sum(len(stage.layer_ids) for stage in chunks) if chunks else cfg.n_layers
-    copy = block_bytes / device.host_link_bandwidth
     forward, backward = micro.forward / layers, (micro.backward + micro.recompute) / layers
-    return offload.blocks_per_step * (max(0.0, copy - forward) + max(0.0, copy - backward))
+    if not device.host_link_bandwidth:
+        copy = 2 * block_bytes / device.memory_bandwidth
+        return OffloadTiming(offload.blocks_per_step, copy, forward, backward, offload.blocks_per_step * 2 * copy)
+    copy = block_bytes / device.host_link_bandwidth
+    return OffloadTiming(offload.blocks_per_step, copy, forward, backward,
+                         offload.blocks_per_step * (max(0.0, copy - forward) + max(0.0, copy - backward)))
 
 
 def slowest_stage_seconds(cfg, args, grid: GridShape, ep: int, shape, precision, device) -> dict:
@@ -1368,18 +1381,26 @@ def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: Dev
 
 
 def print_offload(planned: PlannedLayout, cfg, shape, precision, device: DeviceProfile) -> None:
-    """--offload activations: the host-link bandwidth the copies need per step at the estimated step time
-    next to the link's, so that a stall shows before launch (their host memory: print_planned_host_memory)."""
-    offload = planned_offload(cfg, planned.args, planned.grid, planned.ep, shape, precision, planned.pp_rank, device)
-    needed = offload.link_bytes_per_step / planned.step_seconds
-    link = (f"against the host link's {device.host_link_bandwidth / 1e9:.0f} GB/s per direction"
-            if device.host_link_bandwidth else "on a device without a host link apart: copies in its own memory")
-    exposed = planned.seconds.get("offload", 0.0)
-    verdict = (f"{1e3 * exposed:.1f} ms of the step's copies not hidden behind compute (in the step time)" if exposed
-               else "every copy hidden behind the next block's compute")
-    print(f"activation offload (stage {planned.pp_rank}): {offload.blocks_per_step} blocks per step, "
-          f"{offload.link_bytes_per_step / 1e9:.2f} GB each way over the host link, {needed / 1e9:.1f} GB/s at the "
-          f"estimated {planned.step_seconds:.3f} s step, {link}: {verdict}")
+    """--offload activations on the pipeline stage whose copies are least hidden: the host-link bandwidth
+    they need per step at the step time estimated without them, next to the link's, and where each copy
+    must hide (one block's copy against the next block's forward and backward), so that a stall shows
+    before launch (their host memory: print_planned_host_memory)."""
+    args, grid = planned.args, planned.grid
+    timings = {rank: offload_timing(cfg, args, grid, planned.ep, shape, precision, device, rank,
+                                    micro_batch_seconds(cfg, args, grid, planned.ep, shape, precision, device, rank))
+               for rank in range(grid.pp)}
+    rank = max(timings, key=lambda rank: (timings[rank].exposed, timings[rank].copy))
+    timing, offload = timings[rank], planned_offload(cfg, args, grid, planned.ep, shape, precision, rank, device)
+    compute_step = planned.step_seconds - planned.seconds.get("offload", 0.0)
+    link = (f"the host link's {device.host_link_bandwidth / 1e9:.0f} GB/s per direction"
+            if device.host_link_bandwidth else "no host link apart (copies in the device's own memory, made at once)")
+    verdict = (f"{1e3 * timing.exposed:.1f} ms per step not hidden on this stage, in its step time" if timing.exposed
+               else "every copy hidden")
+    print(f"activation offload (stage {rank}): {offload.blocks_per_step} blocks per step, "
+          f"{offload.link_bytes_per_step / 1e9:.2f} GB each way, {offload.link_bytes_per_step / compute_step / 1e9:.1f} "
+          f"GB/s over the {compute_step:.3f} s step estimated without the copies, against {link}; a block's copy "
+          f"{1e3 * timing.copy:.1f} ms against the next block's forward {1e3 * timing.forward:.1f} ms and backward "
+          f"{1e3 * timing.backward:.1f} ms: {verdict}")
 
 
 def print_layout_table(layouts: list[PlannedLayout]) -> None:

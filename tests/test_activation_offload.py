@@ -14,6 +14,7 @@ interleaved pipelines, experts, FP8, bf16, each recompute mode, default and ever
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -186,7 +187,12 @@ def test_the_plan_fits_the_offload_and_says_when_its_copies_stall(capsys):
 
     (without, fits, _), (stalls, fits_offloaded, line) = planned(), planned("--offload", "activations")
     assert not fits and fits_offloaded and "offload" not in without.seconds
-    assert stalls.seconds["offload"] > 0 and f"{1e3 * stalls.seconds['offload']:.1f} ms of the step's copies" in line
+    assert stalls.seconds["offload"] > 0 and re.search(r"a block's copy (\S+) ms against the next block's forward "
+                                                       r"(\S+) ms and backward (\S+) ms: \S+ ms per step not hidden",
+                                                       line)
+    copy, forward, backward = map(float, re.search(r"copy (\S+) ms .* forward (\S+) ms and backward (\S+) ms",
+                                                   line).groups())
+    assert copy > backward > forward
     hidden, _, line = planned("--offload", "activations", "--recompute", "full")
-    assert hidden.seconds["offload"] == 0 and "every copy hidden" in line
+    assert hidden.seconds["offload"] == 0 and line.endswith("every copy hidden\n")
     assert stalls.host["activations (offloaded; the fullest stage)"] > 0
