@@ -440,7 +440,7 @@ class PipelinedZeroStage2(GradientsReducedOncePerStep, zero.ZeroStage2):
 class PipelinedZeroStage3(GradientsReducedOncePerStep, zero.ZeroStage3):
     """ZeRO-3 x pipeline, the weights. A stage runs m forwards and m backwards of each chunk per
     step, so lesson 06's gather before each forward and again before each backward is 2m gathers
-    per unit and step (--reshard-after-forward, the default: two units gathered at a time); kept
+    per unit and step (--reshard-after-forward, the default: two units of a chunk gathered at a time); kept
     gathered (--no-reshard-after-forward) a unit is gathered at its first forward of the step and
     freed after its last backward (the reduction's switch): one gather per unit and step, all of
     the stage's units gathered through it (torchtitan's choice under a pipeline).
@@ -462,20 +462,21 @@ class PipelinedZeroStage3(GradientsReducedOncePerStep, zero.ZeroStage3):
         self.unit_chunk = chunk_of_each_unit(module)
         self.weight_gradients_in_w = set()    # flat units whose gradients come in zero-bubble's W (a block's dense one)
 
+    def _same_chunk(self, index: int, other: int) -> bool:
+        return 0 <= other < len(self.unit_chunk) and self.unit_chunk[other] == self.unit_chunk[index]
+
     def _wait_for(self, index: int, then_prefetch: int) -> None:
-        same_chunk = 0 <= then_prefetch < len(self.unit_chunk) and self.unit_chunk[then_prefetch] == self.unit_chunk[index]
-        super()._wait_for(index, then_prefetch if same_chunk else -1)
+        super()._wait_for(index, then_prefetch if self._same_chunk(index, then_prefetch) else -1)
 
     def _before_forward(self, index, module, args):
         super()._before_forward(index, module, args)
-        first_in_chunk = index == 0 or self.unit_chunk[index - 1] != self.unit_chunk[index]
+        first_in_chunk = not self._same_chunk(index, index - 1)
         if self.weight_gradients_in_w and self.reshard_after_forward and first_in_chunk and args[0].requires_grad:
             args[0].register_hook(lambda grad: self._release_after_input_gradient(index))
 
     def _before_backward(self, index, grad):
         # B has passed the unit after this one: free what waits for W before gathering and prefetching
-        if self.reshard_after_forward and index + 1 < len(self.unit_chunk) and \
-                self.unit_chunk[index + 1] == self.unit_chunk[index]:
+        if self.reshard_after_forward and self._same_chunk(index, index + 1):
             self._release_after_input_gradient(index + 1)
         super()._before_backward(index, grad)
 
