@@ -98,14 +98,20 @@ def test_every_script_the_device_check_runs_exists():
     assert not missing, missing
 
 
-def fp8_rows() -> dict[str, tuple[list[str], list[str]]]:
-    """Each FP8 run of lesson 07 in the device check: (its flags, its bf16 twin's), $b1 expanded."""
+def twin_rows(variant: str) -> dict[str, tuple[list[str], list[str]]]:
+    """Each run of lesson 07 in the device check whose name matches the regex `variant`: (its flags,
+    its twin's: the run named without it), $b1 expanded."""
     text = SCRIPT.read_text()
     b1 = re.search(r'^b1="([^"]*)"', text, re.M).group(1)
     flags = {name: shlex.split(value.replace("$b1", b1))
              for name, value in re.findall(r'^\s*\[(07-[\w-]+)\]="([^"]*)"', text, re.M)}
-    return {name: (words, flags[re.sub(r"-fp8-[a-z0-9]+(-all)?", "", name)]) for name, words in flags.items()
-            if "-fp8-" in name}
+    return {name: (words, flags[re.sub(variant, "", name)]) for name, words in flags.items()
+            if re.search(variant, name)}
+
+
+def fp8_rows() -> dict[str, tuple[list[str], list[str]]]:
+    """Each FP8 run and its bf16 twin (without "-fp8-RECIPE", and "-all": --no-fp8-shape-rule)."""
+    return twin_rows(r"-fp8-[a-z0-9]+(-all)?")
 
 
 def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_path):
@@ -151,13 +157,8 @@ def test_each_fp8_row_is_its_bf16_twin_with_fp8_and_the_table_compares_them(tmp_
 
 
 def offload_rows() -> dict[str, tuple[list[str], list[str]]]:
-    """Each offload run of lesson 07 in the device check: (its flags, its twin's), $b1 expanded."""
-    text = SCRIPT.read_text()
-    b1 = re.search(r'^b1="([^"]*)"', text, re.M).group(1)
-    flags = {name: shlex.split(value.replace("$b1", b1))
-             for name, value in re.findall(r'^\s*\[(07-[\w-]+)\]="([^"]*)"', text, re.M)}
-    return {name: (words, flags[re.sub(r"-offload-[a-z]+$", "", name)]) for name, words in flags.items()
-            if "-offload-" in name}
+    """Each offload run and its twin without "-offload-WHAT"."""
+    return twin_rows(r"-offload-[a-z]+$")
 
 
 def test_each_offload_row_is_its_twin_with_offload_and_the_table_holds_their_losses_together(tmp_path):
