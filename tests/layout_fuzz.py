@@ -249,8 +249,7 @@ def features(layout: Draw) -> set[str]:
                                          ("zigzag", "--zigzag" in argv), ("no zigzag", "--no-zigzag" in argv),
                                          ("uneven stages", pp > 1 and int(flag("--n-layers")) % (pp * virtual)),
                                          ("3 virtual stages", virtual == 3),
-                                         (f"ZeRO-{flag('--zero-stage')} under a pipeline",
-                                          pp > 1 and flag("--zero-stage") in ("2", "3")),
+                                         ("ZeRO-2/3 under a pipeline", pp > 1 and flag("--zero-stage") in ("2", "3")),
                                          ("units kept gathered", "--no-reshard-after-forward" in argv)) if present}
     if moe:
         words |= {"experts", f"ep{ep}", f"{flag('--router')} router", f"experts at ZeRO-{flag('--zero-stage')}",
