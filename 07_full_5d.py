@@ -1105,8 +1105,11 @@ def validate(cfg, grid, shape, args, world_size: int) -> None:
             raise ConfigError("bad parallel configuration:\n  - " + "\n  - ".join(uneven))
     elif grid.tp > 1:
         tensor_parallel.validate_tensor_parallel(cfg, grid.tp)
-    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them
-    zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum)
+    # at pp = 1 too: lesson 03 refuses its interleaving flags there instead of ignoring them; here the
+    # micro-batch count is --grad-accum's (lesson 03's own flag is --micro-batches)
+    zero_bubble.validate_pipeline_config(grid, world_size, cfg, args.schedule, args.virtual_stages, shape.grad_accum,
+                                         "--grad-accum" if args.global_batch_tokens is None else
+                                         pipeline_parallel.micro_batch_source(args, shape, grid))
     if args.batch_ramp is not None:
         problems = ramp_problems(cfg, grid, shape, args, world_size)
         if problems:

@@ -175,3 +175,16 @@ def test_what_zero_bubble_does_not_compose_with_is_refused_in_one_line(argv, mes
                                  text=True, env=dict(os.environ, WORLD_SIZE="8"), cwd=REPO_ROOT, timeout=120)
         assert process.returncode == 2 and process.stderr.startswith("error: ") and message in process.stderr, \
             process.stdout + process.stderr
+
+
+@pytest.mark.parametrize("argv, source", [
+    (["--grad-accum", "3"], "(--grad-accum)"),
+    (["--global-batch-tokens", "3072", "--seq-len", "256", "--micro-batch-size", "4"],
+     "(--global-batch-tokens 3072 / (4 sequences x 256 tokens x dp 1))"),
+])
+def test_a_pipelines_micro_batch_count_is_refused_by_lesson_07s_own_flags(argv, source):
+    """Lesson 03's rule on the micro-batch count, in 07's words: 07 has no --micro-batches."""
+    full_5d = load_lesson("07_full_5d")
+    argv = ["--pp", "4", "--schedule", "interleaved", "--n-layers", "8", *argv]
+    with pytest.raises(ConfigError, match=re.escape(f"m = 3 micro-batches {source} is fewer than --pp 4")):
+        checked_plan(full_5d.parse_args(argv), full_5d.validate, full_5d.expert_parallel.moe_config, 4)
