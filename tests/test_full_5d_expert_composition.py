@@ -58,9 +58,10 @@ VARIANTS = [
                     virtual_stages=2),
     # ZeRO-2/3 under a pipeline (lesson 07's PipelinedZeroStage2/3), experts' units over edp: zero-bubble
     # resharded (the experts' gradients in B, the rest of a block's in W), interleaved resharded within a
-    # chunk and kept gathered, 1F1B at ZeRO-2
+    # chunk and kept gathered, 1F1B and interleaved at ZeRO-2
     ComposedVariant(GridShape(dp=2, pp=2), 2, BALANCED, zero_stage=3, schedule="zero-bubble"),
     ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), virtual_stages=2, zero_stage=3),
+    ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 4)), virtual_stages=2, zero_stage=2),
     ComposedVariant(GridShape(dp=2, pp=2), 2, (*BALANCED, ("n_layers", 5)), virtual_stages=2, zero_stage=3,
                     reshard=False),
     ComposedVariant(GridShape(dp=2, pp=2), 2, SIGMOID_AUX, bias_update_rate=1e-3, zero_stage=2),
