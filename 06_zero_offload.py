@@ -45,7 +45,7 @@ the master, the gradient and both moments, the norm reads the gradient, bf16 gra
 weights are cast on the way: about 48 bytes per parameter over the node's host memory, 3.4 TB for
 the 70B model, ~8 s at the ~430 GB/s a two-socket DDR5-4800 node streams, against ~130 s of GPU
 compute for a step of a million tokens: worth it when the model does not fit otherwise, a loss
-when it does. 07_memory_plan.py's --plan --offload optimizer counts all three.
+when it does. Lesson 07's plan counts all three.
 
 What to look for: the device-side model states, measured from the tensors the run holds, fall to
 the prediction, and the host-side ones hold the difference (12 / N per parameter); the losses, the
