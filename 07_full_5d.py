@@ -337,15 +337,11 @@ class ExpertUnitsOverEdp:
 
 
 def wrap_zero(module, grid, args, precision, with_experts: bool):
-    """Lesson 06's wrap_zero over dp x cp (offloaded: 06_zero_offload's), or its stage's class with
-    the seams' mixins: experts over edp (ExpertUnitsOverEdp), ZeRO-2/3 under a pipeline
-    (PipelinedZeroStage2/3, the next seam)."""
+    """Lesson 06's stage class over dp x cp with the seams' mixins: ZeRO-2/3 under a pipeline
+    (PipelinedZeroStage2/3, the next seam), 06_zero_offload's host optimizer, experts over edp
+    (ExpertUnitsOverEdp)."""
     pipelined = grid.pp_size > 1 and args.zero_stage >= 2
     offloaded = "optimizer" in args.offload
-    if not with_experts and not pipelined:
-        wrap = zero_offload.wrap_zero_offloaded if offloaded else zero.wrap_zero
-        return wrap(module, grid.dp_cp_group, args.zero_stage, precision, args.reshard_after_forward, args.prefetch,
-                    args.overlap_weight_gather)
     stage_class = {0: zero.ZeroDataParallel, 1: zero.ZeroDataParallel, 2: zero.ZeroStage2,
                    3: zero.ZeroStage3}[args.zero_stage]
     if pipelined:
