@@ -107,8 +107,10 @@ class LaidOutGrid(ProcessGrid):
         return GroupLayout(members.index(self.rank), len(members))
 
 
-# The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB),
-# NCCL's buffers, and the blocks the caching allocator holds but cannot hand out (fragmentation).
+# The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB), NCCL's
+# buffers (both outside PyTorch's allocator), and the spread of the allocator's reserve around its
+# estimate (planned_memory's last row: the Playbook's runs reserved 0 to 0.58 of their transient
+# bytes beyond the peak where the estimate takes 0.126; benchmarks/RESULTS.md).
 PLAN_MARGIN = 0.10
 GIB = 2**30
 
@@ -425,6 +427,7 @@ def optimizer_states_row(args) -> str:
 
 
 WHOLE_GRADIENTS = "gradients, whole in the step"     # ZeRO-2/3 under a pipeline
+ALLOCATOR_RESERVE_ROW = "allocator's reserve (estimated)"  # CUDA's caching allocator, beyond the peak
 
 
 def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_rank: int,
@@ -434,7 +437,9 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     by default the fullest), and the micro-batches live at the activations' peak. Model
     states: lesson 06's formula on its unit counts (experts over edp); gathered weights: ZeRO-3's
     prefetch window (06); under a pipeline ZeRO-2/3's gradients, whole from each unit's first
-    gradient of the step to its reduction (lesson 07's PipelinedZeroStage2/3), a row of their own."""
+    gradient of the step to its reduction (lesson 07's PipelinedZeroStage2/3), a row of their own;
+    on a GPU the caching allocator's reserve beyond all these (the device profile's share of what a
+    step allocates and frees: every row but the model states)."""
     units = zero_units(cfg, args, grid, ep, pp_rank, place)
     offload = "optimizer" in args.offload
     states = units.placement(args.zero_stage, precision)[0] if offload else units.model_states(args.zero_stage, precision)
@@ -455,6 +460,12 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
     if "activations" in args.offload:
         memory["offloaded block in flight (estimated)"] = planned_offload(cfg, args, grid, ep, shape, precision,
                                                                           pp_rank, device).one_block
+    if device.allocator_reserve:
+        # what a step allocates and frees again (all but the model states, allocated once) leaves
+        # freed blocks the caching allocator keeps but cannot always reuse (published_profiles)
+        model_states = states.parameters + states.gradients + (0 if offload else states.master_weights
+                                                               + states.optimizer_states)
+        memory[ALLOCATOR_RESERVE_ROW] = round(device.allocator_reserve * (sum(memory.values()) - model_states))
     return memory, live
 
 
@@ -1032,6 +1043,11 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
                         "block's forward, its copy back behind the next block's backward (GEMMs and attention), at "
                         "the host link's bandwidth per direction; the rest of each copy exposed, in the step time (no "
                         "column of its own)"] if "activations" in offload else []
+    reserve_line = [f"memory: the caching allocator reserves {device.allocator_reserve:.1%} of the bytes a step "
+                    f"allocates and frees (all but the model states) beyond the peak (fitted on the Playbook's measured "
+                    f"reserved memory, where runs reserved about 0 to 58% of them; the plan's {PLAN_MARGIN:.0%} margin absorbs "
+                    f"part of that spread)"] \
+        if device.allocator_reserve else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
             "chunks; forward, input and weight gradients) at the profile's measured rate for its shape, attention at "
@@ -1060,7 +1076,8 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
             f"ZeRO-1/2's weight all-gathers behind the next step's "
             f"first forward, each unit's waited for before it (--no-overlap-weight-gather: in the step); "
             f"of each overlapped collective's time {1 - device.overlap:.0%} is still added (contention)",
-            "experts: balanced routing (every expert receives k T / E of the tokens)"]
+            "experts: balanced routing (every expert receives k T / E of the tokens)",
+            *reserve_line]
 
 
 # ============================================================================ the technique: the layouts that fit
@@ -1377,7 +1394,9 @@ def print_peak_makeup(planned: PlannedLayout, cfg, shape, precision, device: Dev
         parts.append("the gradients accumulated whole (ZeRO-2/3 under a pipeline)")
     when = ("at the start of a micro-batch's backward, in the LM head" if loss else
             "when the schedule holds the most micro-batches (this stage holds no LM head)")
-    print(f"the peak, {when}: " + ", ".join(parts) + ", and the communication buffers")
+    reserve = ("; beyond them, the caching allocator's reserve" if ALLOCATOR_RESERVE_ROW in planned.memory
+               else "")
+    print(f"the peak, {when}: " + ", ".join(parts) + ", and the communication buffers" + reserve)
 
 
 def print_offload(planned: PlannedLayout, cfg, shape, precision, device: DeviceProfile) -> None:

@@ -21,8 +21,10 @@ each cell:
               each grid at its fastest micro-batch (powers of 2 that divide the batch) and ZeRO
               stage (0 or 1, as the measured cells use) among those whose fullest stage fits 90% of
               80 GB; 1 = the plan's own first choice;
-  (c) memory  the plan's bytes on the fullest rank of the measured layout over the measured peak,
-              in GiB (nanotron's unit), plus what nanotron holds that this trainer does not: at
+  (c) memory  the plan's bytes on the fullest rank of the measured layout, its allocator's reserve
+              included, over the measured memory: the figure is torch.cuda.max_memory_reserved in
+              GiB (each of its 26 labels is the "Mem Res (GB)" of its run in the Playbook's table of
+              runs, published_data.py), plus what nanotron holds that this trainer does not: at
               ZeRO-0/1 it flattens a bucket's gradients into a copy to reduce them (one unit's, in
               the reduce dtype, nanotron_flat_gradients), where this trainer writes them straight
               into its buffers. This trainer's head is never tied to the embedding: for the 1.34
@@ -32,7 +34,9 @@ The published H100 profile's free constants (picotron_like/published_profiles.Co
 fitted on the cells of up to 8 nodes only (--fit: the smallest sum of absolute log MFU ratios, by
 coordinate search inside each constant's physical range, BOUNDS; absolute, so that one anomalous
 cell, 80 B on 4 nodes at the memory limit, does not steer the fit); the 16-64-node cells are held
-out and summarised apart. Where a cell's estimate is off by more than 1.5 x, the report gives the
+out and summarised apart. The allocator's reserve (published_profiles.ALLOCATOR_RESERVE, a share of
+the bytes a step allocates and frees) is fitted on the same cells' memory, apart (fit_allocator_reserve).
+Where a cell's estimate is off by more than 1.5 x, the report gives the
 gap and by what factor each of the estimate's two largest parts would have to change to close it.
 """
 
@@ -49,7 +53,7 @@ import torch
 from picotron_like.data import BatchShape
 from picotron_like.lessons import REPO_ROOT, load_lesson
 from picotron_like.model import flops_per_token
-from picotron_like.published_profiles import Constants, published_profile
+from picotron_like.published_profiles import ALLOCATOR_RESERVE, Constants, published_profile
 from picotron_like.topology import ConfigError, GridShape
 
 from published_data import model_config, read_published
@@ -168,6 +172,16 @@ def nanotron_flat_gradients(cfg, layout) -> int:
     return max(units.dense + units.experts) * PRECISION.reduce_dtype.itemsize
 
 
+MODEL_STATE_ROWS = ("parameters", "gradients", "master weights (fp32)", "Adam states (fp32)")
+
+
+def transient_bytes(layout) -> int:
+    """What the layout's step allocates and frees again: the plan's rows but the model states and the
+    allocator's reserve (the bytes the reserve is a share of)."""
+    return sum(size for name, size in layout.memory.items()
+               if name not in MODEL_STATE_ROWS and name != plan.ALLOCATOR_RESERVE_ROW)
+
+
 def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
     rows = []
     for cell in cells:
@@ -175,8 +189,11 @@ def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
         grid = GridShape(dp=cell["dp"], tp=cell["tp"], pp=cell["pp"])
         layout = planned(cfg, grid, cell["micro_batch"], cell["zero_stage"], device)
         memory = (layout.peak_bytes + nanotron_flat_gradients(cfg, layout)) / GIB
+        reserve = layout.memory.get(plan.ALLOCATOR_RESERVE_ROW, 0) / GIB
         row = {**cell, "estimate": layout.mfu * 100, "mfu_ratio": layout.mfu * 100 / cell["mfu_percent"],
                "memory": memory, "memory_ratio": memory / cell["memory_gb"],
+               # the share of the transient bytes the measured reserve beyond the plan's other bytes is
+               "measured_reserve": (cell["memory_gb"] - memory + reserve) / (transient_bytes(layout) / GIB),
                "layout": layout, "held_out": cell["nodes"] > FITTED_NODES}
         if with_ranks:
             row["rank"], row["grids"], row["first"] = rank_of_measured(cfg, cell, device)
@@ -222,6 +239,19 @@ def fit(cells: list[dict]) -> Constants:
     return best
 
 
+def fit_allocator_reserve(cells: list[dict]) -> float:
+    """The allocator's reserve, as a share of the transient bytes, that best matches the measured reserved
+    memory of the cells of up to FITTED_NODES nodes: the smallest sum of |log memory ratio|, in steps of 0.001."""
+    rows = [row for row in evaluate(cells, published_profile("H100", allocator_reserve=0.0), with_ranks=False)
+            if not row["held_out"]]
+    base = [(row["memory"], transient_bytes(row["layout"]) / GIB, row["memory_gb"]) for row in rows]
+
+    def loss(share: float) -> float:
+        return sum(abs(math.log((memory + share * transient) / measured)) for memory, transient, measured in base)
+
+    return min((share / 1000 for share in range(1001)), key=loss)
+
+
 def commit() -> str:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                           text=True).stdout.strip() or "unknown"
@@ -239,6 +269,9 @@ def summary(rows: list[dict]) -> dict:
             "top5": sum(1 <= row["rank"] <= 5 for row in rows),
             "memory_within": sum(abs(row["memory_ratio"] - 1) <= MEMORY_TOLERANCE for row in rows),
             "memory_worst": worst([row["memory_ratio"] for row in rows]),
+            "memory_fitted_median": statistics.median(row["memory_ratio"] for row in rows if not row["held_out"]),
+            "memory_held_out_median": statistics.median(row["memory_ratio"] for row in rows if row["held_out"]),
+            "measured_reserve": sorted(row["measured_reserve"] for row in rows),
             "fitted_median": statistics.median(fitted), "fitted_worst": worst(fitted),
             "held_out_median": statistics.median(held), "held_out_worst": worst(held)}
 
@@ -272,6 +305,11 @@ def print_report(rows: list[dict]) -> None:
     print(f"MFU ratio estimate / measured: fitted cells median {s['fitted_median']:.2f}, "
           f"worst {s['fitted_worst']:.2f}; "
           f"held-out cells median {s['held_out_median']:.2f}, worst {s['held_out_worst']:.2f}")
+    reserve = s["measured_reserve"]
+    print(f"memory ratio plan / measured reserved: fitted cells median {s['memory_fitted_median']:.2f}, held-out "
+          f"cells median {s['memory_held_out_median']:.2f}; the measured reserve beyond the plan's other bytes, as "
+          f"a share of the transient bytes: {reserve[0]:.2f} to {reserve[-1]:.2f} (median "
+          f"{statistics.median(reserve):.2f}) where the profile takes {ALLOCATOR_RESERVE:.3f}")
 
 
 def peer_rows(device) -> list[dict]:
@@ -323,6 +361,7 @@ def main(argv=None):
     if args.fit:
         print("fitting on the cells of up to 8 nodes:")
         print(fit(cells))
+        print(f"the allocator's reserve: {fit_allocator_reserve(cells):.3f} of the transient bytes")
         return
     device = published_profile("H100")
     print_report(evaluate(cells, device))

@@ -64,7 +64,7 @@ from picotron_like import comm, step_costs
 from picotron_like.device_profile import COLLECTIVES, LINKS, DeviceProfile, save_profile
 from picotron_like.lessons import REPO_ROOT
 from picotron_like.metrics import peak_flops_of_name
-from picotron_like.published_profiles import PUBLISHED_GPUS, published_profile
+from picotron_like.published_profiles import ALLOCATOR_RESERVE, PUBLISHED_GPUS, published_profile
 from picotron_like.topology import DEVICE_ENV, ConfigError, init_distributed, shutdown, world_size_from_env
 from picotron_like.train import exit_with_error
 
@@ -487,6 +487,8 @@ def measure_profile(device: torch.device, sweep: Sweep, links_from: DeviceProfil
                         "group measured, divided by its steps",
              "inter": inter_note,
              "collective_times": {"intra": intra_points, "inter": inter_points},
+             "allocator_reserve": "not measured: on CUDA the published profiles' share (ALLOCATOR_RESERVE in "
+                                  "picotron_like/published_profiles.py), on a CPU 0",
              "seconds": round(time.perf_counter() - started, 1)}
     source = f"--calibrate on {host}, {date}, commit {revision}"
     if links_from is not None:
@@ -496,7 +498,7 @@ def measure_profile(device: torch.device, sweep: Sweep, links_from: DeviceProfil
                          capability=tuple(torch.cuda.get_device_capability(device)) if cuda else None,
                          peak_flops=peaks, gemm=gemm, attention=attention, memory_bandwidth=bandwidth,
                          kernel_overhead_s=overhead, links={"intra": intra, "inter": inter}, overlap=overlap,
-                         extra=extra)
+                         extra=extra, allocator_reserve=ALLOCATOR_RESERVE if cuda else 0.0)
 
 
 def profile_summary(profile: DeviceProfile) -> str:

@@ -51,6 +51,11 @@ class DeviceProfile:
     host_link_bandwidth: float = 0.0        # bytes/s per direction between one rank's device and host memory (PCIe, C2C)
     host_memory_bandwidth: float = 0.0      # bytes/s (read + written) the node's CPUs reach in host memory, all ranks'
     host_memory_gib: float = 0.0            # host memory per node
+    # The caching allocator's reserve beyond the bytes the plan counts, as a share of those allocated
+    # and freed within a step (activations, the loss, gathered weights, buffers): CUDA's allocator
+    # keeps freed blocks for reuse and cannot always cut a new request from them, so it reserves more
+    # than the allocated peak. 0 on a CPU, whose allocator returns what is freed.
+    allocator_reserve: float = 0.0
 
 
 class ProfileError(ValueError):
@@ -111,6 +116,8 @@ def profile_problem(profile: DeviceProfile) -> str | None:
         return "host_link_bandwidth, host_memory_bandwidth and host_memory_gib must be 0 (no host apart) or more"
     if not 0 <= profile.overlap <= 1:
         return f"overlap {profile.overlap} is not a share between 0 and 1"
+    if not (isinstance(profile.allocator_reserve, (int, float)) and 0 <= profile.allocator_reserve <= 1):
+        return f"allocator_reserve {profile.allocator_reserve} is not a share between 0 and 1"
     if not profile.gemm or any(len(point) != 4 or not all(positive(value) for value in point)
                                for points in profile.gemm.values() for point in points):
         return "gemm needs, for at least one dtype, points [M, N, K, FLOP/s] of positive numbers"

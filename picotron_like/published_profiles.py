@@ -19,6 +19,14 @@ figure or a time, fitted once on the Ultra-Scale Playbook's measured H100 runs o
     OVERLAP               the share of an overlapped collective's time that compute hides (the
                           rest is contention: the collective's kernels take SMs and memory bandwidth)
 
+The plan's memory is the bytes the caching allocator hands out at the step's peak; the memory a
+run needs from the GPU is what the allocator reserves, which is more: it keeps freed blocks to
+reuse and cannot always cut a new request from them. ALLOCATOR_RESERVE prices that as a share of
+the bytes allocated and freed within a step (activations, the loss, gathered weights, buffers; the
+model states are allocated once and do not fragment), fitted on the same cells' measured reserved
+memory (the Playbook's figure is torch.cuda.max_memory_reserved, in GiB), apart from the time
+constants (--fit searches it on its own, the smallest sum of |log memory ratio|).
+
 and, from measurements others publish: NVLink's bus bandwidth at 80% of its per-direction figure
 (nccl-tests on an HGX H100: ~360 GB/s of 450), 2 us per NVLink hop (NCCL's tuning model), 5 us to
 launch a kernel. The host beside each GPU (for offloading, to host memory): the DGX system's
@@ -82,6 +90,7 @@ NETWORK_BUS_SHARE = 0.308
 OVERLAP = 0.533
 NETWORK_STEP_LATENCY_S = 3.09e-6
 HBM_SHARE = 0.622
+ALLOCATOR_RESERVE = 0.126
 # From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
 # H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latency on NVLink.
 NVLINK_BUS_SHARE = 0.8
@@ -134,7 +143,8 @@ def attention_points(peak: float, constants: Constants) -> list[list[float]]:
     return points
 
 
-def published_profile(name: str, constants: Constants = Constants()) -> DeviceProfile:
+def published_profile(name: str, constants: Constants = Constants(),
+                      allocator_reserve: float = ALLOCATOR_RESERVE) -> DeviceProfile:
     """The DeviceProfile of a GPU of PUBLISHED_GPUS on an HGX node of 8."""
     gpu = PUBLISHED_GPUS[name]
     peak, hbm = gpu.bf16_tflops * 1e12, gpu.hbm_tbps * 1e12 * constants.hbm_share
@@ -155,4 +165,4 @@ def published_profile(name: str, constants: Constants = Constants()) -> DevicePr
         overlap=constants.overlap,
         host_link_bandwidth=gpu.host_link_gbps * 1e9 * HOST_LINK_SHARE,
         host_memory_bandwidth=gpu.host_memory_gbps * 1e9 * HOST_MEMORY_SHARE,
-        host_memory_gib=gpu.host_memory_tib * 1024)
+        host_memory_gib=gpu.host_memory_tib * 1024, allocator_reserve=allocator_reserve)

@@ -6,6 +6,7 @@ No assertion depends on this machine's speed: the figures are bounded, not compa
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from picotron_like.calibrate import Sweep, fit_latency_bandwidth, measure_profile, published_stand_in
-from picotron_like.device_profile import COLLECTIVES, LINKS, load_profile
+from picotron_like.device_profile import COLLECTIVES, LINKS, ProfileError, load_profile, save_profile
 from picotron_like.lessons import REPO_ROOT, load_lesson
-from picotron_like.published_profiles import published_profile
+from picotron_like.published_profiles import ALLOCATOR_RESERVE, published_profile
 from picotron_like.testing import run_ranks
 
 LESSON = str(REPO_ROOT / "07_full_5d.py")
@@ -89,6 +90,21 @@ def test_the_plan_refuses_a_profile_it_cannot_use_in_one_line(tmp_path, content,
     done = run([sys.executable, LESSON, "--plan", "--device-profile", str(path), "--gpus", "2"])
     assert done.returncode == 2 and done.stderr.startswith(f"error: --device-profile {path}: {message}"), done.stderr
     assert len(done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_a_profile_carries_the_allocators_reserve_and_one_without_it_has_none(tmp_path):
+    """A GPU's profile carries the caching allocator's reserve (a share); a file written before the field
+    existed loads with none (a CPU's 0), and a share outside [0, 1] is refused in one line."""
+    path = tmp_path / "h100.json"
+    save_profile(published_profile("H100"), str(path))
+    assert load_profile(str(path)).allocator_reserve == ALLOCATOR_RESERVE > 0
+    raw = json.loads(path.read_text())
+    del raw["allocator_reserve"]
+    path.write_text(json.dumps(raw))
+    assert load_profile(str(path)).allocator_reserve == 0
+    path.write_text(json.dumps({**raw, "allocator_reserve": 2}))
+    with pytest.raises(ProfileError, match=r"allocator_reserve 2 is not a share between 0 and 1$"):
+        load_profile(str(path))
 
 
 @pytest.mark.parametrize("command, message", [

@@ -240,6 +240,23 @@ def test_plan_equals_the_sharded_model_built_on_the_meta_device(preset, shape, e
         assert all(param.is_meta for param in model.parameters()), "nothing may be drawn at full size"
 
 
+def test_on_a_gpu_the_plan_adds_the_allocators_reserve_on_what_a_step_allocates_and_frees():
+    """The reserve is the GPU profile's share of every row but the model states (allocated once); a
+    profile without one (a CPU's) plans the same rows without it."""
+    full_5d, plan = lesson(), memory_plan()
+    flags = ["--preset", "8b", "--gpus", "8", "--gpu", "H100", "--seq-len", "4096", "--micro-batch-size", "1",
+             "--grad-accum", "8", "--zero-stage", "1", "--recompute", "selective"]
+    precision = full_5d.zero.Precision(torch.bfloat16, torch.float32)
+    planned = partial(plan.planned_memory, get_config("8b"), full_5d.parse_args(flags), GridShape(dp=8), 1,
+                      BatchShape(1, 4096, 8, 8), precision, 0)
+    gpu = published_profile("H100")
+    memory, without = planned(gpu)[0], planned(replace(gpu, allocator_reserve=0.0))[0]
+    reserve = memory.pop(plan.ALLOCATOR_RESERVE_ROW)
+    assert memory == without
+    states = sum(memory[row] for row in ("parameters", "gradients", "master weights (fp32)", "Adam states (fp32)"))
+    assert reserve == round(gpu.allocator_reserve * (sum(memory.values()) - states)) > 0
+
+
 def test_plan_prints_the_8b_preset_on_one_b300_node_and_refuses_a_bad_layout(capsys):
     full_5d = lesson()
     flags = ["--plan", "--preset", "8b", "--gpus", "8", "--gpu", "B300", "--seq-len", "8192",

@@ -205,9 +205,9 @@ def test_the_plan_states_the_model_it_prices_with():
 def test_the_published_playbook_cells_are_estimated_within_the_issues_bounds(monkeypatch):
     """benchmarks/step_time_vs_published.py's MFU and memory parts (the rank of the measured grid
     plans thousands of layouts: the benchmark itself reports it): the estimate within 1.5 x of the
-    measured MFU in at least 85% of the 26 cells; the memory within 25% in all but one, 8.86 B on
-    16 nodes (dp 16 x tp 8, ZeRO-0), where the plan's 49.1 GiB for this trainer is 0.73 of the
-    66.9 GiB nanotron measured (benchmarks/RESULTS.md)."""
+    measured MFU in at least 85% of the 26 cells; the memory, the allocator's reserve included, within
+    25% of the measured reserved memory in all 26 (benchmarks/RESULTS.md); without the reserve the
+    plan's bytes are short of it in every cell but one, and by more than 25% in 8.86 B on 16 nodes."""
     monkeypatch.syspath_prepend(str(load_lesson("07_memory_plan").__file__).rsplit("/", 1)[0] + "/benchmarks")
     import step_time_vs_published as benchmark
     rows = benchmark.evaluate(benchmark.read_cells(), H100, with_ranks=False)
@@ -215,5 +215,10 @@ def test_the_published_playbook_cells_are_estimated_within_the_issues_bounds(mon
     within = [row for row in rows if 1 / 1.5 <= row["mfu_ratio"] <= 1.5]
     assert len(within) >= 0.85 * 26, [(row["model_b"], row["nodes"], round(row["mfu_ratio"], 2)) for row in rows]
     memory_misses = [(row["model_b"], row["nodes"]) for row in rows if abs(row["memory_ratio"] - 1) > 0.25]
-    assert memory_misses == [(8.86, 16)], [round(row["memory_ratio"], 2) for row in rows]
+    assert memory_misses == [], [round(row["memory_ratio"], 2) for row in rows]
+    no_reserve = benchmark.evaluate(benchmark.read_cells(), published_profile("H100", allocator_reserve=0.0),
+                                    with_ranks=False)
+    assert sum(row["memory_ratio"] < 1 for row in no_reserve) == 25
+    assert [(row["model_b"], row["nodes"]) for row in no_reserve if row["memory_ratio"] < 0.75] == [(8.86, 16)]
     assert min(row["memory_ratio"] for row in rows) > 0.7
+    assert benchmark.fit_allocator_reserve(benchmark.read_cells()) == H100.allocator_reserve
