@@ -22,9 +22,10 @@ steady state. The table puts each layout's measured tokens/s per GPU, MFU (on a 
 peak) and peak memory next to the plan's estimate; --autotune-out keeps it as JSON, with each
 child's log beside it; the last line is the fastest layout's command.
 
-Peak memory is rank 0's, as its metrics record it: on CUDA the allocator's peak of tensors (the
-plan's figure, less its margin for the CUDA context and fragmentation), on a CPU the process's
-peak resident size (the interpreter and torch's libraries included). The plan's figure is the
+Peak memory is rank 0's, as its metrics record it: on CUDA what the caching allocator reserved at
+its peak (the plan's figure, its estimated reserve included, less its margin for the CUDA context
+and NCCL's buffers), on a CPU the process's peak resident size (the interpreter and torch's
+libraries included). The plan's figure is the
 fullest rank's, which under a pipeline may be another stage than rank 0's.
 
 On a CPU machine the children train on the CPU with gloo (about a minute:
@@ -223,8 +224,9 @@ def read_metrics(metrics_path: Path) -> list[dict]:
 
 # A child that ran on a node without rank 0: its ranks write no metrics (the multi-node case).
 ELSEWHERE = "measured on the node with rank 0: read its table"
-# rank 0's memory as a step record has it: the allocator's peak on CUDA, the peak resident size on a CPU
-MEMORY_FIELDS = ("max_memory_allocated_bytes", "max_rss_bytes")
+# rank 0's memory as a step record has it: the allocator's reserved peak on CUDA (the allocated one in a
+# record written before the reserved one was), the peak resident size on a CPU
+MEMORY_FIELDS = ("max_memory_reserved_bytes", "max_memory_allocated_bytes", "max_rss_bytes")
 
 
 def measurement(records: list[dict], tokens_per_step: int, world_size: int) -> dict | None:

@@ -1,8 +1,10 @@
 """
 The device check's table: for each run of lesson 07 that benchmarks/gpu_check.sh made, its
-tokens/s, MFU and peak allocated memory (medians over the steps after the first two, read from
-the run's --metrics file) next to the plan's predictions for the same flags: the memory (the
-"total" line of its --plan output) and the step-time model's tokens/s per GPU for the run's
+tokens/s and MFU (medians over the steps after the first two) and its peak allocated and reserved
+memory (the largest over its steps), read from the run's --metrics file, next to the plan's
+predictions for the same flags: the
+allocated peak (its --plan output's "total" less its "allocator's reserve (estimated)"), the
+reserved memory (the "total"), and the step-time model's tokens/s per GPU for the run's
 own layout ("meas/plan": measured over estimated), and where the check calibrated the GPU
 (NAME.calibrated.plan.txt, --plan --device-profile) the same estimate from the measured profile
 ("meas/calib"). An FP8 run, NAME-fp8-RECIPE-REST, also shows
@@ -26,11 +28,16 @@ def step_records(path: Path) -> list[dict]:
     return [r for r in records if "tokens_per_s" in r]
 
 
-def planned_gib(path: Path) -> str:
+def planned_gib(path: Path, row: str) -> float | None:
+    """A row of the --plan output's memory table ("total", "allocator's reserve (estimated)"), in GiB."""
     if not path.exists():
-        return "-"
-    match = re.search(r"^\s+total\s+([\d.]+)", path.read_text(), re.MULTILINE)
-    return match.group(1) if match else "-"
+        return None
+    match = re.search(rf"^\s+{re.escape(row)}\s+([\d.]+)$", path.read_text(), re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def gib(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
 
 
 def planned_tokens_per_s(path: Path) -> float | None:
@@ -80,20 +87,27 @@ def main(out_dir: str) -> None:
             for metrics in sorted(out.glob("*.metrics.jsonl"))}
     tokens = {name: statistics.median(r["tokens_per_s"] for r in (steps[2:] or steps))
               for name, steps in runs.items() if steps}
-    print(f"{'run':<28}{'tok/s':>10}{'vs twin':>9}{'MFU %':>8}{'peak GiB':>10}{'plan GiB':>10}{'steps':>7}"
-          f"{'last loss':>11}{'plan tok/s':>12}{'meas/plan':>10}{'meas/calib':>11}")
+    print(f"{'run':<28}{'tok/s':>10}{'vs twin':>9}{'MFU %':>8}{'peak GiB':>10}{'plan GiB':>10}{'res. GiB':>10}"
+          f"{'plan GiB':>10}{'steps':>7}{'last loss':>11}{'plan tok/s':>12}{'meas/plan':>10}{'meas/calib':>11}")
     for name, steps in runs.items():
         if not steps:
             print(f"{name:<28}{'no steps':>10}")
             continue
         mfu = [r["mfu"] for r in (steps[2:] or steps) if r.get("mfu") is not None]
         peak = max(r.get("max_memory_allocated_bytes", 0) for r in steps) / 2**30
+        reserved = max((r["max_memory_reserved_bytes"] for r in steps if "max_memory_reserved_bytes" in r),
+                       default=None)
+        # the plan's total is the reserved memory it expects; less its reserve row, the allocated peak
+        total = planned_gib(out / f"{name}.plan.txt", "total")
+        reserve = planned_gib(out / f"{name}.plan.txt", "allocator's reserve (estimated)") or 0.0
+        allocated = total - reserve if total is not None else None
         twin, planned = twin_of(name), planned_tokens_per_s(out / f"{name}.plan.txt")
         calibrated = planned_tokens_per_s(out / f"{name}.calibrated.plan.txt")
         ratio = f"{tokens[name] / tokens[twin]:.2f}x" if twin in tokens else "-"
         print(f"{name:<28}{tokens[name]:>10,.0f}{ratio:>9}"
               f"{(100 * statistics.median(mfu) if mfu else float('nan')):>8.1f}"
-              f"{peak:>10.2f}{planned_gib(out / f'{name}.plan.txt'):>10}{len(steps):>7}{steps[-1]['loss']:>11.4f}"
+              f"{peak:>10.2f}{gib(allocated):>10}{gib(reserved / 2**30 if reserved else None):>10}{gib(total):>10}"
+              f"{len(steps):>7}{steps[-1]['loss']:>11.4f}"
               f"{f'{planned:,.0f}' if planned else '-':>12}{f'{tokens[name] / planned:.2f}' if planned else '-':>10}"
               f"{f'{tokens[name] / calibrated:.2f}' if calibrated else '-':>11}")
     offloaded = offload_losses(runs)

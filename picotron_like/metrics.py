@@ -566,11 +566,14 @@ class StepMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def read(self) -> dict[str, int]:
-        """{"max_memory_allocated_bytes": ...} on CUDA, {"max_rss_bytes": ...} where the OS reports
-        it, {} otherwise. Call once the step's work is queued: the CUDA allocator counts on the host, as it
-        hands out memory, so the reading needs no wait for the device."""
+        """On CUDA {"max_memory_allocated_bytes": ..., "max_memory_reserved_bytes": ...} (the step's peak of
+        the tensors' bytes, and of what the caching allocator holds for them: the GPU memory a run
+        needs), {"max_rss_bytes": ...} where the OS reports it, {} otherwise. Call once the step's work is
+        queued: the CUDA allocator counts on the host, as it hands out memory, so the reading needs no
+        wait for the device."""
         if self.device.type == "cuda":
-            return {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device)}
+            return {"max_memory_allocated_bytes": torch.cuda.max_memory_allocated(self.device),
+                    "max_memory_reserved_bytes": torch.cuda.max_memory_reserved(self.device)}
         try:
             import resource
         except ImportError:         # Windows: no getrusage

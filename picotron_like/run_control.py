@@ -203,7 +203,8 @@ class StepFigures:
 
 
 # How each StepMemory reading is named in the step line: what it measures, not just "memory".
-_MEMORY_LABELS = {"max_memory_allocated_bytes": "peak mem", "max_rss_bytes": "max rss"}
+_MEMORY_LABELS = {"max_memory_allocated_bytes": "peak mem", "max_memory_reserved_bytes": "reserved",
+                  "max_rss_bytes": "max rss"}
 
 
 def log_step(step: int, figures: dict[str, float], tokens: int, seconds: float, lr: float | None = None,

@@ -192,3 +192,16 @@ def test_each_offload_row_is_its_twin_with_offload_and_the_table_holds_their_los
     assert re.search(r"^07-t-offload-optimizer +07-t +3 +4\.00e-03 +5e-03 +pass$", table, re.M), table
     assert re.search(r"^07-t-offload-activations +07-t +3 +2\.00e-03 +1e-03 +FAIL$", table, re.M), table
     assert re.search(r"^07-t-offload-optimizer +[\d,]+ +1\.00x", table, re.M), table
+
+
+def test_the_table_sets_the_allocated_and_reserved_peaks_beside_the_plans(tmp_path):
+    """A run's peak allocated memory is set beside the plan's total less its allocator's reserve, and
+    its peak reserved memory beside the plan's total (metrics and plan output written here)."""
+    records = [{"step": i, "loss": 3.0, "tokens_per_s": 1000.0, "max_memory_allocated_bytes": 10 * 2**30,
+                "max_memory_reserved_bytes": 12 * 2**30} for i in range(3)]
+    (tmp_path / "07-x.metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    (tmp_path / "07-x.plan.txt").write_text("  allocator's reserve (estimated)             1.50\n"
+                                            "  total                                      13.00\n")
+    table = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check_table.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert re.search(r"^07-x +1,000 +- +\S+ +10\.00 +11\.50 +12\.00 +13\.00 +3 +3\.0000", table, re.M), table
