@@ -110,7 +110,7 @@ class LaidOutGrid(ProcessGrid):
 # The plan keeps this share of a GPU free: the CUDA context and kernel workspaces (1-2 GiB), NCCL's
 # buffers (both outside PyTorch's allocator), and the spread of the allocator's reserve around its
 # estimate (planned_memory's last row: the Playbook's runs reserved 0 to 0.58 of their transient
-# bytes beyond the peak where the estimate takes 0.126; benchmarks/RESULTS.md).
+# bytes beyond the peak, where the estimate takes one fitted share; benchmarks/RESULTS.md).
 PLAN_MARGIN = 0.10
 GIB = 2**30
 

@@ -162,13 +162,13 @@ def missing_term(layout, measured_mfu: float) -> str:
             f"{'missing' if gap > 0 else 'too many'}; closing it alone takes {factors}")
 
 
-def nanotron_flat_gradients(cfg, layout) -> int:
+def nanotron_flat_gradients(cfg, args, grid: GridShape, pp_rank: int) -> int:
     """Bytes nanotron holds beside the plan's at ZeRO-0/1: the largest unit's gradients flattened
     into a copy in the reduce dtype for their reduction (its buckets), alive at the backward's peak.
     This trainer held the same until its gradients went straight into ZeRO's buffers (lesson 06)."""
-    if layout.args.zero_stage > 1:
+    if args.zero_stage > 1:
         return 0
-    units = plan.zero_units(cfg, layout.args, layout.grid, 1, layout.pp_rank)
+    units = plan.zero_units(cfg, args, grid, 1, pp_rank)
     return max(units.dense + units.experts) * PRECISION.reduce_dtype.itemsize
 
 
@@ -188,7 +188,7 @@ def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
         cfg = model_config(cell)
         grid = GridShape(dp=cell["dp"], tp=cell["tp"], pp=cell["pp"])
         layout = planned(cfg, grid, cell["micro_batch"], cell["zero_stage"], device)
-        memory = (layout.peak_bytes + nanotron_flat_gradients(cfg, layout)) / GIB
+        memory = (layout.peak_bytes + nanotron_flat_gradients(cfg, layout.args, grid, layout.pp_rank)) / GIB
         reserve = layout.memory.get(plan.ALLOCATOR_RESERVE_ROW, 0) / GIB
         row = {**cell, "estimate": layout.mfu * 100, "mfu_ratio": layout.mfu * 100 / cell["mfu_percent"],
                "memory": memory, "memory_ratio": memory / cell["memory_gb"],
@@ -237,6 +237,62 @@ def fit(cells: list[dict]) -> Constants:
                         best, loss, improved = trial, trial_loss, True
                         print(f"  {name} = {value:.4g}: sum of |log ratio| {loss:.4f}", flush=True)
     return best
+
+
+def read_runs() -> list[dict]:
+    return read_published("ultrascale_playbook_runs")
+
+
+def score_runs(runs: list[dict], device) -> list[dict]:
+    """Every run of the Playbook's table (ultrascale_playbook_runs.csv) planned for lesson 07's trainer
+    as the cells are (layout_args): the fullest stage's bytes with nanotron's flat gradients, over the
+    run's reserved memory where it finished, and the plan's verdict (fits 90% of 80 GiB, as `fits`)
+    against how it ended. A layout lesson 07 refuses has no plan ("refused")."""
+    shapes = {cell["model_b"]: cell for cell in read_cells()}
+    usable = 80 * GIB * (1 - plan.PLAN_MARGIN)
+    scored = []
+    for run in runs:
+        cfg = model_config({**shapes[run["model_b"]], "n_kv_heads": run["n_kv_heads"]})
+        grid = GridShape(dp=run["dp"], tp=run["tp"], pp=run["pp"])
+        layout = layout_of(cfg, grid, run["micro_batch"], run["zero_stage"])
+        if layout is None:
+            scored.append({**run, "refused": True})
+            continue
+        args, shape = layout
+        peak = max(sum(plan.planned_memory(cfg, args, grid, 1, shape, PRECISION, rank, device)[0].values())
+                   + nanotron_flat_gradients(cfg, args, grid, rank) for rank in range(grid.pp))
+        scored.append({**run, "refused": False, "planned_gib": peak / GIB, "fits": peak <= usable,
+                       "memory_ratio": peak / GIB / run["memory_reserved_gb"] if run["status"] == "Success" else None})
+    return scored
+
+
+def runs_summary(scored: list[dict]) -> dict:
+    """Over the planned runs: how many finished and ran out of memory, the memory ratio's median and the
+    share within MEMORY_TOLERANCE (finished runs), and the share of each outcome the verdict foresaw."""
+    planned = [run for run in scored if not run["refused"]]
+    finished = [run for run in planned if run["status"] == "Success"]
+    oom = [run for run in planned if run["status"] == "OOM"]
+    ratios = [run["memory_ratio"] for run in finished]
+    return {"runs": len(scored), "refused": len(scored) - len(planned), "finished": len(finished), "oom": len(oom),
+            "memory_median": statistics.median(ratios) if ratios else math.nan,
+            "memory_within": sum(abs(r - 1) <= MEMORY_TOLERANCE for r in ratios) / len(ratios) if ratios else math.nan,
+            "finished_fit": sum(run["fits"] for run in finished) / len(finished) if finished else math.nan,
+            "oom_refused": sum(not run["fits"] for run in oom) / len(oom) if oom else math.nan}
+
+
+def print_runs(runs: list[dict]) -> None:
+    with_reserve = score_runs(runs, published_profile("H100"))
+    without = score_runs(runs, published_profile("H100", allocator_reserve=0.0))
+    print(f"the plan's memory against every run of the Playbook's table (benchmarks/published/"
+          f"ultrascale_playbook_runs.csv; commit {commit()}): the fullest stage's bytes over the run's reserved "
+          f"memory where it finished, and the verdict (fits {1 - plan.PLAN_MARGIN:.0%} of 80 GiB) against how it ended")
+    print(f"{'model':>6}  {'reserve':<9}{'runs':>6}{'refused':>8}{'finished':>9}{'OOM':>6}{'median':>8}"
+          f"{'within 25%':>11}{'finished, fits':>16}{'OOM, does not':>15}")
+    for model in sorted({run["model_b"] for run in runs}) + ["all"]:
+        for name, scored in ((f"{ALLOCATOR_RESERVE:.3f}", with_reserve), ("none", without)):
+            s = runs_summary([run for run in scored if model == "all" or run["model_b"] == model])
+            print(f"{model:>6}  {name:<9}{s['runs']:>6}{s['refused']:>8}{s['finished']:>9}{s['oom']:>6}"
+                  f"{s['memory_median']:>8.2f}{s['memory_within']:>11.0%}{s['finished_fit']:>16.0%}{s['oom_refused']:>15.0%}")
 
 
 def fit_allocator_reserve(cells: list[dict]) -> float:
@@ -356,7 +412,12 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fit", action="store_true",
                         help="search the published profiles' constants on the cells of up to 8 nodes, print them")
+    parser.add_argument("--runs", action="store_true",
+                        help="the plan's memory and verdict against every run of the Playbook's table (~2 min)")
     args = parser.parse_args(argv)
+    if args.runs:
+        print_runs(read_runs())
+        return
     cells = read_cells()
     if args.fit:
         print("fitting on the cells of up to 8 nodes:")

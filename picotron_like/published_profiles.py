@@ -90,7 +90,7 @@ NETWORK_BUS_SHARE = 0.308
 OVERLAP = 0.533
 NETWORK_STEP_LATENCY_S = 3.09e-6
 HBM_SHARE = 0.622
-ALLOCATOR_RESERVE = 0.126
+ALLOCATOR_RESERVE = 0.138
 # From measurements others publish, not fitted: nccl-tests' all-reduce bus bandwidth on an HGX
 # H100 (~360 GB/s of NVLink's 450), NCCL's per-hop latency on NVLink.
 NVLINK_BUS_SHARE = 0.8

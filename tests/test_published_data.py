@@ -60,9 +60,10 @@ def test_each_playbook_layout_fills_its_nodes_and_its_batch():
 def test_the_playbook_shapes_give_the_models_published_sizes():
     """nanotron names a model by its parameter count to 3 significant digits (1.34, 3.57, 8.86, 80 B).
     Its 1.34 B and 3.57 B models tie the LM head to the embedding; this project's GPT never does, so a
-    tied model counts one vocab x hidden matrix fewer than count_parameters' total."""
+    tied model counts one vocab x hidden matrix fewer than count_parameters' total. A run of a GQA
+    variant (80 B on 8 nodes, n_kv_heads 8) keeps its model's name: the name is the full-head shape's."""
     for row in read_published(PLAYBOOK):
-        counts = count_parameters(model_config(row))
+        counts = count_parameters(model_config({**row, "n_kv_heads": row["n_heads"]}))
         parameters = counts["total"] - row["tied_embeddings"] * counts["embedding"]
         assert parameters == pytest.approx(row["model_b"] * 1e9, rel=0.01), row
         assert float(f"{parameters:.3g}") == row["model_b"] * 1e9, row
@@ -108,3 +109,15 @@ def test_model_config_refuses_a_gelu_row():
     gelu = next(row for row in read_published("peers") if row["mlp"] == "gelu")
     with pytest.raises(ValueError, match="SwiGLU only"):
         model_config(gelu)
+
+
+def test_each_playbook_cell_is_one_of_its_runs_and_its_memory_the_runs_reserved_memory():
+    """The heatmap's 26 cells are runs of the Playbook's table: the same layout, shape and MFU, and the
+    cell's memory is that run's reserved memory (torch.cuda.max_memory_reserved)."""
+    runs = read_published("ultrascale_playbook_runs")
+    assert len(runs) == 2884 and {run["status"] for run in runs} == {"Success", "OOM"}
+    layout = ("model_b", "nodes", "dp", "tp", "pp", "grad_accum", "micro_batch", "zero_stage", "n_kv_heads")
+    for cell in read_published(PLAYBOOK):
+        matches = [run for run in runs if all(run[key] == cell[key] for key in layout)
+                   and run["mfu_percent"] == cell["mfu_percent"]]
+        assert [run["memory_reserved_gb"] for run in matches] == [cell["memory_gb"]], cell

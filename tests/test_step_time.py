@@ -222,3 +222,19 @@ def test_the_published_playbook_cells_are_estimated_within_the_issues_bounds(mon
     assert [(row["model_b"], row["nodes"]) for row in no_reserve if row["memory_ratio"] < 0.75] == [(8.86, 16)]
     assert min(row["memory_ratio"] for row in rows) > 0.7
     assert benchmark.fit_allocator_reserve(benchmark.read_cells()) == H100.allocator_reserve
+
+
+def test_the_plans_verdict_foresees_how_the_playbooks_runs_ended(monkeypatch):
+    """Every 20th run of the Playbook's table (145 of 2,884 runs, 93 finished, 52 out of memory), planned
+    as the benchmark's --runs plans them all: the plan fits at least 95% of the runs that finished and
+    refuses at least 90% of those that ran out of memory, and its bytes are within 25% of the reserved
+    memory in at least 70% of the finished ones; without the allocator's reserve, fewer."""
+    monkeypatch.syspath_prepend(str(load_lesson("07_memory_plan").__file__).rsplit("/", 1)[0] + "/benchmarks")
+    import step_time_vs_published as benchmark
+    runs = benchmark.read_runs()[::20]
+    scored = benchmark.runs_summary(benchmark.score_runs(runs, H100))
+    assert (scored["runs"], scored["refused"], scored["finished"], scored["oom"]) == (145, 0, 93, 52)
+    assert scored["finished_fit"] >= 0.95 and scored["oom_refused"] >= 0.9, scored
+    assert scored["memory_within"] >= 0.7, scored
+    without = benchmark.runs_summary(benchmark.score_runs(runs, published_profile("H100", allocator_reserve=0.0)))
+    assert without["memory_within"] < scored["memory_within"] and without["memory_median"] < scored["memory_median"]
