@@ -2,6 +2,7 @@
 Published measurements the step-time model is held against, read from benchmarks/published/*.csv.
 
     read_published("ultrascale_playbook_best_configs")   # the Playbook's 26 best layouts (H100, nanotron)
+    read_published("ultrascale_playbook_runs")           # its 2,884 runs of those shapes: finished or out of memory
     read_published("peers")                              # picotron's, torchtitan's, Megatron-LM's figures
 
 Each file is a CSV whose '#' lines are notes (sources, conventions, what could not be checked); every row

@@ -3,11 +3,12 @@ The plan's step-time model and memory against the Ultra-Scale Playbook's measure
 
     python benchmarks/step_time_vs_published.py            # the table and the summary (~3 min on 2 busy cores)
     python benchmarks/step_time_vs_published.py --fit      # search the published profiles' fitted constants (~15 s)
+    python benchmarks/step_time_vs_published.py --runs     # the plan's memory and verdict on all 2,884 runs (~1 min)
 
 The Playbook (Hugging Face, 2025) trained Llama-style models of 1.34 to 80 B parameters with
 nanotron on 1 to 64 nodes of 8 x H100 (sequence 4096, batches of 1 M tokens, bf16, tp with
 sequence parallelism), searched dp x tp x pp, micro-batch and ZeRO stage for each, and published
-the best layout of each cell with its MFU and peak memory: 26 cells, read from
+the best layout of each cell with its MFU and peak reserved memory: 26 cells, read from
 benchmarks/published/ultrascale_playbook_best_configs.csv (published_data.py: each row's shape,
 source and date). Each cell's layout is planned for lesson 07's trainer as the Playbook ran it:
 bf16 weights, float32 gradient reduction, sequence parallelism with tp, no recomputation, 1F1B,
@@ -38,6 +39,10 @@ out and summarised apart. The allocator's reserve (published_profiles.ALLOCATOR_
 the bytes a step allocates and frees) is fitted on the same cells' memory, apart (fit_allocator_reserve).
 Where a cell's estimate is off by more than 1.5 x, the report gives the
 gap and by what factor each of the estimate's two largest parts would have to change to close it.
+
+--runs holds the memory plan against every run of the Playbook's table that finished or ran out of
+memory (benchmarks/published/ultrascale_playbook_runs.csv, 2,884 runs): the plan's bytes over the
+reserved memory of each finished run, and its verdict against how each run ended.
 """
 
 from __future__ import annotations
@@ -413,7 +418,7 @@ def main(argv=None):
     parser.add_argument("--fit", action="store_true",
                         help="search the published profiles' constants on the cells of up to 8 nodes, print them")
     parser.add_argument("--runs", action="store_true",
-                        help="the plan's memory and verdict against every run of the Playbook's table (~2 min)")
+                        help="the plan's memory and verdict against every run of the Playbook's table (~1 min)")
     args = parser.parse_args(argv)
     if args.runs:
         print_runs(read_runs())
