@@ -224,9 +224,8 @@ def read_metrics(metrics_path: Path) -> list[dict]:
 
 # A child that ran on a node without rank 0: its ranks write no metrics (the multi-node case).
 ELSEWHERE = "measured on the node with rank 0: read its table"
-# rank 0's memory as a step record has it: the allocator's reserved peak on CUDA (the allocated one in a
-# record written before the reserved one was), the peak resident size on a CPU
-MEMORY_FIELDS = ("max_memory_reserved_bytes", "max_memory_allocated_bytes", "max_rss_bytes")
+# rank 0's memory as a step record has it: the allocator's reserved peak on CUDA, the peak resident size on a CPU
+MEMORY_FIELDS = ("max_memory_reserved_bytes", "max_rss_bytes")
 
 
 def measurement(records: list[dict], tokens_per_step: int, world_size: int) -> dict | None:

@@ -461,12 +461,17 @@ def planned_memory(cfg, args, grid: GridShape, ep: int, shape, precision, pp_ran
         memory["offloaded block in flight (estimated)"] = planned_offload(cfg, args, grid, ep, shape, precision,
                                                                           pp_rank, device).one_block
     if device.allocator_reserve:
-        # what a step allocates and frees again (all but the model states, allocated once) leaves
-        # freed blocks the caching allocator keeps but cannot always reuse (published_profiles)
-        model_states = states.parameters + states.gradients + (0 if offload else states.master_weights
-                                                               + states.optimizer_states)
-        memory[ALLOCATOR_RESERVE_ROW] = round(device.allocator_reserve * (sum(memory.values()) - model_states))
+        # what a step allocates and frees again leaves freed blocks the caching allocator keeps but
+        # cannot always reuse (published_profiles)
+        memory[ALLOCATOR_RESERVE_ROW] = round(device.allocator_reserve * transient_bytes(memory, args))
     return memory, live
+
+
+def transient_bytes(memory: dict, args) -> int:
+    """The rows of planned_memory's `memory` that a step allocates and frees again: all but the model
+    states (allocated once) and the allocator's reserve (a share of these)."""
+    steady = {"parameters", "gradients", "master weights (fp32)", optimizer_states_row(args), ALLOCATOR_RESERVE_ROW}
+    return sum(size for name, size in memory.items() if name not in steady)
 
 
 def planned_host_memory(cfg, args, grid: GridShape, ep: int, precision, pp_rank: int) -> dict:
@@ -1044,10 +1049,9 @@ def plan_assumptions(device, recipe: str = "none", optimizer: str = "adamw", off
                         "the host link's bandwidth per direction; the rest of each copy exposed, in the step time (no "
                         "column of its own)"] if "activations" in offload else []
     reserve_line = [f"memory: the caching allocator reserves {device.allocator_reserve:.1%} of the bytes a step "
-                    f"allocates and frees (all but the model states) beyond the peak (fitted on the Playbook's measured "
-                    f"reserved memory, where runs reserved about 0 to 58% of them; the plan's {PLAN_MARGIN:.0%} margin absorbs "
-                    f"part of that spread)"] \
-        if device.allocator_reserve else []
+                    f"allocates and frees (all but the model states) beyond the peak (fitted on the Playbook's "
+                    f"measured reserved memory, where runs reserved about 0 to 58% of them; the plan's "
+                    f"{PLAN_MARGIN:.0%} margin absorbs part of that spread)"] if device.allocator_reserve else []
     return [f"device: {device.name}, from {device.source}",
             "compute: every GEMM of the layout's split (QKV, out-projection, MLP or experts, the LM head in the loss's "
             "chunks; forward, input and weight gradients) at the profile's measured rate for its shape, attention at "

@@ -122,11 +122,19 @@ def searched_grids(world: int):
                 yield GridShape(dp=world // (tp * pp), tp=tp, pp=pp)
 
 
+USABLE = 80 * GIB * (1 - plan.PLAN_MARGIN)    # what the plan fills of an H100's 80 GiB
+
+
+def fullest_stage_bytes(cfg, args, grid: GridShape, shape, device, nanotron: bool = False) -> int:
+    """plan_layout's memory without its step time: the fullest pipeline stage's bytes (with nanotron's
+    flat gradients where `nanotron`)."""
+    return max(sum(plan.planned_memory(cfg, args, grid, 1, shape, PRECISION, rank, device)[0].values())
+               + (nanotron_flat_gradients(cfg, args, grid, rank) if nanotron else 0) for rank in range(grid.pp))
+
+
 def fits(cfg, args, grid: GridShape, shape) -> bool:
-    """Whether the layout's fullest stage fits 90% of 80 GB (plan_layout's memory, without its step time)."""
-    usable = 80 * GIB * (1 - plan.PLAN_MARGIN)
-    return all(sum(plan.planned_memory(cfg, args, grid, 1, shape, PRECISION, rank, plan.plan_device(args))[0].values())
-               <= usable for rank in range(grid.pp))
+    """Whether the layout's fullest stage fits 90% of 80 GiB."""
+    return fullest_stage_bytes(cfg, args, grid, shape, plan.plan_device(args)) <= USABLE
 
 
 def rank_of_measured(cfg, cell: dict, device) -> tuple[int, int, str]:
@@ -177,16 +185,6 @@ def nanotron_flat_gradients(cfg, args, grid: GridShape, pp_rank: int) -> int:
     return max(units.dense + units.experts) * PRECISION.reduce_dtype.itemsize
 
 
-MODEL_STATE_ROWS = ("parameters", "gradients", "master weights (fp32)", "Adam states (fp32)")
-
-
-def transient_bytes(layout) -> int:
-    """What the layout's step allocates and frees again: the plan's rows but the model states and the
-    allocator's reserve (the bytes the reserve is a share of)."""
-    return sum(size for name, size in layout.memory.items()
-               if name not in MODEL_STATE_ROWS and name != plan.ALLOCATOR_RESERVE_ROW)
-
-
 def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
     rows = []
     for cell in cells:
@@ -195,10 +193,11 @@ def evaluate(cells: list[dict], device, with_ranks: bool = True) -> list[dict]:
         layout = planned(cfg, grid, cell["micro_batch"], cell["zero_stage"], device)
         memory = (layout.peak_bytes + nanotron_flat_gradients(cfg, layout.args, grid, layout.pp_rank)) / GIB
         reserve = layout.memory.get(plan.ALLOCATOR_RESERVE_ROW, 0) / GIB
+        transient = plan.transient_bytes(layout.memory, layout.args) / GIB
         row = {**cell, "estimate": layout.mfu * 100, "mfu_ratio": layout.mfu * 100 / cell["mfu_percent"],
                "memory": memory, "memory_ratio": memory / cell["memory_gb"],
                # the share of the transient bytes the measured reserve beyond the plan's other bytes is
-               "measured_reserve": (cell["memory_gb"] - memory + reserve) / (transient_bytes(layout) / GIB),
+               "measured_reserve": (cell["memory_gb"] - memory + reserve) / transient,
                "layout": layout, "held_out": cell["nodes"] > FITTED_NODES}
         if with_ranks:
             row["rank"], row["grids"], row["first"] = rank_of_measured(cfg, cell, device)
@@ -254,7 +253,6 @@ def score_runs(runs: list[dict], device) -> list[dict]:
     run's reserved memory where it finished, and the plan's verdict (fits 90% of 80 GiB, as `fits`)
     against how it ended. A layout lesson 07 refuses has no plan ("refused")."""
     shapes = {cell["model_b"]: cell for cell in read_cells()}
-    usable = 80 * GIB * (1 - plan.PLAN_MARGIN)
     scored = []
     for run in runs:
         cfg = model_config({**shapes[run["model_b"]], "n_kv_heads": run["n_kv_heads"]})
@@ -264,9 +262,8 @@ def score_runs(runs: list[dict], device) -> list[dict]:
             scored.append({**run, "refused": True})
             continue
         args, shape = layout
-        peak = max(sum(plan.planned_memory(cfg, args, grid, 1, shape, PRECISION, rank, device)[0].values())
-                   + nanotron_flat_gradients(cfg, args, grid, rank) for rank in range(grid.pp))
-        scored.append({**run, "refused": False, "planned_gib": peak / GIB, "fits": peak <= usable,
+        peak = fullest_stage_bytes(cfg, args, grid, shape, device, nanotron=True)
+        scored.append({**run, "refused": False, "planned_gib": peak / GIB, "fits": peak <= USABLE,
                        "memory_ratio": peak / GIB / run["memory_reserved_gb"] if run["status"] == "Success" else None})
     return scored
 
@@ -297,7 +294,8 @@ def print_runs(runs: list[dict]) -> None:
         for name, scored in ((f"{ALLOCATOR_RESERVE:.3f}", with_reserve), ("none", without)):
             s = runs_summary([run for run in scored if model == "all" or run["model_b"] == model])
             print(f"{model:>6}  {name:<9}{s['runs']:>6}{s['refused']:>8}{s['finished']:>9}{s['oom']:>6}"
-                  f"{s['memory_median']:>8.2f}{s['memory_within']:>11.0%}{s['finished_fit']:>16.0%}{s['oom_refused']:>15.0%}")
+                  f"{s['memory_median']:>8.2f}{s['memory_within']:>11.0%}{s['finished_fit']:>16.0%}"
+                  f"{s['oom_refused']:>15.0%}")
 
 
 def fit_allocator_reserve(cells: list[dict]) -> float:
@@ -305,7 +303,8 @@ def fit_allocator_reserve(cells: list[dict]) -> float:
     memory of the cells of up to FITTED_NODES nodes: the smallest sum of |log memory ratio|, in steps of 0.001."""
     rows = [row for row in evaluate(cells, published_profile("H100", allocator_reserve=0.0), with_ranks=False)
             if not row["held_out"]]
-    base = [(row["memory"], transient_bytes(row["layout"]) / GIB, row["memory_gb"]) for row in rows]
+    base = [(row["memory"], plan.transient_bytes(row["layout"].memory, row["layout"].args) / GIB, row["memory_gb"])
+            for row in rows]
 
     def loss(share: float) -> float:
         return sum(abs(math.log((memory + share * transient) / measured)) for memory, transient, measured in base)
